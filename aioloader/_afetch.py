@@ -1,0 +1,257 @@
+"""Async fetching: many ``await dataset[i]`` in flight under one limit.
+
+Used on the consumer's event loop (``num_workers=0``) and on each worker
+process's own loop. Backend-agnostic (anyio), so it runs under asyncio,
+uvloop and trio.
+
+:class:`AsyncFetchPool` keeps ``concurrency`` fetch coroutines alive for the
+whole epoch and feeds them the keys of every batch in flight, so a batch of 64
+with ``concurrency=256`` overlaps with the next three batches. A batch is
+collated when its last sample arrives; samples keep the sampler's order. The
+first error in a batch cancels that batch's other fetches and is raised by
+:meth:`AsyncFetchPool.fetch` with its original type and traceback.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+
+from ._fetch import EXHAUSTED, DatasetKind, fetch_or_exhausted, make_fetcher
+
+__all__ = ["AsyncFetchPool", "AsyncIterFetcher", "SyncFetchAdapter"]
+
+RunSync = Callable[..., Awaitable[Any]]
+
+
+async def _run_inline(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+class _Batch:
+    """Book-keeping for one batch whose samples are being awaited."""
+
+    __slots__ = ("done", "failure", "remaining", "results", "scopes")
+
+    def __init__(self, n: int) -> None:
+        self.results: list[Any] = [None] * n
+        self.remaining = n
+        self.failure: BaseException | None = None
+        self.scopes: set[anyio.CancelScope] = set()
+        self.done = anyio.Event()
+
+    def finish_one(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.done.set()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+            for scope in self.scopes:
+                scope.cancel()
+
+
+class AsyncFetchPool:
+    """Fetch batches of an async map-style dataset with bounded concurrency.
+
+    Args:
+        dataset: an object whose ``__getitem__`` (or ``__getitems__``) is a
+            coroutine function.
+        auto_collation: keys arrive as lists (automatic batching).
+        collate_fn: applied to the list of samples.
+        concurrency: the most ``await dataset[key]`` running at once.
+        run_collate: how to run ``collate_fn`` (default: inline on the loop;
+            the main process passes a thread runner).
+
+    Run :meth:`run` in a task group, then ``await pool.fetch(keys)`` from as
+    many tasks as you like.
+
+    Example:
+        >>> import anyio
+        >>> class Squares:
+        ...     async def __getitem__(self, i):
+        ...         await anyio.sleep(0)
+        ...         return i * i
+        >>> async def main():
+        ...     pool = AsyncFetchPool(Squares(), True, list, concurrency=4)
+        ...     async with anyio.create_task_group() as tg:
+        ...         await tg.start(pool.run)
+        ...         batch = await pool.fetch([3, 1, 2])
+        ...         tg.cancel_scope.cancel()
+        ...     return batch
+        >>> anyio.run(main)
+        [9, 1, 4]
+    """
+
+    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
+                 concurrency: int, run_collate: RunSync | None = None) -> None:
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        self.concurrency = concurrency
+        self._run_collate: RunSync = run_collate or _run_inline
+        getitems = getattr(type(dataset), "__getitems__", None)
+        self._batched = bool(getitems) and auto_collation
+        self._send, self._recv = anyio.create_memory_object_stream[tuple[_Batch, int, Any]](
+            math.inf)
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve fetches until cancelled (start it with ``task_group.start``)."""
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(self.concurrency):
+                    tg.start_soon(self._runner)
+                task_status.started()
+        finally:
+            self.close()
+
+    async def _runner(self) -> None:
+        recv = self._recv
+        ds = self.dataset
+        batched = self._batched
+        while True:
+            batch, j, key = await recv.receive()
+            if batch.failure is None:
+                with anyio.CancelScope() as scope:
+                    batch.scopes.add(scope)
+                    try:
+                        if batched:
+                            batch.results = list(await ds.__getitems__(key))
+                        else:
+                            value = ds[key]
+                            if isinstance(value, Awaitable):
+                                value = await value
+                            batch.results[j] = value
+                    except Exception as exc:
+                        batch.fail(exc)
+                    finally:
+                        batch.scopes.discard(scope)
+            batch.finish_one()
+
+    async def fetch(self, index: Any) -> Any:
+        """Await every sample of ``index`` and return the collated batch."""
+        if self._batched:
+            batch = _Batch(1)
+            self._send.send_nowait((batch, 0, index))
+        elif self.auto_collation:
+            batch = _Batch(len(index))
+            if batch.remaining == 0:
+                batch.done.set()
+            send = self._send.send_nowait
+            for j, key in enumerate(index):
+                send((batch, j, key))
+        else:
+            batch = _Batch(1)
+            self._send.send_nowait((batch, 0, index))
+        try:
+            await batch.done.wait()
+        except BaseException:
+            batch.fail(anyio.get_cancelled_exc_class()())
+            raise
+        if batch.failure is not None:
+            raise batch.failure
+        data = batch.results if self.auto_collation else batch.results[0]
+        return await self._run_collate(self.collate_fn, data)
+
+    def close(self) -> None:
+        """Release the internal queue (the runners stop when ``run`` is cancelled)."""
+        self._send.close()
+        self._recv.close()
+
+
+class AsyncIterFetcher:
+    """Pull batches from an async iterable-style dataset (``__aiter__``).
+
+    Fetches are serialised (an async iterator yields one item at a time) and
+    served in call order. :meth:`fetch` returns :data:`EXHAUSTED` at the end
+    (or when ``drop_last`` drops the final partial batch).
+
+    Example:
+        >>> import anyio
+        >>> class Count:
+        ...     async def __aiter__(self):
+        ...         for i in range(3):
+        ...             yield i
+        >>> async def main():
+        ...     f = AsyncIterFetcher(Count(), True, list, drop_last=False)
+        ...     out = [await f.fetch([None, None]) for _ in range(3)]
+        ...     await f.aclose()
+        ...     return out
+        >>> anyio.run(main)
+        [[0, 1], [2], EXHAUSTED]
+    """
+
+    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
+                 drop_last: bool, run_collate: RunSync | None = None) -> None:
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self._run_collate: RunSync = run_collate or _run_inline
+        self._it = dataset.__aiter__()
+        self._ended = False
+        self._lock = anyio.Lock()
+
+    async def _next(self) -> Any:
+        try:
+            return await self._it.__anext__()
+        except StopAsyncIteration:
+            self._ended = True
+            return EXHAUSTED
+
+    async def fetch(self, index: Any) -> Any:
+        """Return the next collated batch, or :data:`EXHAUSTED`."""
+        async with self._lock:
+            if self._ended:
+                return EXHAUSTED
+            if not self.auto_collation:
+                item = await self._next()
+                if item is EXHAUSTED:
+                    return EXHAUSTED
+                data: Any = item
+            else:
+                want = len(index)
+                data = []
+                while len(data) < want:
+                    item = await self._next()
+                    if item is EXHAUSTED:
+                        break
+                    data.append(item)
+                if not data or (self.drop_last and len(data) < want):
+                    return EXHAUSTED
+        return await self._run_collate(self.collate_fn, data)
+
+    async def aclose(self) -> None:
+        """Close the underlying async generator, if it has ``aclose``."""
+        aclose = getattr(self._it, "aclose", None)
+        if aclose is not None:
+            with anyio.CancelScope(shield=True):
+                await aclose()
+
+
+class SyncFetchAdapter:
+    """Give a sync fetcher the async ``fetch``/``aclose`` interface.
+
+    The fetch runs through ``run_sync`` (a thread runner in the main
+    process, inline in a worker). Returns :data:`EXHAUSTED` at the end.
+    """
+
+    def __init__(self, kind: DatasetKind, dataset: Any, auto_collation: bool,
+                 collate_fn: Callable[[Any], Any], drop_last: bool,
+                 run_sync: RunSync | None = None, fetch_threads: int = 0) -> None:
+        self._fetcher = make_fetcher(kind, dataset, auto_collation, collate_fn, drop_last,
+                                     fetch_threads)
+        self._run: RunSync = run_sync or _run_inline
+
+    async def fetch(self, index: Any) -> Any:
+        """Fetch one batch (or :data:`EXHAUSTED`)."""
+        return await self._run(fetch_or_exhausted, self._fetcher, index)
+
+    async def aclose(self) -> None:
+        """Stop fetch threads, if any."""
+        self._fetcher.close()

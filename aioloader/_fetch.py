@@ -1,0 +1,227 @@
+"""Fetchers: turn what the sampler yields into one collated batch (sync side).
+
+Shared by the main process (``num_workers=0``) and worker processes. A
+fetcher is created once per epoch per process, as torch does, so an
+iterable-style dataset is re-iterated each epoch.
+
+Dataset kinds:
+
+* map-style: ``dataset[key]`` (or ``dataset.__getitems__(keys)``, one call per
+  batch, when the dataset defines it);
+* iterable-style: ``iter(dataset)``, pulled ``batch_size`` items at a time;
+* async variants (``async def __getitem__``/``__getitems__``, ``__aiter__``) are
+  served by :mod:`aioloader._afetch`.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch.utils.data as _tud
+
+__all__ = [
+    "EXHAUSTED",
+    "DatasetKind",
+    "IterFetcher",
+    "MapFetcher",
+    "dataset_kind",
+    "fetch_or_exhausted",
+    "is_async_dataset",
+    "make_fetcher",
+]
+
+
+class DatasetKind(enum.Enum):
+    """How a dataset is read."""
+
+    MAP = "map"
+    ITERABLE = "iterable"
+    ASYNC_MAP = "async_map"
+    ASYNC_ITERABLE = "async_iterable"
+
+    @property
+    def iterable(self) -> bool:
+        """True for iterable-style kinds (sync or async)."""
+        return self in (DatasetKind.ITERABLE, DatasetKind.ASYNC_ITERABLE)
+
+    @property
+    def is_async(self) -> bool:
+        """True when the dataset's fetching is a coroutine."""
+        return self in (DatasetKind.ASYNC_MAP, DatasetKind.ASYNC_ITERABLE)
+
+
+def _is_coro_method(obj: object, name: str) -> bool:
+    fn = getattr(type(obj), name, None)
+    return fn is not None and inspect.iscoroutinefunction(fn)
+
+
+def is_async_dataset(dataset: object) -> bool:
+    """True if ``dataset`` is read with ``await``/``async for``.
+
+    Example:
+        >>> class Remote:
+        ...     async def __getitem__(self, i):
+        ...         return i
+        ...     def __len__(self):
+        ...         return 3
+        >>> is_async_dataset(Remote()), is_async_dataset([1, 2])
+        (True, False)
+    """
+    return dataset_kind(dataset).is_async
+
+
+def dataset_kind(dataset: object) -> DatasetKind:
+    """Classify ``dataset`` as torch does, plus the async kinds.
+
+    An object with ``__aiter__`` is async iterable-style; any
+    ``torch.utils.data.IterableDataset`` (aioloader's subclass it) is
+    iterable-style; everything else is map-style, async when its
+    ``__getitem__`` or ``__getitems__`` is a coroutine function.
+    """
+    if hasattr(type(dataset), "__aiter__"):
+        return DatasetKind.ASYNC_ITERABLE
+    if isinstance(dataset, _tud.IterableDataset):
+        return DatasetKind.ITERABLE
+    if _is_coro_method(dataset, "__getitem__") or _is_coro_method(dataset, "__getitems__"):
+        return DatasetKind.ASYNC_MAP
+    return DatasetKind.MAP
+
+
+class MapFetcher:
+    """Fetch and collate one batch of a sync map-style dataset.
+
+    Args:
+        dataset: the map-style dataset.
+        auto_collation: ``True`` when the sampler yields lists of keys
+            (automatic batching), ``False`` for ``batch_size=None``.
+        collate_fn: turns the list of samples (or one sample) into the batch.
+        drop_last: unused for map-style (the batch sampler drops), kept for a
+            uniform signature.
+        fetch_threads: when > 1, the samples of one batch are read
+            concurrently by a pool of that many threads (for datasets that
+            block on I/O); order is kept.
+
+    Example:
+        >>> f = MapFetcher([10, 11, 12], True, list, False)
+        >>> f.fetch([2, 0])
+        [12, 10]
+    """
+
+    __slots__ = ("_getitems", "_pool", "auto_collation", "collate_fn", "dataset", "drop_last")
+
+    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
+                 drop_last: bool, fetch_threads: int = 0) -> None:
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        getitems = getattr(dataset, "__getitems__", None)
+        self._getitems = getitems if getitems else None
+        self._pool = (ThreadPoolExecutor(fetch_threads, thread_name_prefix="aioloader-fetch")
+                      if fetch_threads > 1 else None)
+
+    def fetch(self, index: Any) -> Any:
+        """Read the samples for ``index`` and return the collated batch."""
+        if not self.auto_collation:
+            return self.collate_fn(self.dataset[index])
+        if self._getitems is not None:
+            data = self._getitems(index)
+        elif self._pool is not None:
+            data = list(self._pool.map(self.dataset.__getitem__, index))
+        else:
+            ds = self.dataset
+            data = [ds[i] for i in index]
+        return self.collate_fn(data)
+
+    def close(self) -> None:
+        """Stop the fetch threads, if any (waits for running reads)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+class IterFetcher:
+    """Pull and collate batches from a sync iterable-style dataset.
+
+    ``iter(dataset)`` is called at construction, as torch does. ``fetch``
+    raises :class:`StopIteration` once the iterator is exhausted (or when
+    ``drop_last`` drops the final partial batch).
+
+    Example:
+        >>> f = IterFetcher(range(5), True, list, drop_last=False)
+        >>> f.fetch([None, None]), f.fetch([None, None]), f.fetch([None, None])
+        ([0, 1], [2, 3], [4])
+    """
+
+    __slots__ = ("_ended", "_it", "auto_collation", "collate_fn", "dataset", "drop_last")
+
+    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
+                 drop_last: bool, fetch_threads: int = 0) -> None:
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self._it: Iterator[Any] = iter(dataset)
+        self._ended = False
+
+    def fetch(self, index: Sequence[Any] | None) -> Any:
+        """Return the next batch; ``index`` is only used for its length."""
+        if self._ended:
+            raise StopIteration
+        if not self.auto_collation:
+            return self.collate_fn(next(self._it))
+        assert index is not None
+        want = len(index)
+        data = []
+        it = self._it
+        for _ in range(want):
+            try:
+                data.append(next(it))
+            except StopIteration:
+                self._ended = True
+                break
+        if not data or (self.drop_last and len(data) < want):
+            raise StopIteration
+        return self.collate_fn(data)
+
+    def close(self) -> None:
+        """Nothing to release for a plain iterator."""
+
+
+class _Exhausted:
+    """Marker returned instead of raising StopIteration across threads/coroutines."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "EXHAUSTED"
+
+
+EXHAUSTED: Any = _Exhausted()
+
+
+def fetch_or_exhausted(fetcher: MapFetcher | IterFetcher, index: Any) -> Any:
+    """``fetcher.fetch(index)``, returning :data:`EXHAUSTED` instead of raising StopIteration.
+
+    StopIteration must not cross a thread future or a coroutine frame (PEP 479
+    turns it into RuntimeError), so callers that run fetches off-thread use this.
+    """
+    try:
+        return fetcher.fetch(index)
+    except StopIteration:
+        return EXHAUSTED
+
+
+def make_fetcher(kind: DatasetKind, dataset: Any, auto_collation: bool,
+                 collate_fn: Callable[[Any], Any], drop_last: bool,
+                 fetch_threads: int = 0) -> MapFetcher | IterFetcher:
+    """Build the sync fetcher for ``kind`` (map or iterable)."""
+    if kind is DatasetKind.MAP:
+        return MapFetcher(dataset, auto_collation, collate_fn, drop_last, fetch_threads)
+    if kind is DatasetKind.ITERABLE:
+        return IterFetcher(dataset, auto_collation, collate_fn, drop_last)
+    raise ValueError(f"{kind} datasets are fetched by aioloader._afetch, not a sync fetcher")

@@ -1,0 +1,1053 @@
+"""The DataLoader core: argument validation, pipeline wiring and ``async for``.
+
+The sync facade (``for batch in loader``) is added on top by :mod:`aioloader._sync`,
+the only module that knows about its thread.
+
+Two iterator shapes, chosen per epoch:
+
+* **inline** (``num_workers=0``, sync dataset): each ``__anext__`` samples one
+  batch of indices and fetches it, as torch does: in the iterator's own thread,
+  or on the loop when batches are measured to be tiny (see
+  :class:`_InlinePolicy`). No background task, nothing runs between calls.
+* **pipeline** (workers, or an async dataset): a background task owns an
+  anyio task group with the intake stages (worker reader or in-process async
+  fetches, pinning). The consumer's ``__anext__`` does the sampling and the
+  dispatch (so global RNG draws happen while the consumer waits, at the points
+  torch makes them), then waits for the next batch in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import multiprocessing
+import multiprocessing.context
+import os
+import time
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio
+import sniffio
+import torch
+
+from . import _device
+from ._afetch import AsyncFetchPool, AsyncIterFetcher
+from ._errors import LoaderClosedError, LoaderTimeoutError, RemoteError, WorkerDiedError
+from ._fetch import EXHAUSTED, DatasetKind, dataset_kind, fetch_or_exhausted, make_fetcher
+from ._threads import ThreadRunner
+from .collate import default_collate, default_convert
+from .sampler import BatchSampler, RandomSampler, Sampler, SequentialSampler
+
+if TYPE_CHECKING:
+    from ._pool import WorkerPool
+
+__all__ = ["AsyncLoaderIter", "DataLoaderCore"]
+
+_LG = logging.getLogger(__name__)
+
+T_co = TypeVar("T_co", covariant=True)
+
+#: Default number of ``await dataset[i]`` in flight per process for async datasets.
+DEFAULT_FETCH_CONCURRENCY = 64
+
+
+class _InfiniteConstantSampler(Sampler[None]):
+    """Yields ``None`` forever: the sampler of iterable-style datasets."""
+
+    def __iter__(self) -> Any:
+        while True:
+            yield None
+
+
+def _draw_base_seed(generator: torch.Generator | None) -> int:
+    """Draw the per-iterator base seed exactly as torch does (one int64 draw)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+class DataLoaderCore(Generic[T_co]):
+    """Everything of :class:`aioloader.DataLoader` except the sync facade."""
+
+    __initialized = False
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: str | multiprocessing.context.BaseContext | None = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        fetch_concurrency: int = DEFAULT_FETCH_CONCURRENCY,
+        fetch_threads: int = 0,
+        device: str | torch.device | None = None,
+        device_prefetch: int = 2,
+    ) -> None:
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(
+                "num_workers option should be non-negative; "
+                "use num_workers=0 to disable multiprocessing."
+            )
+        if timeout < 0:
+            raise ValueError("timeout option should be non-negative")
+        if num_workers == 0 and prefetch_factor is not None:
+            raise ValueError(
+                "prefetch_factor option could only be specified in multiprocessing. "
+                "Let num_workers > 0 to enable multiprocessing, otherwise set "
+                "prefetch_factor to None."
+            )
+        if num_workers > 0 and prefetch_factor is None:
+            prefetch_factor = 2
+        elif prefetch_factor is not None and prefetch_factor < 0:
+            raise ValueError("prefetch_factor option should be non-negative")
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers option needs num_workers > 0")
+        if not isinstance(fetch_concurrency, int) or fetch_concurrency < 1:
+            raise ValueError(
+                f"fetch_concurrency should be a positive integer (the most fetches of an async "
+                f"dataset in flight per process), but got fetch_concurrency={fetch_concurrency!r}"
+            )
+        if not isinstance(fetch_threads, int) or fetch_threads < 0:
+            raise ValueError(
+                f"fetch_threads should be a non-negative integer (0 disables the fetch "
+                f"thread pool), but got fetch_threads={fetch_threads!r}"
+            )
+        if not isinstance(device_prefetch, int) or device_prefetch < 1:
+            raise ValueError(
+                f"device_prefetch should be a positive integer, but got "
+                f"device_prefetch={device_prefetch!r}"
+            )
+
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
+        self.in_order = in_order
+        self.fetch_concurrency = fetch_concurrency
+        self.fetch_threads = fetch_threads
+        self.device = torch.device(device) if device is not None else None
+        self.device_prefetch = device_prefetch
+
+        self._kind = dataset_kind(dataset)
+        if self._kind.iterable:
+            if shuffle not in {False, None}:
+                raise ValueError(
+                    "DataLoader with IterableDataset: expected unspecified shuffle "
+                    f"option, but got shuffle={shuffle}"
+                )
+            if sampler is not None:
+                raise ValueError(
+                    "DataLoader with IterableDataset: expected unspecified sampler "
+                    f"option, but got sampler={sampler}"
+                )
+            if batch_sampler is not None:
+                raise ValueError(
+                    "DataLoader with IterableDataset: expected unspecified batch_sampler "
+                    f"option, but got batch_sampler={batch_sampler}"
+                )
+        else:
+            shuffle = bool(shuffle)
+
+        if sampler is not None and shuffle:
+            raise ValueError("sampler option is mutually exclusive with shuffle")
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise ValueError(
+                    "batch_sampler option is mutually exclusive with batch_size, "
+                    "shuffle, sampler, and drop_last"
+                )
+            batch_size = None
+            drop_last = False
+        elif batch_size is None and drop_last:
+            raise ValueError(
+                "batch_size=None option disables auto-batching and is mutually "
+                "exclusive with drop_last"
+            )
+
+        if sampler is None:
+            if self._kind.iterable:
+                sampler = _InfiniteConstantSampler()
+            elif shuffle:
+                sampler = RandomSampler(dataset, generator=generator)
+            else:
+                sampler = SequentialSampler(dataset)
+        if batch_size is not None and batch_sampler is None:
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.generator = generator
+        if collate_fn is None:
+            collate_fn = default_collate if self._auto_collation else default_convert
+        self.collate_fn = collate_fn
+        self.persistent_workers = persistent_workers
+
+        self._IterableDataset_len_called: int | None = None
+        self._pool_lease: _PoolLease | None = None
+        self.__initialized = True
+        self.check_worker_number_rationality()
+
+    # -- torch-compatible attributes ------------------------------------------------------
+
+    @property
+    def multiprocessing_context(self) -> multiprocessing.context.BaseContext | None:
+        """The start method's context object (``None``: the platform default)."""
+        return self.__multiprocessing_context
+
+    @multiprocessing_context.setter
+    def multiprocessing_context(self, ctx: Any) -> None:
+        if ctx is not None:
+            if self.num_workers > 0:
+                if isinstance(ctx, str):
+                    valid = multiprocessing.get_all_start_methods()
+                    if ctx not in valid:
+                        raise ValueError(
+                            "multiprocessing_context option should specify a valid start "
+                            f"method in {valid!r}, but got multiprocessing_context={ctx!r}"
+                        )
+                    ctx = multiprocessing.get_context(ctx)
+                if not isinstance(ctx, multiprocessing.context.BaseContext):
+                    raise TypeError(
+                        "multiprocessing_context option should be a valid context object or "
+                        "a string specifying the start method, but got "
+                        f"multiprocessing_context={ctx}"
+                    )
+            else:
+                raise ValueError(
+                    "multiprocessing_context can only be used with multi-process loading "
+                    f"(num_workers > 0), but got num_workers={self.num_workers}"
+                )
+        self.__multiprocessing_context = ctx
+
+    def __setattr__(self, attr: str, val: Any) -> None:
+        if self.__initialized and attr in (
+            "batch_size", "batch_sampler", "sampler", "drop_last", "dataset",
+            "persistent_workers",
+        ):
+            raise ValueError(
+                f"{attr} attribute should not be set after {self.__class__.__name__} is "
+                "initialized"
+            )
+        super().__setattr__(attr, val)
+
+    @property
+    def _auto_collation(self) -> bool:
+        return self.batch_sampler is not None
+
+    @property
+    def _index_sampler(self) -> Any:
+        return self.batch_sampler if self._auto_collation else self.sampler
+
+    def __len__(self) -> int:
+        if self._kind.iterable:
+            length = len(self.dataset)
+            self._IterableDataset_len_called = length
+            if self.batch_size is not None:
+                if self.drop_last:
+                    return length // self.batch_size
+                return math.ceil(length / self.batch_size)
+            return length
+        return len(self._index_sampler)
+
+    def check_worker_number_rationality(self) -> None:
+        """Warn, as torch does, when ``num_workers`` exceeds the usable CPUs."""
+        if not self.num_workers:
+            return
+        cpuset_checked = hasattr(os, "sched_getaffinity")
+        try:
+            max_suggest: int | None = (len(os.sched_getaffinity(0)) if cpuset_checked
+                                       else os.cpu_count())
+        except Exception:
+            max_suggest = os.cpu_count()
+        if max_suggest is None or self.num_workers > max_suggest:
+            if max_suggest is not None:
+                hint = (f"Our suggested max number of worker in current system is "
+                        f"{max_suggest}{'' if cpuset_checked else ' (`cpuset` is not taken into account)'}"
+                        ", which is smaller than what this DataLoader is going to create.")
+            else:
+                hint = ("DataLoader is not able to compute a suggested max number of worker "
+                        "in current system.")
+            warnings.warn(
+                f"This DataLoader will create {self.num_workers} worker processes in total. "
+                f"{hint} Please be aware that excessive worker creation might get DataLoader "
+                "running slow or even freeze, lower the worker number to avoid potential "
+                "slowness/freeze if necessary.",
+                stacklevel=3,
+            )
+
+    # -- iteration -----------------------------------------------------------------------
+
+    @property
+    def _uses_pipeline(self) -> bool:
+        return self.num_workers > 0 or self._kind.is_async or self.device is not None
+
+    def _make_core(self) -> _InlineCore | _PipelineCore:
+        if self._uses_pipeline:
+            return _PipelineCore(self)
+        return _InlineCore(self)
+
+    def __aiter__(self) -> AsyncLoaderIter[T_co]:
+        """Start an epoch: ``async for batch in loader``."""
+        return AsyncLoaderIter(self._make_core())
+
+    async def aclose(self) -> None:
+        """Shut down persistent workers, if any (iterators close themselves)."""
+        lease = self._pool_lease
+        self._pool_lease = None
+        if lease is not None:
+            await lease.aclose()
+
+    def _close_pool_sync(self) -> None:
+        lease = self._pool_lease
+        self._pool_lease = None
+        if lease is not None:
+            lease.close()
+
+
+# ----------------------------------------------------------------------------------------
+# Shared iterator state
+# ----------------------------------------------------------------------------------------
+
+
+class _CoreBase:
+    """State every epoch iterator has, whatever its shape."""
+
+    def __init__(self, loader: DataLoaderCore[Any]) -> None:
+        self.kind = loader._kind
+        self.dataset = loader.dataset
+        self.auto_collation = loader._auto_collation
+        self.collate_fn = loader.collate_fn
+        self.drop_last = loader.drop_last
+        self.num_workers = loader.num_workers
+        self.len_called = loader._IterableDataset_len_called
+        self.num_yielded = 0
+        self.closed = False
+        self.index_sampler = loader._index_sampler
+        self.pin = _device.PinPolicy(loader.pin_memory, loader.pin_memory_device)
+
+    def _count_yield(self) -> None:
+        self.num_yielded += 1
+        if (self.kind.iterable and self.len_called is not None
+                and self.num_yielded > self.len_called):
+            msg = (f"Length of IterableDataset {self.dataset} was reported to be "
+                   f"{self.len_called} (when accessing len(dataloader)), but "
+                   f"{self.num_yielded} samples have been fetched. ")
+            if self.num_workers > 0:
+                msg += ("For multiprocessing data-loading, this could be caused by not "
+                        "properly configuring the IterableDataset replica at each worker. "
+                        "Please see the IterableDataset documentation for examples.")
+            warnings.warn(msg, stacklevel=4)
+
+
+class _InlinePolicy:
+    """Decide whether a sync batch fetch runs on the loop or in the iterator's thread.
+
+    A thread hop costs tens of microseconds; for tiny batches that is more than
+    the work itself. Batches start in the thread. After ``WARMUP`` consecutive
+    batches measured below ``FAST_S`` the fetch runs inline on the loop; a
+    single inline batch slower than ``SLOW_S`` sends it back to the thread, and
+    the next warm-up is twice as long. A dataset that is ever slow (I/O,
+    ``time.sleep``) therefore stays off the loop, and the loop is never held
+    for more than one batch that was predicted to be tiny.
+    """
+
+    FAST_S = 150e-6
+    SLOW_S = 1e-3
+    WARMUP = 4
+
+    __slots__ = ("fast_streak", "inline", "warmup")
+
+    def __init__(self) -> None:
+        self.inline = False
+        self.fast_streak = 0
+        self.warmup = self.WARMUP
+
+    def record(self, seconds: float) -> None:
+        if self.inline:
+            if seconds > self.SLOW_S:
+                self.inline = False
+                self.fast_streak = 0
+                self.warmup *= 2
+        elif seconds < self.FAST_S:
+            self.fast_streak += 1
+            if self.fast_streak >= self.warmup:
+                self.inline = True
+        else:
+            self.fast_streak = 0
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    value = fn(*args)
+    return value, time.perf_counter() - t0
+
+
+class _InlineCore(_CoreBase):
+    """``num_workers=0`` with a sync dataset: fetch one batch per ``next``, as torch."""
+
+    def __init__(self, loader: DataLoaderCore[Any]) -> None:
+        super().__init__(loader)
+        if loader.timeout != 0:
+            raise AssertionError(
+                "timeout applies to multi-process loading only (as in torch): set "
+                "timeout=0 with num_workers=0, or use num_workers > 0"
+            )
+        self.sampler_iter = iter(loader._index_sampler)
+        self.base_seed = _draw_base_seed(loader.generator)
+        self.fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
+                                    self.collate_fn, self.drop_last, loader.fetch_threads)
+        self.runner: ThreadRunner | None = None
+        self.policy = _InlinePolicy()
+
+    def _fetch(self, index: Any) -> Any:
+        data = fetch_or_exhausted(self.fetcher, index)
+        if data is not EXHAUSTED and self.pin.enabled:
+            data = self.pin.apply(data)
+        return data
+
+    def next_sync(self) -> Any:
+        """One batch, fetched in the calling thread (the sync facade's fast path)."""
+        if self.closed:
+            raise StopIteration
+        try:
+            index = next(self.sampler_iter)
+            data = self.fetcher.fetch(index)
+        except StopIteration:
+            self.close()
+            raise
+        if self.pin.enabled:
+            data = self.pin.apply(data)
+        self._count_yield()
+        return data
+
+    async def anext(self) -> Any:
+        if self.closed:
+            raise StopAsyncIteration
+        try:
+            index = next(self.sampler_iter)
+        except StopIteration:
+            await self.aclose()
+            raise StopAsyncIteration from None
+        policy = self.policy
+        if policy.inline:
+            await anyio.lowlevel.checkpoint()
+            data, took = _timed(self._fetch, index)
+        else:
+            if self.runner is None:
+                self.runner = ThreadRunner("aioloader-fetch")
+            data, took = await self.runner.run(_timed, self._fetch, index)
+        policy.record(took)
+        if data is EXHAUSTED:
+            await self.aclose()
+            raise StopAsyncIteration
+        self._count_yield()
+        return data
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.fetcher.close()
+            if self.runner is not None:
+                self.runner.close()
+
+    async def aclose(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.runner is not None:
+                await self.runner.aclose()
+            self.fetcher.close()
+
+    def close_from_gc(self) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------------------
+# Worker pool lease (persistent workers outlive an epoch)
+# ----------------------------------------------------------------------------------------
+
+
+class _PoolLease:
+    """A started :class:`WorkerPool` plus what torch keeps across epochs."""
+
+    def __init__(self, pool: WorkerPool, base_seed: int) -> None:
+        self.pool = pool
+        self.base_seed = base_seed
+        self.epoch = 0
+        self.holder: weakref.ref[_PipelineCore] | None = None
+        self._finalizer = weakref.finalize(self, pool.close)
+
+    async def aclose(self) -> None:
+        self._finalizer.detach()
+        await self.pool.aclose()
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _resolve_context(loader: DataLoaderCore[Any]) -> multiprocessing.context.BaseContext:
+    ctx = loader.multiprocessing_context
+    if ctx is None:
+        return multiprocessing.get_context()
+    return ctx
+
+
+def _start_pool(loader: DataLoaderCore[Any], base_seed: int) -> WorkerPool:
+    # Imported here: processes are only needed with num_workers > 0.
+    from ._pool import WorkerPool
+    from ._worker import WorkerConfig
+
+    ctx = _resolve_context(loader)
+    configs = [
+        WorkerConfig(
+            worker_id=i,
+            num_workers=loader.num_workers,
+            dataset=loader.dataset,
+            kind=loader._kind,
+            auto_collation=loader._auto_collation,
+            collate_fn=loader.collate_fn,
+            drop_last=loader.drop_last,
+            base_seed=base_seed,
+            worker_init_fn=loader.worker_init_fn,
+            fetch_concurrency=loader.fetch_concurrency,
+            fetch_threads=loader.fetch_threads,
+            parent_pid=os.getpid(),
+            close_fds=[],
+        )
+        for i in range(loader.num_workers)
+    ]
+    pool = WorkerPool(configs, ctx)
+    pool.start()
+    return pool
+
+
+# ----------------------------------------------------------------------------------------
+# Background task plumbing (backend-agnostic "system task")
+# ----------------------------------------------------------------------------------------
+
+
+class _LoopHandle:
+    """Schedule callbacks onto the consumer's event loop from any thread."""
+
+    def __init__(self) -> None:
+        self.lib = sniffio.current_async_library()
+        if self.lib == "asyncio":
+            self.loop: Any = asyncio.get_running_loop()
+        elif self.lib == "trio":
+            import trio
+
+            self.loop = trio.lowlevel.current_trio_token()
+        else:  # pragma: no cover - anyio supports only these two
+            raise RuntimeError(f"unsupported async library {self.lib!r}")
+
+    def spawn(self, fn: Callable[[], Any]) -> Any:
+        if self.lib == "asyncio":
+            return self.loop.create_task(fn())
+        import trio
+
+        trio.lowlevel.spawn_system_task(fn, name="aioloader-pipeline")
+        return None
+
+    def call_soon(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the loop; raises RuntimeError if the loop is gone."""
+        if self.lib == "asyncio":
+            self.loop.call_soon_threadsafe(fn)
+        else:
+            self.loop.run_sync_soon(fn)
+
+
+class _Slot:
+    """One dispatched batch: where it went and, once arrived, what came back."""
+
+    __slots__ = ("data", "has_data", "worker")
+
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
+        self.has_data = False
+        self.data: Any = None
+
+
+_ERROR = object()  # marks an in-process fetch that raised
+
+
+class _PipelineCore(_CoreBase):
+    """Workers and/or async datasets: a background task owns the intake stages."""
+
+    def __init__(self, loader: DataLoaderCore[Any]) -> None:
+        super().__init__(loader)
+        self.loader = loader
+        self.in_order = loader.in_order
+        self.timeout = loader.timeout
+        self.persistent = loader.persistent_workers
+        self.device = loader.device
+        self.device_prefetch = loader.device_prefetch
+        if self.num_workers == 0 and not self.kind.is_async and self.timeout != 0:
+            raise AssertionError(
+                "timeout applies to multi-process loading only (as in torch): set "
+                "timeout=0 with num_workers=0, or use num_workers > 0"
+            )
+        bs = loader.batch_size or 1
+        async_depth = math.ceil(loader.fetch_concurrency / bs) + 1
+        self.sampler_iter = iter(loader._index_sampler)
+        # torch draws the base seed at iter() for every fresh iterator; persistent
+        # workers keep theirs, so later epochs draw nothing.
+        self.lease: _PoolLease | None = None
+        if self.num_workers > 0:
+            lease = loader._pool_lease if self.persistent else None
+            if lease is None:
+                base_seed = _draw_base_seed(loader.generator)
+                lease = _PoolLease(_start_pool(loader, base_seed), base_seed)
+                if self.persistent:
+                    loader._pool_lease = lease
+                self.fresh_epoch = False
+            else:
+                lease.epoch += 1
+                self.fresh_epoch = True
+            previous = lease.holder() if lease.holder is not None else None
+            if previous is not None and previous is not self:
+                previous.detach()
+            lease.holder = weakref.ref(self)
+            self.lease = lease
+            self.epoch = lease.epoch
+            per_worker = loader.prefetch_factor or 0
+            if self.kind.is_async:
+                per_worker = max(per_worker, async_depth)
+            self.window = per_worker * self.num_workers
+        else:
+            self.base_seed = _draw_base_seed(loader.generator)
+            self.fresh_epoch = False
+            self.epoch = 0
+            self.window = max(2, async_depth) if self.kind.is_async else 1
+        self.worker_active = [True] * self.num_workers
+        self.worker_tasks = [0] * self.num_workers
+        self.worker_cycle = itertools.cycle(range(self.num_workers))
+        self.send_idx = 0
+        self.rcvd_idx = 0
+        self.outstanding = 0
+        self.slots: dict[int, _Slot] = {}
+        self.sampler_done = False
+        self.pending_cmds: deque[tuple[int, tuple[Any, ...]]] = deque()
+        self.fatal: BaseException | None = None
+        self.handle: _LoopHandle | None = None
+        self.task: Any = None
+        self.scope: anyio.CancelScope | None = None
+        self.wakeup: anyio.Event | None = None
+        self.cmd_ready: anyio.Event | None = None
+        self.done: anyio.Event | None = None
+        self.runner = ThreadRunner("aioloader-pipeline")
+        self.staged: deque[Any] = deque()  # device stage lookahead
+        self.host_done = False
+        self.detached = False
+        self.afetch: AsyncFetchPool | AsyncIterFetcher | None = None
+        # Prime the window now, as torch does at iter(): sampler draws happen here.
+        for _ in range(self.window):
+            self._try_put_index()
+
+    # -- dispatch (consumer side; mirrors torch's _try_put_index) ---------------------------
+
+    def _try_put_index(self) -> None:
+        if self.sampler_done:
+            return
+        try:
+            index = next(self.sampler_iter)
+        except StopIteration:
+            self.sampler_done = True
+            return
+        worker = 0
+        if self.num_workers > 0:
+            max_tasks = self.window
+            for _ in range(self.num_workers):
+                worker = next(self.worker_cycle)
+                if self.worker_active[worker]:
+                    if self.in_order:
+                        break
+                    active = sum(self.worker_active)
+                    if self.worker_tasks[worker] < max_tasks // active:
+                        break
+            else:
+                return
+            self.worker_tasks[worker] += 1
+        seq = self.send_idx
+        self.slots[seq] = _Slot(worker)
+        self.outstanding += 1
+        self.send_idx += 1
+        self.pending_cmds.append((worker, ("fetch", self.epoch, seq, index)))
+        if self.cmd_ready is not None:
+            self.cmd_ready.set()
+
+    # -- background task ----------------------------------------------------------------------
+
+    def _ensure_started(self) -> None:
+        if self.handle is not None:
+            return
+        self.handle = _LoopHandle()
+        self.wakeup = anyio.Event()
+        self.cmd_ready = anyio.Event()
+        self.done = anyio.Event()
+        self.scope = anyio.CancelScope()
+        self.task = self.handle.spawn(self._background)
+
+    async def _background(self) -> None:
+        assert self.scope is not None and self.done is not None
+        try:
+            with self.scope:
+                async with anyio.create_task_group() as tg:
+                    if self.num_workers > 0:
+                        tg.start_soon(self._serve_workers)
+                    else:
+                        await self._start_in_process(tg)
+                    tg.start_soon(self._sender, tg)
+        except BaseException as exc:  # trio system tasks must never raise
+            if not isinstance(exc, anyio.get_cancelled_exc_class()):
+                self._set_fatal(_unwrap(exc))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._cleanup()
+            self.done.set()
+            self._wake()
+
+    async def _cleanup(self) -> None:
+        if isinstance(self.afetch, AsyncIterFetcher):
+            try:
+                await self.afetch.aclose()
+            except Exception:
+                _LG.debug("closing the async iterator failed", exc_info=True)
+        await self.runner.aclose()
+        lease = self.lease
+        if lease is not None and (not self.persistent or self.fatal is not None):
+            if self.persistent and self.loader._pool_lease is lease:
+                self.loader._pool_lease = None
+            await lease.aclose()
+
+    def _set_fatal(self, exc: BaseException) -> None:
+        if self.fatal is None:
+            self.fatal = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.wakeup is not None:
+            self.wakeup.set()
+
+    async def _sender(self, tg: anyio.abc.TaskGroup) -> None:
+        assert self.cmd_ready is not None
+        if self.fresh_epoch and self.lease is not None:
+            for w in range(self.num_workers):
+                await self.lease.pool.send(w, ("reset", self.epoch))
+        while True:
+            while self.pending_cmds:
+                worker, cmd = self.pending_cmds.popleft()
+                if self.lease is not None:
+                    await self.lease.pool.send(worker, cmd)
+                else:
+                    tg.start_soon(self._fetch_in_process, cmd[2], cmd[3])
+            self.cmd_ready = anyio.Event()
+            if self.pending_cmds:
+                continue
+            await self.cmd_ready.wait()
+
+    async def _serve_workers(self) -> None:
+        assert self.lease is not None
+        send, recv = anyio.create_memory_object_stream[tuple[int, Any]](self.window + 1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._serve_pool, send)
+            async with recv:
+                async for worker, msg in recv:
+                    await self._intake_worker_message(worker, msg)
+
+    async def _serve_pool(self, send: Any) -> None:
+        assert self.lease is not None
+        async with send:
+            await self.lease.pool.serve(send)
+
+    async def _intake_worker_message(self, worker: int, msg: tuple[Any, ...]) -> None:
+        tag = msg[0]
+        if tag == "reset" or msg[1] != self.epoch:
+            return  # acknowledgement, or a stale batch of an abandoned epoch
+        seq = msg[2]
+        slot = self.slots.get(seq)
+        if slot is None:
+            return
+        if tag == "data":
+            data = msg[3]
+            if self.pin.enabled:
+                data = await self.runner.run(self.pin.apply, data)
+        elif tag == "error":
+            data = msg[3]
+        elif tag == "exhausted":
+            data = EXHAUSTED
+        else:  # pragma: no cover - protocol error
+            raise RuntimeError(f"unexpected message from worker {worker}: {tag!r}")
+        slot.data = data
+        slot.has_data = True
+        self._wake()
+
+    async def _start_in_process(self, tg: anyio.abc.TaskGroup) -> None:
+        run_collate = self.runner.run
+        if self.kind is DatasetKind.ASYNC_MAP:
+            pool = AsyncFetchPool(self.dataset, self.auto_collation, self.collate_fn,
+                                  self.loader.fetch_concurrency, run_collate=run_collate)
+            self.afetch = pool
+            await tg.start(pool.run)
+        elif self.kind is DatasetKind.ASYNC_ITERABLE:
+            self.afetch = AsyncIterFetcher(self.dataset, self.auto_collation,
+                                           self.collate_fn, self.drop_last,
+                                           run_collate=run_collate)
+        else:  # sync dataset with a device stage and no workers
+            fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
+                                   self.collate_fn, self.drop_last, self.loader.fetch_threads)
+            self.afetch = None
+            self.sync_fetcher = fetcher
+
+    async def _fetch_in_process(self, seq: int, index: Any) -> None:
+        slot = self.slots.get(seq)
+        if slot is None:
+            return
+        try:
+            if self.afetch is not None:
+                data = await self.afetch.fetch(index)
+            else:
+                data = await self.runner.run(fetch_or_exhausted, self.sync_fetcher, index)
+            if data is not EXHAUSTED and self.pin.enabled:
+                data = await self.runner.run(self.pin.apply, data)
+        except Exception as exc:
+            data = _ErrorBox(exc)
+        slot.data = data
+        slot.has_data = True
+        self._wake()
+
+    # -- consumer side ---------------------------------------------------------------------
+
+    def _mark_worker_unavailable(self, worker: int) -> None:
+        self.worker_active[worker] = False
+
+    async def _next_host(self) -> Any:
+        """Next batch in order (or as it comes with in_order=False), before the device stage."""
+        self._ensure_started()
+        while True:
+            if self.fatal is not None:
+                raise self.fatal
+            # Skip tasks whose worker ended its iterable dataset without serving them.
+            while self.rcvd_idx < self.send_idx:
+                slot = self.slots.get(self.rcvd_idx)
+                if slot is not None and (slot.has_data or self.num_workers == 0
+                                         or self.worker_active[slot.worker]):
+                    break
+                self.slots.pop(self.rcvd_idx, None)
+                self.rcvd_idx += 1
+            else:
+                if self.sampler_done or not any(self.worker_active) or self.num_workers == 0:
+                    raise StopAsyncIteration
+                # Sampler not exhausted but nothing dispatched (in_order=False capacity): retry.
+                self._try_put_index()
+                if self.rcvd_idx >= self.send_idx:
+                    raise StopAsyncIteration
+                continue
+            seq, slot = self._pick_ready()
+            if slot is None:
+                await self._wait_for_data()
+                continue
+            del self.slots[seq]
+            if seq == self.rcvd_idx:
+                self.rcvd_idx += 1
+            self.outstanding -= 1
+            data = slot.data
+            if self.num_workers > 0:
+                self.worker_tasks[slot.worker] -= 1
+                if data is EXHAUSTED:
+                    self._mark_worker_unavailable(slot.worker)
+                    self._try_put_index()
+                    continue
+            elif data is EXHAUSTED:
+                self.sampler_done = True
+                self.slots.clear()
+                self.rcvd_idx = self.send_idx
+                raise StopAsyncIteration
+            self._try_put_index()
+            if isinstance(data, RemoteError):
+                data.reraise()
+            if isinstance(data, _ErrorBox):
+                data.raise_it()
+            return data
+
+    def _pick_ready(self) -> tuple[int, _Slot | None]:
+        slot = self.slots.get(self.rcvd_idx)
+        if slot is not None and slot.has_data:
+            return self.rcvd_idx, slot
+        if not self.in_order:
+            for seq, s in self.slots.items():
+                if s.has_data:
+                    return seq, s
+        return self.rcvd_idx, None
+
+    async def _wait_for_data(self) -> None:
+        assert self.wakeup is not None and self.done is not None
+        if self.done.is_set() and self.fatal is None:
+            raise LoaderClosedError("the loader's pipeline stopped before the epoch ended")
+        event = self.wakeup
+        if self.timeout > 0:
+            try:
+                with anyio.fail_after(self.timeout):
+                    await event.wait()
+            except TimeoutError:
+                raise LoaderTimeoutError(
+                    f"DataLoader timed out after {self.timeout} seconds") from None
+        else:
+            await event.wait()
+        self.wakeup = anyio.Event()
+
+    async def anext(self) -> Any:
+        if self.closed:
+            if self.detached:
+                raise LoaderClosedError(
+                    "this iterator was superseded: a new epoch was started on the same "
+                    "loader with persistent_workers=True")
+            raise StopAsyncIteration
+        try:
+            if self.device is None:
+                data = await self._next_host()
+            else:
+                data = await self._next_device()
+        except StopAsyncIteration:
+            await self.aclose()
+            raise
+        except WorkerDiedError:
+            await self.aclose()
+            raise
+        self._count_yield()
+        return data
+
+    async def _next_device(self) -> Any:
+        assert self.device is not None
+        while len(self.staged) < self.device_prefetch and not self.host_done:
+            try:
+                batch = await self._next_host()
+            except StopAsyncIteration:
+                self.host_done = True
+                break
+            except Exception as exc:
+                self.staged.append(_ErrorBox(exc))
+                break
+            self.staged.append(await self.runner.run(_device.stage_to_device, batch,
+                                                     self.device))
+        if not self.staged:
+            raise StopAsyncIteration
+        item = self.staged.popleft()
+        if isinstance(item, _ErrorBox):
+            item.raise_it()
+        return _device.finish_on_device(item)
+
+    def detach(self) -> None:
+        """A newer epoch took this iterator's persistent workers: stop, keep the pool."""
+        self.detached = True
+        self.close_from_gc()
+
+    async def aclose(self) -> None:
+        if self.closed and self.done is None:
+            return
+        self.closed = True
+        if self.handle is None:  # never started: nothing runs, release directly
+            if self.lease is not None and not self.persistent:
+                await self.lease.aclose()
+            await self.runner.aclose()
+            return
+        assert self.scope is not None and self.done is not None
+        self.scope.cancel()
+        with anyio.CancelScope(shield=True):
+            await self.done.wait()
+
+    def close_from_gc(self) -> None:
+        """Teardown that is safe from ``__del__`` in any thread."""
+        self.closed = True
+        if self.handle is None:
+            if self.lease is not None and not self.persistent:
+                self.lease.close()
+            self.runner.close()
+            return
+        scope = self.scope
+        try:
+            assert scope is not None
+            self.handle.call_soon(scope.cancel)
+        except RuntimeError:  # the loop is closed: tear down synchronously
+            if self.lease is not None and not self.persistent:
+                self.lease.close()
+            self.runner.close()
+
+
+class _ErrorBox:
+    """An exception from in-process fetching, delivered at its batch's position."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def raise_it(self) -> None:
+        exc, self.exc = self.exc, None  # type: ignore[assignment]
+        raise exc
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """Reduce a single-exception group (from a task group) to its exception."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+class AsyncLoaderIter(Generic[T_co]):
+    """One epoch of ``async for batch in loader``.
+
+    Closing it (``aclose()``, ``async with``, ``break`` then garbage collection,
+    cancellation) stops every task, thread and worker process it started.
+    """
+
+    def __init__(self, core: _InlineCore | _PipelineCore) -> None:
+        self._core = core
+
+    def __aiter__(self) -> AsyncLoaderIter[T_co]:
+        return self
+
+    async def __anext__(self) -> T_co:
+        core = self._core
+        del self  # tracebacks must not keep the iterator (and its workers) alive
+        return await core.anext()  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        """Stop the epoch and release everything it holds. Idempotent."""
+        await self._core.aclose()
+
+    async def __aenter__(self) -> AsyncLoaderIter[T_co]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __len__(self) -> int:
+        return len(self._core.index_sampler)
+
+    def __del__(self) -> None:
+        core = getattr(self, "_core", None)
+        if core is not None:
+            core.close_from_gc()
+

@@ -1,0 +1,196 @@
+"""The sync facade: ``for batch in loader``, and the public :class:`DataLoader`.
+
+The only module that knows about the facade's thread. Two shapes:
+
+* ``num_workers=0`` with a sync dataset and no device stage: batches are
+  fetched in the calling thread, one per ``next()``, exactly as torch does.
+  No event loop is involved, so it works anywhere, Jupyter included.
+* everything else: the same async pipeline as ``async for``, driven from a
+  background thread that runs its own event loop (uvloop when installed)
+  through an anyio blocking portal. Worker processes are started from the
+  calling thread *before* that thread exists (``fork`` stays safe). Works
+  where an event loop already runs in the calling thread (Jupyter).
+
+A ``for`` loop that ``break``s leaves nothing running once the iterator is
+garbage-collected; ``close()`` does it deterministically, and an exit hook
+closes iterators still open at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from ._loader import DataLoaderCore, _InlineCore, _PipelineCore
+
+__all__ = ["DataLoader", "SyncLoaderIter"]
+
+_LG = logging.getLogger(__name__)
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+def _backend_options() -> dict[str, Any]:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return {}
+    return {"use_uvloop": True}
+
+
+class DataLoader(DataLoaderCore[T_co]):
+    """Combines a dataset and a sampler, and yields batches: ``async for`` or ``for``.
+
+    Same signature and semantics as :class:`torch.utils.data.DataLoader`
+    (dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
+    collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
+    multiprocessing_context, generator, prefetch_factor, persistent_workers,
+    pin_memory_device, in_order), plus keyword-only extras:
+
+    Args:
+        fetch_concurrency: most ``await dataset[i]`` in flight per process
+            for async datasets (default 64).
+        fetch_threads: read the samples of a batch of a *sync* map-style
+            dataset with a pool of this many threads (I/O-bound datasets);
+            0 (default) reads them one after another, as torch.
+        device: opt-in device stage: deliver batches already copied to this
+            device (``"cuda"``), copied on a side stream a few batches ahead.
+        device_prefetch: how many batches the device stage keeps in flight.
+
+    Example:
+        >>> import torch
+        >>> from aioloader import DataLoader, TensorDataset
+        >>> ds = TensorDataset(torch.arange(6))
+        >>> [b[0].tolist() for b in DataLoader(ds, batch_size=4)]
+        [[0, 1, 2, 3], [4, 5]]
+        >>> import asyncio
+        >>> async def main():
+        ...     return [b[0].tolist() async for b in DataLoader(ds, batch_size=4)]
+        >>> asyncio.run(main())
+        [[0, 1, 2, 3], [4, 5]]
+    """
+
+    def __iter__(self) -> SyncLoaderIter[T_co]:
+        """Start an epoch: ``for batch in loader``."""
+        core = self._make_core()
+        return SyncLoaderIter(core)
+
+    def close(self) -> None:
+        """Shut down persistent workers now (they are also closed at exit/GC)."""
+        self._close_pool_sync()
+
+
+class _PortalDriver:
+    """Runs a pipeline core on a private event-loop thread (no reference to the iterator)."""
+
+    def __init__(self, core: _PipelineCore) -> None:
+        self.core = core
+        self.cm: AbstractContextManager[BlockingPortal] | None = None
+        self.portal: BlockingPortal | None = None
+        self.closed = False
+        self.lock = threading.Lock()
+
+    def start(self) -> BlockingPortal:
+        if self.portal is None:
+            self.cm = start_blocking_portal("asyncio", _backend_options())
+            self.portal = self.cm.__enter__()
+            _LG.debug("facade loop thread started")
+        return self.portal
+
+    def next(self) -> Any:
+        portal = self.start()
+        try:
+            return portal.call(self.core.anext)
+        except StopAsyncIteration:
+            self.close()
+            raise StopIteration from None
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        portal, cm = self.portal, self.cm
+        if portal is None or cm is None:
+            self.core.close_from_gc()
+            return
+        thread = getattr(portal, "_event_loop_thread_id", None)
+        if thread is not None and thread == threading.get_ident():
+            # Collected on the loop thread itself: schedule, never wait on ourselves.
+            self.core.close_from_gc()
+            return
+        try:
+            portal.call(self.core.aclose)
+        except Exception:
+            _LG.debug("closing the pipeline failed", exc_info=True)
+        finally:
+            try:
+                cm.__exit__(None, None, None)
+            except Exception:
+                _LG.debug("stopping the facade loop failed", exc_info=True)
+            _LG.debug("facade loop thread stopped")
+
+
+_open_drivers: weakref.WeakSet[_PortalDriver] = weakref.WeakSet()
+
+
+def _close_open_drivers() -> None:
+    for driver in list(_open_drivers):
+        driver.close()
+
+
+try:  # run before non-daemon threads are joined at exit (portal threads are not daemons)
+    threading._register_atexit(_close_open_drivers)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # pragma: no cover
+    import atexit
+
+    atexit.register(_close_open_drivers)
+
+
+class SyncLoaderIter(Iterator[T_co]):
+    """One epoch of ``for batch in loader``.
+
+    ``close()`` (or garbage collection, or interpreter exit) stops every
+    thread and worker process the epoch started.
+    """
+
+    def __init__(self, core: _InlineCore | _PipelineCore) -> None:
+        self._core = core
+        self._driver: _PortalDriver | None = None
+        if isinstance(core, _PipelineCore):
+            driver = _PortalDriver(core)
+            self._driver = driver
+            _open_drivers.add(driver)
+            self._finalizer = weakref.finalize(self, driver.close)
+        else:
+            self._finalizer = weakref.finalize(self, core.close)
+
+    def __iter__(self) -> SyncLoaderIter[T_co]:
+        return self
+
+    def __next__(self) -> T_co:
+        driver = self._driver
+        if driver is None:
+            return self._core.next_sync()  # type: ignore[union-attr,no-any-return]
+        del self  # a traceback must not keep the iterator alive
+        return driver.next()  # type: ignore[no-any-return]
+
+    def __len__(self) -> int:
+        return len(self._core.index_sampler)
+
+    def close(self) -> None:
+        """Stop the epoch now and release its threads and processes. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> SyncLoaderIter[T_co]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+

@@ -1,0 +1,72 @@
+"""Per-process worker identity: :class:`WorkerInfo` and :func:`get_worker_info`.
+
+Low in the layering (stdlib only) so that collate code can ask "am I in a
+worker?" without importing the worker machinery.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["WorkerInfo", "get_worker_info"]
+
+
+class WorkerInfo:
+    """What a worker process knows about itself.
+
+    Attributes:
+        id: the worker's id, ``0 <= id < num_workers``.
+        num_workers: how many workers the loader started.
+        seed: the seed this worker gave ``torch``, ``random`` and ``numpy``
+            (``base_seed + id``).
+        dataset: this worker's own copy of the dataset.
+
+    Attributes cannot be changed once set, as in torch.
+    """
+
+    id: int
+    num_workers: int
+    seed: int
+    dataset: Any
+    __initialized = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        for k, v in kwargs.items():
+            setattr(self, k, v)
+        self.__keys = tuple(kwargs.keys())
+        self.__initialized = True
+
+    def __setattr__(self, key: str, val: Any) -> None:
+        if self.__initialized:
+            raise RuntimeError(
+                f"Cannot assign attributes to {self.__class__.__name__} objects"
+            )
+        super().__setattr__(key, val)
+
+    def __repr__(self) -> str:
+        items = [f"{k}={getattr(self, k)}" for k in self.__keys]
+        return f"{self.__class__.__name__}({', '.join(items)})"
+
+
+_worker_info: WorkerInfo | None = None
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """Return this worker's :class:`WorkerInfo`, or ``None`` in the main process.
+
+    Inside a worker (``num_workers > 0``) it tells the worker id, the number of
+    workers, the seed and the worker's copy of the dataset, so an
+    ``IterableDataset`` can shard itself or ``worker_init_fn`` can configure
+    the copy.
+
+    Example:
+        >>> get_worker_info() is None  # we are in the main process
+        True
+    """
+    return _worker_info
+
+
+def _set_worker_info(info: WorkerInfo | None) -> None:
+    """Install ``info`` for this process (called once by the worker)."""
+    global _worker_info
+    _worker_info = info
