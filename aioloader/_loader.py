@@ -371,12 +371,14 @@ class _InlinePolicy:
     single inline batch slower than ``SLOW_S`` sends it back to the thread, and
     the next warm-up is twice as long. A dataset that is ever slow (I/O,
     ``time.sleep``) therefore stays off the loop, and the loop is never held
-    for more than one batch that was predicted to be tiny.
+    for more than one batch that was predicted to be tiny. Inline batches
+    yield to the loop at least every ``YIELD_EVERY_S``.
     """
 
     FAST_S = 150e-6
     SLOW_S = 1e-3
     WARMUP = 4
+    YIELD_EVERY_S = 500e-6
 
     __slots__ = ("fast_streak", "inline", "warmup")
 
@@ -421,6 +423,7 @@ class _InlineCore(_CoreBase):
                                     self.collate_fn, self.drop_last, loader.fetch_threads)
         self.runner: ThreadRunner | None = None
         self.policy = _InlinePolicy()
+        self.last_yield = 0.0
 
     def _fetch(self, index: Any) -> Any:
         data = fetch_or_exhausted(self.fetcher, index)
@@ -453,7 +456,12 @@ class _InlineCore(_CoreBase):
             raise StopAsyncIteration from None
         policy = self.policy
         if policy.inline:
-            await anyio.lowlevel.checkpoint()
+            # Yield to the loop at least every YIELD_EVERY_S so other tasks keep running
+            # (and cancellation is seen) without paying a loop round-trip per tiny batch.
+            now = time.perf_counter()
+            if now - self.last_yield > _InlinePolicy.YIELD_EVERY_S:
+                await anyio.lowlevel.checkpoint()
+                self.last_yield = time.perf_counter()
             data, took = _timed(self._fetch, index)
         else:
             if self.runner is None:

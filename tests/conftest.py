@@ -55,8 +55,14 @@ def shm_entries() -> set[str]:
 def _no_leaks() -> Iterator[None]:
     """Every test must leave no worker process and no loader thread behind."""
     yield
-    gc.collect()
-    ok = wait_until(lambda: not multiprocessing.active_children() and not _loader_threads())
+
+    def clean() -> bool:
+        return not multiprocessing.active_children() and not _loader_threads()
+
+    if clean():
+        return
+    gc.collect()  # a half-consumed iterator in a reference cycle: collect it first
+    ok = wait_until(clean)
     assert ok, (
         f"leaked: children={multiprocessing.active_children()} threads={_loader_threads()}"
     )

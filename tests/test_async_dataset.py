@@ -191,3 +191,18 @@ def test_fetch_threads_overlap_blocking_reads_and_keep_order() -> None:
     got = [b.tolist() for b in DataLoader(Blocking(), batch_size=8, fetch_threads=8)]
     assert got == [list(range(i, i + 8)) for i in range(0, 32, 8)]
     assert state["peak"] > 1
+
+
+async def test_async_iterable_dataset_subclass() -> None:
+    """An aioloader.IterableDataset subclass with only __aiter__ instantiates and loads."""
+    import aioloader
+
+    class Gen(aioloader.IterableDataset[int]):
+        async def __aiter__(self) -> Any:
+            for i in range(5):
+                yield i
+
+    ds = Gen()
+    assert [b.tolist() async for b in DataLoader(ds, batch_size=2)] == [[0, 1], [2, 3], [4]]
+    with pytest.raises(TypeError, match="async for"):
+        iter(ds)

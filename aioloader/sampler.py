@@ -1,0 +1,310 @@
+"""Samplers, mirroring ``torch.utils.data.sampler``.
+
+Each sampler yields the same indices as torch's for the same seed and draws
+from the random number generators in the same calls at the same moments
+(``__iter__`` methods are generators, so nothing is drawn until the first
+``next()``). :class:`Sampler` subclasses torch's, so torch's ``DataLoader``
+accepts these samplers and aioloader accepts torch's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sequence, Sized
+from typing import TypeVar
+
+import torch
+import torch.utils.data as _tud
+
+__all__ = [
+    "BatchSampler",
+    "RandomSampler",
+    "Sampler",
+    "SequentialSampler",
+    "SubsetRandomSampler",
+    "WeightedRandomSampler",
+]
+
+T_co = TypeVar("T_co", covariant=True)
+
+# RandomSampler with replacement draws its indices in chunks of this size.
+_CHUNK = 32
+
+
+class Sampler(_tud.Sampler[T_co]):
+    """Base class of samplers: iterables over dataset keys or batches of keys.
+
+    Subclasses implement ``__iter__`` and, when the length is known,
+    ``__len__`` (there is deliberately no default ``__len__``).
+
+    Example:
+        >>> class Evens(Sampler[int]):
+        ...     def __init__(self, n: int) -> None:
+        ...         self.n = n
+        ...     def __iter__(self) -> Iterator[int]:
+        ...         return iter(range(0, self.n, 2))
+        ...     def __len__(self) -> int:
+        ...         return (self.n + 1) // 2
+        >>> list(Evens(5)), len(Evens(5))
+        ([0, 2, 4], 3)
+    """
+
+    def __iter__(self) -> Iterator[T_co]:
+        raise NotImplementedError(f"{type(self).__name__} must implement __iter__().")
+
+
+class SequentialSampler(Sampler[int]):
+    """Yield ``0, 1, ..., len(data_source) - 1`` in order.
+
+    Args:
+        data_source: anything with ``__len__``.
+
+    Example:
+        >>> list(SequentialSampler("abc"))
+        [0, 1, 2]
+    """
+
+    data_source: Sized
+
+    def __init__(self, data_source: Sized) -> None:
+        self.data_source = data_source
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self.data_source)))
+
+    def __len__(self) -> int:
+        return len(self.data_source)
+
+
+class RandomSampler(Sampler[int]):
+    """Yield random indices into ``data_source``: a shuffle, or draws with replacement.
+
+    Without ``generator``, each iteration seeds a fresh generator from one draw
+    of torch's global RNG, taken at the first ``next()``.
+
+    Args:
+        data_source: anything with ``__len__``.
+        replacement: draw with replacement instead of shuffling.
+        num_samples: how many indices to yield; defaults to ``len(data_source)``
+            (read at each iteration). Without replacement, more than the length
+            yields several shuffles back to back.
+        generator: a ``torch.Generator`` to draw from.
+
+    Raises:
+        TypeError: ``replacement`` is not a bool.
+        ValueError: ``num_samples`` (or the length) is not a positive int.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> sorted(RandomSampler(range(5), generator=g))
+        [0, 1, 2, 3, 4]
+        >>> len(RandomSampler(range(5), replacement=True, num_samples=8))
+        8
+    """
+
+    data_source: Sized
+    replacement: bool
+
+    def __init__(
+        self,
+        data_source: Sized,
+        replacement: bool = False,
+        num_samples: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.data_source = data_source
+        self.replacement = replacement
+        self._num_samples = num_samples
+        self.generator = generator
+        if not isinstance(replacement, bool):
+            raise TypeError(
+                "replacement should be a boolean value, but got "
+                f"replacement={replacement!r}; pass True or False."
+            )
+        if not isinstance(self.num_samples, int) or self.num_samples <= 0:
+            raise ValueError(
+                "num_samples should be a positive integer value, but got "
+                f"num_samples={self.num_samples!r}; pass num_samples >= 1 "
+                "(or leave it None with a non-empty data_source)."
+            )
+
+    @property
+    def num_samples(self) -> int:
+        """How many indices one iteration yields (the length unless set)."""
+        if self._num_samples is None:
+            return len(self.data_source)
+        return self._num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        n = len(self.data_source)
+        generator = self.generator
+        if generator is None:
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        count = self.num_samples
+        if self.replacement:
+            full, rest = divmod(count, _CHUNK)
+            for size in itertools.chain(itertools.repeat(_CHUNK, full), (rest,)):
+                yield from torch.randint(
+                    high=n, size=(size,), dtype=torch.int64, generator=generator
+                ).tolist()
+        else:
+            full, rest = divmod(count, n)
+            for _ in range(full):
+                yield from torch.randperm(n, generator=generator).tolist()
+            # torch draws this last permutation even when ``rest`` is 0.
+            yield from torch.randperm(n, generator=generator).tolist()[:rest]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class SubsetRandomSampler(Sampler[int]):
+    """Yield the given ``indices`` in a random order (without replacement).
+
+    Args:
+        indices: the indices to shuffle.
+        generator: a ``torch.Generator``; torch's global RNG when ``None``.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> sorted(SubsetRandomSampler([10, 20, 30], generator=g))
+        [10, 20, 30]
+    """
+
+    indices: Sequence[int]
+
+    def __init__(self, indices: Sequence[int], generator: torch.Generator | None = None) -> None:
+        self.indices = indices
+        self.generator = generator
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(len(self.indices), generator=self.generator).tolist()
+        for position in order:
+            yield self.indices[position]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class WeightedRandomSampler(Sampler[int]):
+    """Yield ``num_samples`` indices into ``weights``, drawn with probability ∝ weight.
+
+    Args:
+        weights: one non-negative weight per index; they need not sum to 1.
+        num_samples: how many indices to draw.
+        replacement: draw with replacement (default); without it, an index is
+            drawn at most once, so ``num_samples`` may not exceed
+            ``len(weights)`` (torch raises ``RuntimeError`` on iteration).
+        generator: a ``torch.Generator``; torch's global RNG when ``None``.
+
+    Raises:
+        ValueError: ``num_samples`` is not a positive int, ``replacement`` is
+            not a bool, or ``weights`` is not one-dimensional.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> list(WeightedRandomSampler([0.0, 1.0, 0.0], 3, generator=g))
+        [1, 1, 1]
+    """
+
+    weights: torch.Tensor
+    num_samples: int
+    replacement: bool
+
+    def __init__(
+        self,
+        weights: Sequence[float] | torch.Tensor,
+        num_samples: int,
+        replacement: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples <= 0:
+            raise ValueError(
+                "num_samples should be a positive integer value, but got "
+                f"num_samples={num_samples!r}; pass num_samples >= 1."
+            )
+        if not isinstance(replacement, bool):
+            raise ValueError(
+                "replacement should be a boolean value, but got "
+                f"replacement={replacement!r}; pass True or False."
+            )
+        weights_tensor = torch.as_tensor(weights, dtype=torch.double)
+        if weights_tensor.dim() != 1:
+            raise ValueError(
+                "weights should be a 1d sequence but given weights have shape "
+                f"{tuple(weights_tensor.shape)}; pass one weight per index."
+            )
+        self.weights = weights_tensor
+        self.num_samples = num_samples
+        self.replacement = replacement
+        self.generator = generator
+
+    def __iter__(self) -> Iterator[int]:
+        drawn = torch.multinomial(
+            self.weights, self.num_samples, self.replacement, generator=self.generator
+        )
+        yield from drawn.tolist()
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class BatchSampler(Sampler[list[int]]):
+    """Group the indices of another sampler into lists of ``batch_size``.
+
+    Args:
+        sampler: a sampler or any iterable of indices.
+        batch_size: indices per batch; a positive int.
+        drop_last: drop a final batch shorter than ``batch_size``.
+
+    Raises:
+        ValueError: ``batch_size`` is not a positive int or ``drop_last`` is
+            not a bool.
+
+    Example:
+        >>> list(BatchSampler(range(7), batch_size=3, drop_last=False))
+        [[0, 1, 2], [3, 4, 5], [6]]
+        >>> len(BatchSampler(range(7), batch_size=3, drop_last=True))
+        2
+    """
+
+    def __init__(
+        self,
+        sampler: _tud.Sampler[int] | Iterable[int],
+        batch_size: int,
+        drop_last: bool,
+    ) -> None:
+        # No isinstance(sampler, Iterable) check: objects iterable through
+        # __getitem__ alone are valid samplers too.
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+            raise ValueError(
+                "batch_size should be a positive integer value, but got "
+                f"batch_size={batch_size!r}; pass batch_size >= 1."
+            )
+        if not isinstance(drop_last, bool):
+            raise ValueError(
+                "drop_last should be a boolean value, but got "
+                f"drop_last={drop_last!r}; pass True or False."
+            )
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = iter(self.sampler)
+        if self.drop_last:
+            # zip over batch_size references to one iterator stops at the
+            # first incomplete batch, which is exactly what is dropped.
+            for batch in zip(*itertools.repeat(indices, self.batch_size), strict=False):
+                yield list(batch)
+            return
+        while batch_list := list(itertools.islice(indices, self.batch_size)):
+            yield batch_list
+
+    def __len__(self) -> int:
+        n = len(self.sampler)  # type: ignore[arg-type]
+        if self.drop_last:
+            return n // self.batch_size
+        return -(-n // self.batch_size)
