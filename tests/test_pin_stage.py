@@ -1,0 +1,176 @@
+"""The pin and device stages as wired into the loader (CPU machine: pinning is mocked)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import namedtuple
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import aioloader
+from aioloader import DataLoader, _pin
+
+Pair = namedtuple("Pair", "a b")
+
+
+@dataclasses.dataclass
+class Sample:
+    image: torch.Tensor
+    label: int
+
+
+class Structured(aioloader.Dataset[Any]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        return {"pair": Pair(torch.full((2,), i), [torch.tensor(i)]), "name": f"n{i}"}
+
+
+class Big(aioloader.Dataset[Any]):
+    """Samples large enough that a batch is ~40 MB."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.zeros(1_250_000)  # 5 MB each
+
+
+@pytest.fixture
+def fake_pin(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Pretend an accelerator exists; record which thread pins and how long it takes."""
+    seen: dict[str, Any] = {"threads": set(), "calls": 0, "tensors": 0, "delay": 0.0}
+    real_pin = _pin.pin_memory
+
+    def slow_pin(data: Any, device: str | None = None) -> Any:
+        seen["threads"].add(threading.current_thread().name)
+        seen["calls"] += 1
+        time.sleep(seen["delay"])
+
+        def mark(t: torch.Tensor) -> torch.Tensor:
+            seen["tensors"] += 1
+            return t.clone()
+
+        return real_pin(data, device, pin_fn=mark)
+
+    monkeypatch.setattr(_pin, "pin_available", lambda: True)
+    monkeypatch.setattr(_pin, "pin_memory", slow_pin)
+    return seen
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pin_keeps_structure_and_pins_every_tensor(fake_pin: dict[str, Any], workers: int) -> None:
+    """pin_memory=True pins every tensor of nested batches and keeps their types."""
+    kw: dict[str, Any] = {"num_workers": workers}
+    if workers:
+        kw["multiprocessing_context"] = "fork"
+    batches = list(DataLoader(Structured(), batch_size=4, pin_memory=True, **kw))
+    assert len(batches) == 2
+    b = batches[0]
+    assert isinstance(b["pair"], Pair) and b["name"] == ["n0", "n1", "n2", "n3"]
+    assert b["pair"].a.tolist() == [[0, 0], [1, 1], [2, 2], [3, 3]]
+    assert fake_pin["calls"] == 2
+    assert fake_pin["tensors"] == 4
+    if workers:  # the pipeline pins in its own thread; `for` with num_workers=0 pins inline, as torch
+        assert "MainThread" not in fake_pin["threads"]
+
+
+async def test_slow_pin_runs_off_the_event_loop(fake_pin: dict[str, Any]) -> None:
+    """A 50 ms pin per 40 MB batch leaves a 1 ms heartbeat ticking on time."""
+    fake_pin["delay"] = 0.05
+    lateness: list[float] = []
+    done = anyio.Event()
+
+    async def heartbeat() -> None:
+        while not done.is_set():
+            t0 = time.perf_counter()
+            await anyio.sleep(0.001)
+            lateness.append(time.perf_counter() - t0 - 0.001)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat)
+        n = 0
+        async for batch in DataLoader(Big(), batch_size=2, pin_memory=True):
+            n += batch.shape[0]
+        done.set()
+    assert n == 8 and fake_pin["calls"] == 4
+    assert all(name.startswith("aioloader") for name in fake_pin["threads"])
+    p99 = sorted(lateness)[int(len(lateness) * 0.99)]
+    assert p99 < 0.010, f"heartbeat p99 lateness {p99 * 1e3:.1f} ms"
+
+
+def test_custom_batch_pin_memory_method_is_called(fake_pin: dict[str, Any]) -> None:
+    """torch's documented SimpleCustomBatch pattern: the batch's own pin_memory() is used."""
+
+    class SimpleCustomBatch:
+        def __init__(self, data: list[Any]) -> None:
+            transposed = list(zip(*data))
+            self.inp = torch.stack(transposed[0], 0)
+            self.tgt = torch.stack(transposed[1], 0)
+            self.pinned = False
+
+        def pin_memory(self) -> SimpleCustomBatch:
+            self.pinned = True
+            return self
+
+    ds = aioloader.TensorDataset(torch.arange(10.0).view(5, 2), torch.arange(5.0).view(5, 1))
+    batches = list(DataLoader(ds, batch_size=2, collate_fn=SimpleCustomBatch, pin_memory=True))
+    assert [b.pinned for b in batches] == [True, True, True]
+    assert batches[0].inp.tolist() == [[0.0, 1.0], [2.0, 3.0]]
+
+
+def test_dataclass_batches_are_pinned_field_by_field(fake_pin: dict[str, Any]) -> None:
+    """A collate_fn returning a dataclass gets each tensor field pinned, type kept."""
+
+    def collate(samples: list[Any]) -> Sample:
+        return Sample(torch.stack([s[0] for s in samples]), len(samples))
+
+    ds = aioloader.TensorDataset(torch.arange(6.0))
+    out = list(DataLoader(ds, batch_size=3, collate_fn=collate, pin_memory=True))
+    assert all(isinstance(b, Sample) and b.label == 3 for b in out)
+    assert fake_pin["tensors"] == 2
+
+
+def test_device_stage_on_cpu_keeps_order_and_values() -> None:
+    """device='cpu' runs the device stage (lookahead) and yields the same batches in order."""
+    ds = aioloader.TensorDataset(torch.arange(20))
+    got = [b[0].tolist() for b in DataLoader(ds, batch_size=3, device="cpu", device_prefetch=3)]
+    assert got == [list(range(i, min(i + 3, 20))) for i in range(0, 20, 3)]
+
+
+async def test_device_stage_delivers_errors_in_position() -> None:
+    """An error fetched ahead by the device stage is raised at its batch, not earlier."""
+
+    class FailsAt4(aioloader.Dataset[int]):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> int:
+            if i == 4:
+                raise IndexError("sample 4")
+            return i
+
+    got: list[list[int]] = []
+    with pytest.raises(IndexError, match="sample 4"):
+        async for b in DataLoader(FailsAt4(), batch_size=2, device="cpu", device_prefetch=4):
+            got.append(b.tolist())
+    assert got == [[0, 1], [2, 3]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pinned_and_device_batches() -> None:
+    """With CUDA: pin_memory batches are pinned; the device stage yields CUDA tensors."""
+    ds = aioloader.TensorDataset(torch.randn(64, 3, 8, 8), torch.arange(64))
+    for b in DataLoader(ds, batch_size=16, pin_memory=True):
+        assert b[0].is_pinned() and b[1].is_pinned()
+    for b in DataLoader(ds, batch_size=16, pin_memory=True, device="cuda", num_workers=2):
+        assert b[0].is_cuda and b[1].is_cuda
+    out = torch.cat([b[1].cpu() for b in DataLoader(ds, batch_size=16, device="cuda")])
+    assert out.tolist() == list(range(64))
