@@ -14,7 +14,7 @@ first error in a batch cancels that batch's other fetches and is raised by
 
 from __future__ import annotations
 
-import math
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,12 +37,12 @@ class _Batch:
 
     __slots__ = ("done", "failure", "remaining", "results", "scopes")
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, event_cls: Callable[[], anyio.Event] = anyio.Event) -> None:
         self.results: list[Any] = [None] * n
         self.remaining = n
         self.failure: BaseException | None = None
         self.scopes: set[anyio.CancelScope] = set()
-        self.done = anyio.Event()
+        self.done = event_cls()
 
     def finish_one(self) -> None:
         self.remaining -= 1
@@ -54,6 +54,45 @@ class _Batch:
             self.failure = exc
             for scope in self.scopes:
                 scope.cancel()
+
+
+class _WorkQueue:
+    """A minimal unbounded FIFO for the fetch runners: a deque plus parked waiters.
+
+    Lighter than a memory object stream on the hot path: a runner that finds
+    work never suspends, and a parked runner is woken by one ``Event.set``.
+    """
+
+    __slots__ = ("event_cls", "items", "parked")
+
+    def __init__(self) -> None:
+        self.items: deque[tuple[_Batch, int, Any]] = deque()
+        self.parked: deque[anyio.Event] = deque()
+        self.event_cls: Callable[[], anyio.Event] = anyio.Event
+
+    def put(self, item: tuple[_Batch, int, Any]) -> None:
+        self.items.append(item)
+        if self.parked:
+            self.parked.popleft().set()
+
+    async def get(self) -> tuple[_Batch, int, Any]:
+        items = self.items
+        while not items:
+            event = self.event_cls()
+            self.parked.append(event)
+            try:
+                await event.wait()
+            except BaseException:
+                try:
+                    self.parked.remove(event)
+                except ValueError:  # already woken: pass the wake-up on
+                    if items and self.parked:
+                        self.parked.popleft().set()
+                raise
+        item = items.popleft()
+        if items and self.parked:  # more work and idle runners: wake the next one
+            self.parked.popleft().set()
+        return item
 
 
 class AsyncFetchPool:
@@ -97,11 +136,16 @@ class AsyncFetchPool:
         self._run_collate: RunSync = run_collate or _run_inline
         getitems = getattr(type(dataset), "__getitems__", None)
         self._batched = bool(getitems) and auto_collation
-        self._send, self._recv = anyio.create_memory_object_stream[tuple[_Batch, int, Any]](
-            math.inf)
+        self._queue = _WorkQueue()
+        self._event_cls: Callable[[], anyio.Event] = anyio.Event
+        self._scope_cls: Callable[[], anyio.CancelScope] = anyio.CancelScope
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve fetches until cancelled (start it with ``task_group.start``)."""
+        # anyio.Event()/CancelScope() look the backend up on every call; on the hot
+        # path use the running backend's classes directly.
+        self._event_cls = self._queue.event_cls = type(anyio.Event())
+        self._scope_cls = type(anyio.CancelScope())
         try:
             async with anyio.create_task_group() as tg:
                 for _ in range(self.concurrency):
@@ -111,13 +155,14 @@ class AsyncFetchPool:
             self.close()
 
     async def _runner(self) -> None:
-        recv = self._recv
+        queue = self._queue
         ds = self.dataset
         batched = self._batched
+        scope_cls = self._scope_cls
         while True:
-            batch, j, key = await recv.receive()
+            batch, j, key = await queue.get()
             if batch.failure is None:
-                with anyio.CancelScope() as scope:
+                with scope_cls() as scope:
                     batch.scopes.add(scope)
                     try:
                         if batched:
@@ -136,18 +181,18 @@ class AsyncFetchPool:
     async def fetch(self, index: Any) -> Any:
         """Await every sample of ``index`` and return the collated batch."""
         if self._batched:
-            batch = _Batch(1)
-            self._send.send_nowait((batch, 0, index))
+            batch = _Batch(1, self._event_cls)
+            self._queue.put((batch, 0, index))
         elif self.auto_collation:
-            batch = _Batch(len(index))
+            batch = _Batch(len(index), self._event_cls)
             if batch.remaining == 0:
                 batch.done.set()
-            send = self._send.send_nowait
+            put = self._queue.put
             for j, key in enumerate(index):
-                send((batch, j, key))
+                put((batch, j, key))
         else:
-            batch = _Batch(1)
-            self._send.send_nowait((batch, 0, index))
+            batch = _Batch(1, self._event_cls)
+            self._queue.put((batch, 0, index))
         try:
             await batch.done.wait()
         except BaseException:
@@ -159,9 +204,8 @@ class AsyncFetchPool:
         return await self._run_collate(self.collate_fn, data)
 
     def close(self) -> None:
-        """Release the internal queue (the runners stop when ``run`` is cancelled)."""
-        self._send.close()
-        self._recv.close()
+        """Drop queued work (the runners stop when ``run`` is cancelled)."""
+        self._queue.items.clear()
 
 
 class AsyncIterFetcher:

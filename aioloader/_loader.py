@@ -617,7 +617,8 @@ class _PipelineCore(_CoreBase):
                 "timeout=0 with num_workers=0, or use num_workers > 0"
             )
         bs = loader.batch_size or 1
-        async_depth = math.ceil(loader.fetch_concurrency / bs) + 1
+        # Queue about twice the fetch limit so fetch runners never wait for the consumer.
+        async_depth = math.ceil(2 * loader.fetch_concurrency / bs) + 1
         self.sampler_iter = iter(loader._index_sampler)
         # torch draws the base seed at iter() for every fresh iterator; persistent
         # workers keep theirs, so later epochs draw nothing.
