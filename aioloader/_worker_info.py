@@ -6,6 +6,7 @@ worker?" without importing the worker machinery.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 __all__ = ["WorkerInfo", "get_worker_info"]
@@ -59,11 +60,17 @@ def get_worker_info() -> WorkerInfo | None:
     ``IterableDataset`` can shard itself or ``worker_init_fn`` can configure
     the copy.
 
+    Inside a worker of torch's own ``DataLoader`` it returns torch's worker
+    info, so a dataset written for aioloader shards itself under either loader.
+
     Example:
         >>> get_worker_info() is None  # we are in the main process
         True
     """
-    return _worker_info
+    if _worker_info is not None:
+        return _worker_info
+    tud = sys.modules.get("torch.utils.data")
+    return tud.get_worker_info() if tud is not None else None
 
 
 def _set_worker_info(info: WorkerInfo | None) -> None:
