@@ -498,14 +498,35 @@ class _InlineCore(_CoreBase):
 
 
 class _PoolLease:
-    """A started :class:`WorkerPool` plus what torch keeps across epochs."""
+    """A :class:`WorkerPool` plus what torch keeps across epochs (base seed, epoch count).
+
+    The processes start lazily: from the caller's thread for the sync facade
+    (before its loop thread exists, so ``fork`` stays safe), and for ``async
+    for`` on the loop thread with ``fork`` (a fork takes milliseconds) or in the
+    iterator's thread with ``spawn``/``forkserver`` (their start waits on a new
+    interpreter and would stall the loop).
+    """
 
     def __init__(self, pool: WorkerPool, base_seed: int) -> None:
         self.pool = pool
         self.base_seed = base_seed
         self.epoch = 0
+        self.started = False
         self.holder: weakref.ref[_PipelineCore] | None = None
         self._finalizer = weakref.finalize(self, pool.close)
+
+    def start_sync(self) -> None:
+        if not self.started:
+            self.started = True
+            self.pool.start()
+
+    async def start(self, runner: ThreadRunner) -> None:
+        if self.started:
+            return
+        if self.pool.start_method == "fork":
+            self.start_sync()
+        else:
+            await runner.run(self.start_sync)
 
     async def aclose(self) -> None:
         self._finalizer.detach()
@@ -546,9 +567,7 @@ def _start_pool(loader: DataLoaderCore[Any], base_seed: int) -> WorkerPool:
         )
         for i in range(loader.num_workers)
     ]
-    pool = WorkerPool(configs, ctx)
-    pool.start()
-    return pool
+    return WorkerPool(configs, ctx)
 
 
 # ----------------------------------------------------------------------------------------
@@ -722,6 +741,8 @@ class _PipelineCore(_CoreBase):
         assert self.scope is not None and self.done is not None
         try:
             with self.scope:
+                if self.lease is not None:
+                    await self.lease.start(self.runner)
                 async with anyio.create_task_group() as tg:
                     if self.num_workers > 0:
                         tg.start_soon(self._serve_workers)
@@ -966,6 +987,15 @@ class _PipelineCore(_CoreBase):
         if isinstance(item, _ErrorBox):
             item.raise_it()
         return _device.finish_on_device(item)
+
+    def start_workers_sync(self) -> None:
+        """Start worker processes now, from the calling thread (the sync facade)."""
+        if self.lease is not None:
+            try:
+                self.lease.start_sync()
+            except BaseException:
+                self.close_from_gc()
+                raise
 
     def detach(self) -> None:
         """A newer epoch took this iterator's persistent workers: stop, keep the pool."""

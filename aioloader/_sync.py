@@ -164,6 +164,7 @@ class SyncLoaderIter(Iterator[T_co]):
         self._core = core
         self._driver: _PortalDriver | None = None
         if isinstance(core, _PipelineCore):
+            core.start_workers_sync()  # fork from this thread, before the loop thread exists
             driver = _PortalDriver(core)
             self._driver = driver
             _open_drivers.add(driver)

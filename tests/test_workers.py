@@ -343,3 +343,13 @@ def test_asyncio_run_with_workers_and_trio() -> None:
 
     assert asyncio.run(main()) == [[0, 1, 2], [3, 4, 5]]
     assert anyio.run(main, backend="trio") == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_async_dataset_workers_forked_inside_anyio_run(backend: str) -> None:
+    """Workers forked from inside anyio.run (sniffio context inherited) still run their own loop."""
+    async def main() -> list[list[int]]:
+        return [i.tolist() async for _, i in DataLoader(AsyncRemote(12), batch_size=4,
+                                                          num_workers=2, **FORK)]
+
+    assert anyio.run(main, backend=backend) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]

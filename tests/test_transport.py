@@ -1,0 +1,298 @@
+"""Tests for aioloader._transport: framing, fd passing, ownership of descriptors."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import select
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from aioloader._transport import (
+    HEADER,
+    LARGE_PAYLOAD,
+    MAX_FDS_PER_MESSAGE,
+    SHARE_THRESHOLD,
+    FrameReader,
+    FrameWriter,
+    TransportError,
+    close_fds,
+    decode,
+    encode,
+    send_message,
+)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:  # pragma: no cover
+        return set()
+
+
+@pytest.fixture
+def no_fd_leak() -> Iterator[None]:
+    """Fail if the test leaves more descriptors or /dev/shm entries than it found."""
+    gc.collect()
+    fds, shm = open_fds(), shm_entries()
+    yield
+    if open_fds() != fds:
+        gc.collect()
+    assert open_fds() == fds
+    assert shm_entries() <= shm
+
+
+def roundtrip_socket(obj: Any) -> Any:
+    """Send ``obj`` through a real socket pair (writer thread) and decode it."""
+    a, b = socket.socketpair()
+    try:
+        t = threading.Thread(target=send_message, args=(a, obj))
+        t.start()
+        reader = FrameReader(b)
+        while not len(reader):
+            ready, _, _ = select.select([b], [], [], 10)  # bounded wait for readability
+            assert ready, "no data within 10 s"
+            reader.read_available()
+        t.join(10)
+        frame = reader.pop()
+        assert frame is not None
+        reader.close()
+        return decode(*frame)
+    finally:
+        a.close()
+        b.close()
+
+
+def big_tensor(value: float = 1.0) -> torch.Tensor:
+    return torch.full((SHARE_THRESHOLD // 4,), value)  # exactly the threshold: by fd
+
+
+def test_nested_structure_roundtrip_big_by_fd_small_inline(no_fd_leak: None) -> None:
+    """Nested dicts/lists/tuples survive; big tensors come back shared, small ones inline."""
+    big = torch.randn(256, 300)
+    small = torch.arange(7)
+    obj = {"batch": [big, {"small": small, "t": (big * 2, "str")}], "n": 3, "s": "text"}
+    payload, fds = encode(obj)
+    assert len(fds) == 2
+    out = decode(payload, fds)
+    assert out["n"] == 3
+    assert out["s"] == "text"
+    assert out["batch"][1]["t"][1] == "str"
+    assert torch.equal(out["batch"][0], big)
+    assert torch.equal(out["batch"][1]["t"][0], big * 2)
+    assert out["batch"][0].untyped_storage().is_shared()
+    assert torch.equal(out["batch"][1]["small"], small)
+    assert not out["batch"][1]["small"].untyped_storage().is_shared()
+
+
+def test_roundtrip_through_socket_keeps_data(no_fd_leak: None) -> None:
+    """A message with fds goes through a real socket pair intact."""
+    obj = [big_tensor(float(i)) for i in range(5)] + ["tail"]
+    out = roundtrip_socket(obj)
+    assert out[-1] == "tail"
+    for i, t in enumerate(out[:-1]):
+        assert t.untyped_storage().is_shared()
+        assert torch.equal(t, big_tensor(float(i)))
+
+
+def test_views_share_one_storage_and_stay_views(no_fd_leak: None) -> None:
+    """Views of one storage are sent once and still alias each other after decoding."""
+    base = torch.arange(100_000, dtype=torch.float32)
+    views = [base, base[10:20], base.view(1000, 100)[:, 3], base[::7]]
+    payload, fds = encode(views)
+    assert len(fds) == 1
+    out = decode(payload, fds)
+    for src, got in zip(views, out, strict=False):
+        assert torch.equal(src, got)
+        assert got.stride() == src.stride()
+        assert got.storage_offset() == src.storage_offset()
+    out[0][15] = -1.0
+    assert out[1][5] == -1.0  # same memory on the receiving side
+
+
+def test_non_contiguous_and_special_tensors(no_fd_leak: None) -> None:
+    """Transposed, strided, zero-size, bfloat16, bool, Parameter and grad tensors round-trip."""
+    m = torch.randn(300, 400)
+    param = torch.nn.Parameter(torch.randn(3, 3))
+    leaf = torch.randn(4, requires_grad=True)
+    obj = [m.t(), m[::3, 1::2], torch.empty(0, 5), torch.ones(5, dtype=torch.bfloat16),
+           torch.tensor([True, False]), param, leaf, torch.randn(3, dtype=torch.complex64)]
+    out = decode(*encode(obj))
+    for src, got in zip(obj, out, strict=False):
+        assert got.dtype == src.dtype
+        assert got.shape == src.shape
+        assert got.stride() == src.stride()
+        assert torch.equal(got.detach(), src.detach())
+    assert type(out[5]) is torch.nn.Parameter
+    assert out[5].requires_grad
+    assert out[6].requires_grad
+    assert out[6].is_leaf
+    assert not out[0].is_contiguous()
+
+
+def test_numpy_arrays_and_strings_inline(no_fd_leak: None) -> None:
+    """numpy arrays and Python objects pickle normally, without fds."""
+    arr = np.arange(50_000, dtype=np.int64).reshape(100, 500)
+    obj = {"arr": arr, "strs": [f"s{i}" for i in range(1000)], "bytes": b"\x00\xff"}
+    payload, fds = encode(obj)
+    assert fds == []
+    out = decode(payload, fds)
+    assert np.array_equal(out["arr"], arr)
+    assert out["strs"] == obj["strs"]
+    assert out["bytes"] == b"\x00\xff"
+
+
+def test_already_shared_small_storage_goes_by_fd(no_fd_leak: None) -> None:
+    """A storage already in shared memory (as collate makes it) is sent by fd even if small."""
+    t = torch.arange(10.0)
+    t.share_memory_()  # type: ignore[no-untyped-call]
+    payload, fds = encode(t)
+    assert len(fds) == 1
+    assert torch.equal(decode(payload, fds), t)
+
+
+def test_more_than_250_large_tensors_in_one_message(no_fd_leak: None) -> None:
+    """Beyond MAX_FDS_PER_MESSAGE storages, the rest travel inline; all arrive."""
+    ts = [big_tensor(float(i)) for i in range(MAX_FDS_PER_MESSAGE + 20)]
+    _payload, fds = encode(ts)
+    assert len(fds) == MAX_FDS_PER_MESSAGE
+    close_fds(fds)
+    out = roundtrip_socket(ts)
+    assert len(out) == len(ts)
+    assert all(torch.equal(a, b) for a, b in zip(ts, out, strict=False))
+    assert sum(t.untyped_storage().is_shared() for t in out) >= MAX_FDS_PER_MESSAGE
+    del out, ts
+
+
+def test_no_fd_leak_after_1000_round_trips() -> None:
+    """1000 socket round trips with fds leave the descriptor count unchanged."""
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    reader = FrameReader(b)
+    t = big_tensor(2.0)
+    t.share_memory_()  # type: ignore[no-untyped-call]
+    send_message(a, t)  # warm-up: torch may open descriptors lazily
+    reader.read_available()
+    del reader
+    reader = FrameReader(b)
+    gc.collect()
+    before = open_fds()
+    for i in range(1000):
+        send_message(a, {"i": i, "t": t})
+        reader.read_available()
+        frame = reader.pop()
+        assert frame is not None
+        assert len(frame.fds) == 1
+        out = decode(*frame)
+        assert out["i"] == i
+        del out
+    gc.collect()
+    assert open_fds() == before
+    reader.close()
+    a.close()
+    b.close()
+
+
+def test_decode_of_corrupt_payload_closes_its_fds(no_fd_leak: None) -> None:
+    """A payload that fails to unpickle still closes every attached fd."""
+    _payload, fds = encode([big_tensor(), big_tensor(3.0)])
+    dup = list(fds)
+    with pytest.raises(pickle.UnpicklingError):
+        decode(b"\x80\x05garbage", fds)
+    for fd in dup:
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(fd)
+    payload2, fds2 = encode([big_tensor()])
+    with pytest.raises(Exception):  # noqa: B017, PT011 - truncated pickle: any unpickling error
+        decode(payload2[: len(payload2) // 2], fds2)
+
+
+def test_encode_failure_closes_fds(no_fd_leak: None) -> None:
+    """If pickling fails after some storages were shared, their fds are closed."""
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        encode([big_tensor(), lambda: 1])
+
+
+def test_frame_reader_reassembles_byte_by_byte(no_fd_leak: None) -> None:
+    """Frames split at every byte boundary (and large frames) are reassembled in order."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    reader = FrameReader(b)
+    msgs = [("small", i) for i in range(3)] + [("large", "x" * (LARGE_PAYLOAD + 10))]
+    stream = b"".join(HEADER.pack(len(p), 0) + p for p in (encode(m)[0] for m in msgs[:3]))
+    for i in range(len(stream)):
+        a.send(stream[i:i + 1])
+        reader.read_available()
+    assert [decode(*reader.pop()) for _ in range(3)] == msgs[:3]  # type: ignore[misc]
+    writer = FrameWriter(a)
+    writer.write(msgs[3])
+    got: list[Any] = []
+    while not got:
+        writer.flush()
+        reader.read_available()
+        frame = reader.pop()
+        if frame is not None:
+            got.append(decode(*frame))
+    assert got == [msgs[3]]
+    a.close()
+    assert reader.read_available() is True
+    assert reader.eof
+    reader.close()
+    b.close()
+
+
+def test_frame_writer_keeps_fds_until_sent_and_closes_them(no_fd_leak: None) -> None:
+    """FrameWriter attaches fds to their frame and closes them once sent or dropped."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    writer = FrameWriter(a)
+    writer.write([big_tensor(5.0)])
+    writer.write("after")
+    assert writer.flush()
+    reader = FrameReader(b)
+    reader.read_available()
+    first, second = reader.pop(), reader.pop()
+    assert first is not None
+    assert second is not None
+    assert torch.equal(decode(*first)[0], big_tensor(5.0))
+    assert decode(*second) == "after"
+    writer.write([big_tensor()])  # queued, never flushed: close() releases its fd
+    writer.close()
+    reader.close()
+    a.close()
+    b.close()
+
+
+def test_frame_reader_close_releases_pending_fds(no_fd_leak: None) -> None:
+    """Fds of frames received but never popped are closed by FrameReader.close()."""
+    a, b = socket.socketpair()
+    send_message(a, [big_tensor(), big_tensor(2.0)])
+    reader = FrameReader(b)
+    reader.read_available()
+    assert len(reader) == 1
+    reader.close()
+    a.close()
+    b.close()
+
+
+def test_truncated_header_fd_count_is_a_transport_error(no_fd_leak: None) -> None:
+    """A header announcing fds that never arrived raises TransportError."""
+    a, b = socket.socketpair()
+    a.sendall(HEADER.pack(1, 2) + b"N")
+    reader = FrameReader(b)
+    with pytest.raises(TransportError, match="announces 2 fds"):
+        reader.read_available()
+    reader.close()
+    a.close()
+    b.close()
