@@ -375,8 +375,8 @@ class _InlinePolicy:
     yield to the loop at least every ``YIELD_EVERY_S``.
     """
 
-    FAST_S = 150e-6
-    SLOW_S = 1e-3
+    FAST_S = 500e-6
+    SLOW_S = 2e-3
     WARMUP = 4
     YIELD_EVERY_S = 500e-6
 
@@ -685,6 +685,7 @@ class _PipelineCore(_CoreBase):
         self.cmd_ready: anyio.Event | None = None
         self.done: anyio.Event | None = None
         self.runner = ThreadRunner("aioloader-pipeline")
+        self.collate_policy = _InlinePolicy()
         self.staged: deque[Any] = deque()  # device stage lookahead
         self.host_done = False
         self.detached = False
@@ -791,7 +792,7 @@ class _PipelineCore(_CoreBase):
                 if self.lease is not None:
                     await self.lease.pool.send(worker, cmd)
                 else:
-                    tg.start_soon(self._fetch_in_process, cmd[2], cmd[3])
+                    tg.start_soon(self._fetch_in_process, cmd[2], cmd[3], name="aioloader-batch")
             self.cmd_ready = anyio.Event()
             if self.pending_cmds:
                 continue
@@ -833,8 +834,18 @@ class _PipelineCore(_CoreBase):
         slot.has_data = True
         self._wake()
 
+    async def _collate_adaptively(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Collate small batches on the loop, others in the thread (see _InlinePolicy)."""
+        policy = self.collate_policy
+        if policy.inline:
+            value, took = _timed(fn, *args)
+        else:
+            value, took = await self.runner.run(_timed, fn, *args)
+        policy.record(took)
+        return value
+
     async def _start_in_process(self, tg: anyio.abc.TaskGroup) -> None:
-        run_collate = self.runner.run
+        run_collate = self._collate_adaptively
         if self.kind is DatasetKind.ASYNC_MAP:
             pool = AsyncFetchPool(self.dataset, self.auto_collation, self.collate_fn,
                                   self.loader.fetch_concurrency, run_collate=run_collate)

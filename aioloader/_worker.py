@@ -441,7 +441,7 @@ async def _serve_async_main(sock: socket.socket, cfg: WorkerConfig,
                 if op == "fetch":
                     assert epoch.tg is not None
                     epoch.tg.start_soon(epoch.serve_fetch, cmd[1], cmd[2], cmd[3],
-                                        send.send_nowait)
+                                        send.send_nowait, name="aioloader-batch")
                 elif op == "reset":
                     await epoch.stop()
                     epoch = _AsyncEpoch(cfg, init_error)

@@ -1,7 +1,8 @@
 """I/O-bound loading: a dataset whose every sample waits 5 ms (a stand-in for a
 network fetch). torch's DataLoader with num_workers=2 (sync dataset, time.sleep)
-against aioloader's async dataset (await asyncio.sleep) at fetch_concurrency 64
-and 256, with 0 and 2 workers. Prints samples/s, the ratio to torch, and the
+against aioloader's async dataset (await asyncio.sleep) with 64 and 256 fetches
+in flight in total, with 0 and 2 workers (with 2 workers each runs half:
+fetch_concurrency = total / 2). Prints samples/s, the ratio to torch, and the
 ratio to the ideal (fetches in flight / latency).
 
     python benchmarks/bench_async.py [--latency-ms 5] [--repeats 3]
@@ -88,14 +89,15 @@ def main() -> None:
     print(f"  {'torch DataLoader, num_workers=2':<44}{torch_rate:>11,.0f}{1:>10.2f}"
           f"{torch_rate / (2 / lat):>10.2f}")
     for workers in (0, 2):
-        for conc in (64, 256):
-            ideal = conc * max(workers, 1) / lat
+        for total in (64, 256):
+            ideal = total / lat
             n = int(min(max(ideal * (0.3 if args.quick else 1.0), 2000), 60000))
-            rate = statistics.median(run_ours(n, lat, conc, workers) for _ in range(reps))
-            label = f"aioloader async, concurrency={conc}, workers={workers}"
+            per_process = total // max(workers, 1)
+            rate = statistics.median(run_ours(n, lat, per_process, workers)
+                                     for _ in range(reps))
+            label = f"aioloader async, in flight={total}, workers={workers}"
             print(f"  {label:<44}{rate:>11,.0f}{rate / torch_rate:>10.1f}{rate / ideal:>10.2f}")
-    print("  ideal = fetch_concurrency x processes / latency "
-          "(processes = max(num_workers, 1)); torch's ideal = num_workers / latency")
+    print("  ideal = fetches in flight / latency; torch's ideal = num_workers / latency")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}")
 
 

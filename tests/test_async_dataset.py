@@ -206,3 +206,17 @@ async def test_async_iterable_dataset_subclass() -> None:
     assert [b.tolist() async for b in DataLoader(ds, batch_size=2)] == [[0, 1], [2, 3], [4]]
     with pytest.raises(TypeError, match="async for"):
         iter(ds)
+
+
+def test_error_cancels_the_batch_under_trio() -> None:
+    """The cancel-scope path (trio): a failing fetch cancels its siblings, error keeps its type."""
+    ds = AsyncItems(8, fail_at=2)
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="fetch 2 failed"):
+            async for _ in DataLoader(ds, batch_size=4):
+                pass
+        await ds.wait_idle()
+
+    anyio.run(main, backend="trio")
+    assert ds.cancelled >= 3
