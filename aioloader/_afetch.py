@@ -14,12 +14,11 @@ first error in a batch cancels that batch's other fetches and is raised by
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
-
-import asyncio
-import inspect
 
 import anyio
 import anyio.lowlevel

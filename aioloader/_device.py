@@ -75,7 +75,7 @@ def _side_stream(device: torch.device) -> Any:
     with _streams_lock:
         stream = _side_streams.get(key)
         if stream is None:
-            stream = torch.cuda.Stream(device=device)
+            stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             _side_streams[key] = stream
         return stream
 
@@ -103,7 +103,7 @@ def stage_to_device(batch: Any, device: torch.device) -> _Staged:
         stream = _side_stream(device)
         with torch.cuda.stream(stream):
             moved = _pin.move_to_device(batch, device, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         return _Staged(moved, event)
     return _Staged(_pin.move_to_device(batch, device, non_blocking=False), None)

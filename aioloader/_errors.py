@@ -78,7 +78,7 @@ class RemoteError:
         True
     """
 
-    __slots__ = ("exc_type", "exc_msg", "where")
+    __slots__ = ("exc_msg", "exc_type", "where")
 
     def __init__(self, exc_type: type[BaseException], exc_msg: str, where: str) -> None:
         self.exc_type = exc_type

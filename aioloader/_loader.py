@@ -25,6 +25,7 @@ import math
 import multiprocessing
 import multiprocessing.context
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -215,7 +216,8 @@ class DataLoaderCore(Generic[T_co]):
     @property
     def multiprocessing_context(self) -> multiprocessing.context.BaseContext | None:
         """The start method's context object (``None``: the platform default)."""
-        return self.__multiprocessing_context
+        ctx: multiprocessing.context.BaseContext | None = self.__multiprocessing_context
+        return ctx
 
     @multiprocessing_context.setter
     def multiprocessing_context(self, ctx: Any) -> None:
@@ -284,9 +286,10 @@ class DataLoaderCore(Generic[T_co]):
             max_suggest = os.cpu_count()
         if max_suggest is None or self.num_workers > max_suggest:
             if max_suggest is not None:
+                cpuset = "" if cpuset_checked else " (`cpuset` is not taken into account)"
                 hint = (f"Our suggested max number of worker in current system is "
-                        f"{max_suggest}{'' if cpuset_checked else ' (`cpuset` is not taken into account)'}"
-                        ", which is smaller than what this DataLoader is going to create.")
+                        f"{max_suggest}{cpuset}, which is smaller than what this DataLoader "
+                        "is going to create.")
             else:
                 hint = ("DataLoader is not able to compute a suggested max number of worker "
                         "in current system.")
@@ -744,6 +747,7 @@ class _PipelineCore(_CoreBase):
             with self.scope:
                 if self.lease is not None:
                     await self.lease.start(self.runner)
+                    self._push_commands_now()
                 async with anyio.create_task_group() as tg:
                     if self.num_workers > 0:
                         tg.start_soon(self._serve_workers)
@@ -781,11 +785,31 @@ class _PipelineCore(_CoreBase):
         if self.wakeup is not None:
             self.wakeup.set()
 
+    def _push_commands_now(self) -> None:
+        """Hand the primed commands to the started workers at once (no loop needed).
+
+        torch puts the first ``prefetch_factor * num_workers`` index batches on
+        the workers' queues inside ``iter()``; doing the same here lets workers
+        start on the first batch while the rest of the pipeline comes up.
+        """
+        lease = self.lease
+        if lease is None or not lease.started:
+            return
+        pool = lease.pool
+        if self.fresh_epoch:
+            self.fresh_epoch = False
+            for w in range(self.num_workers):
+                pool.send_nowait(w, ("reset", self.epoch))
+        while self.pending_cmds:
+            worker, cmd = self.pending_cmds.popleft()
+            pool.send_nowait(worker, cmd)
+
     async def _sender(self, tg: anyio.abc.TaskGroup) -> None:
         assert self.cmd_ready is not None
-        if self.fresh_epoch and self.lease is not None:
+        if self.lease is not None:
+            self._push_commands_now()  # a persistent epoch's reset comes first
             for w in range(self.num_workers):
-                await self.lease.pool.send(w, ("reset", self.epoch))
+                await self.lease.pool.flush(w)
         while True:
             while self.pending_cmds:
                 worker, cmd = self.pending_cmds.popleft()
@@ -1007,6 +1031,7 @@ class _PipelineCore(_CoreBase):
             except BaseException:
                 self.close_from_gc()
                 raise
+            self._push_commands_now()
 
     def detach(self) -> None:
         """A newer epoch took this iterator's persistent workers: stop, keep the pool."""
@@ -1058,9 +1083,15 @@ class _ErrorBox:
         raise exc
 
 
+if sys.version_info >= (3, 11):
+    _ExceptionGroup = BaseExceptionGroup  # noqa: F821 - a builtin from 3.11 on
+else:  # pragma: no cover - anyio depends on the backport on 3.10
+    from exceptiongroup import BaseExceptionGroup as _ExceptionGroup
+
+
 def _unwrap(exc: BaseException) -> BaseException:
     """Reduce a single-exception group (from a task group) to its exception."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+    while isinstance(exc, _ExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
 

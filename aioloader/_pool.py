@@ -260,6 +260,39 @@ class WorkerPool:
                 if not self._closing:
                     raise
 
+    def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
+        """Queue ``command`` and write what the socket takes right now; never blocks.
+
+        Whatever the socket did not take stays buffered: :meth:`flush` (or the
+        next :meth:`send`) writes it. Used to hand the first commands of an
+        epoch to the workers as soon as they are started, as torch does.
+        """
+        if self._closing:
+            raise LoaderClosedError("the worker pool is closed")
+        conn = self._conns[worker_id]
+        if conn.exited:
+            return
+        conn.writer.write(command)
+        try:
+            conn.writer.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            logger.debug("worker %d is gone; command dropped", worker_id)
+            conn.writer.close()
+
+    async def flush(self, worker_id: int) -> None:
+        """Wait until everything queued for worker ``worker_id`` is written."""
+        conn = self._conns[worker_id]
+        if conn.exited or self._closing:
+            return
+        if conn.send_lock is None:
+            conn.send_lock = anyio.Lock()
+        async with conn.send_lock:
+            try:
+                while not conn.writer.flush():
+                    await anyio.wait_writable(conn.sock)
+            except (BrokenPipeError, ConnectionResetError):
+                conn.writer.close()
+
     async def serve(self, sink: ObjectSendStream[tuple[int, Any]]) -> None:
         """Hand every message from every worker to ``sink`` as ``(worker_id, message)``.
 

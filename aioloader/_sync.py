@@ -95,12 +95,36 @@ class _PortalDriver:
         self.portal: BlockingPortal | None = None
         self.closed = False
         self.lock = threading.Lock()
+        self.starter: threading.Thread | None = None
+        self.start_error: BaseException | None = None
+
+    def start_soon(self) -> None:
+        """Bring the loop thread up in the background while workers make the first batch."""
+        self.starter = threading.Thread(target=self._start_quietly, name="aioloader-facade-start",
+                                        daemon=True)
+        self.starter.start()
+
+    def _start_quietly(self) -> None:
+        try:
+            self._start_portal()
+        except BaseException as exc:  # re-raised by start() in the caller's thread
+            self.start_error = exc
+
+    def _start_portal(self) -> None:
+        cm = start_blocking_portal("asyncio", _backend_options())
+        self.portal = cm.__enter__()
+        self.cm = cm
+        _LG.debug("facade loop thread started")
 
     def start(self) -> BlockingPortal:
+        if self.starter is not None:
+            self.starter.join()
+            self.starter = None
+            if self.start_error is not None:
+                raise self.start_error
         if self.portal is None:
-            self.cm = start_blocking_portal("asyncio", _backend_options())
-            self.portal = self.cm.__enter__()
-            _LG.debug("facade loop thread started")
+            self._start_portal()
+        assert self.portal is not None
         return self.portal
 
     def next(self) -> Any:
@@ -116,6 +140,9 @@ class _PortalDriver:
             if self.closed:
                 return
             self.closed = True
+        if self.starter is not None and self.starter is not threading.current_thread():
+            self.starter.join()
+            self.starter = None
         portal, cm = self.portal, self.cm
         if portal is None or cm is None:
             self.core.close_from_gc()
@@ -166,6 +193,7 @@ class SyncLoaderIter(Iterator[T_co]):
         if isinstance(core, _PipelineCore):
             core.start_workers_sync()  # fork from this thread, before the loop thread exists
             driver = _PortalDriver(core)
+            driver.start_soon()
             self._driver = driver
             _open_drivers.add(driver)
             self._finalizer = weakref.finalize(self, driver.close)

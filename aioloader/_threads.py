@@ -163,11 +163,11 @@ class ThreadRunner:
             if self._thread is not None:
                 self._jobs.put(_STOP)
 
-    async def aclose(self, timeout: float = 10.0) -> None:
-        """Stop the thread and wait (up to ``timeout`` s) for it to end, without blocking the loop.
+    async def aclose(self, grace: float = 10.0) -> None:
+        """Stop the thread and wait (up to ``grace`` s) for it to end, without blocking the loop.
 
         A call still running user code (say a hung ``__getitem__``) cannot be
-        interrupted; after ``timeout`` the daemon thread is abandoned and a
+        interrupted; after ``grace`` the daemon thread is abandoned and a
         warning is logged.
         """
         thread = self._thread
@@ -175,11 +175,11 @@ class ThreadRunner:
             self.close()
             return
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(timeout) as scope:
+            with anyio.move_on_after(grace) as scope:
                 await self.run(_noop)  # every earlier call has returned
         self.close()
         if scope.cancelled_caught:
-            _LG.warning("thread %s still busy after %.1f s; abandoning it", self._name, timeout)
+            _LG.warning("thread %s still busy after %.1f s; abandoning it", self._name, grace)
             return
         thread.join(1.0)  # idle thread: exits as soon as it reads the stop marker
 

@@ -24,8 +24,8 @@ their replies may leave out of order (the parent reorders by ``seq``).
 
 from __future__ import annotations
 
-import logging
 import contextvars
+import logging
 import os
 import random
 import select
@@ -479,8 +479,11 @@ def _serve_async(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError
         sniffio.thread_local.name = None
     except (ImportError, AttributeError):  # pragma: no cover
         pass
-    contextvars.Context().run(anyio.run, _serve_async_main, sock, cfg, init_error,
-                              backend="asyncio", backend_options=options)
+    def run() -> None:
+        anyio.run(_serve_async_main, sock, cfg, init_error, backend="asyncio",
+                  backend_options=options)
+
+    contextvars.Context().run(run)
 
 
 # --------------------------------------------------------------------------- entry point

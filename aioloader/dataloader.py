@@ -1,4 +1,7 @@
-"""torch-named module: ``from torch.utils.data.dataloader import X`` -> ``from aioloader.dataloader import X``."""
+"""torch-named module.
+
+``from torch.utils.data.dataloader import X`` becomes ``from aioloader.dataloader import X``.
+"""
 
 from __future__ import annotations
 

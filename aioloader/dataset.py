@@ -89,7 +89,7 @@ class IterableDataset(Dataset[T_co], _tud.IterableDataset[T_co]):
         # An async iterable-style dataset defines __aiter__ only: give it an __iter__
         # that explains itself, so the class can be instantiated.
         if "__aiter__" in cls.__dict__ and "__iter__" not in cls.__dict__:
-            cls.__iter__ = _async_only_iter  # type: ignore[assignment,method-assign]
+            cls.__iter__ = _async_only_iter  # type: ignore[method-assign]
             cls.__abstractmethods__ = frozenset(
                 m for m in getattr(cls, "__abstractmethods__", ()) if m != "__iter__")
 

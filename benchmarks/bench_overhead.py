@@ -47,13 +47,13 @@ def main() -> None:
     bs = args.batch_size
     results = {}
     for shuffle in (False, True):
-        def run_torch() -> int:
+        def run_torch(shuffle: bool = shuffle) -> int:
             return sum(len(b[1]) for b in tud.DataLoader(ds, batch_size=bs, shuffle=shuffle))
 
-        def run_sync() -> int:
+        def run_sync(shuffle: bool = shuffle) -> int:
             return sum(len(b[1]) for b in aioloader.DataLoader(ds, batch_size=bs, shuffle=shuffle))
 
-        async def consume() -> int:
+        async def consume(shuffle: bool = shuffle) -> int:
             n = 0
             async for b in aioloader.DataLoader(ds, batch_size=bs, shuffle=shuffle):
                 n += len(b[1])

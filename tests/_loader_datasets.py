@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import torch
 
@@ -139,7 +140,7 @@ class AsyncCount:
         info = aioloader.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         for i in range(wid, self.n, nw):
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             yield i
 
 

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -133,7 +134,7 @@ class AsyncStream:
 
     async def __aiter__(self) -> Any:
         for i in range(self.n):
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             yield i
 
 
@@ -159,7 +160,7 @@ async def test_async_getitems_one_call_per_batch() -> None:
 
         async def __getitems__(self, idx: list[int]) -> list[int]:
             calls.append(list(idx))
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             return [i + 100 for i in idx]
 
         async def __getitem__(self, i: int) -> int:  # pragma: no cover - not used

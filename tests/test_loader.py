@@ -218,7 +218,7 @@ BAD_ARGS: list[dict[str, Any]] = [
 @pytest.mark.parametrize("kw", BAD_ARGS)
 def test_bad_arguments_raise_torchs_exception_type(kw: dict[str, Any]) -> None:
     """Each mistake torch rejects is rejected at construction with the same exception type."""
-    with pytest.raises(Exception) as theirs:  # noqa: PT011 - the type is what we compare
+    with pytest.raises(Exception) as theirs:
         tud.DataLoader(range(4), **kw)
     with pytest.raises(theirs.type) as ours:
         DataLoader(range(4), **kw)

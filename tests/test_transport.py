@@ -214,7 +214,7 @@ def test_decode_of_corrupt_payload_closes_its_fds(no_fd_leak: None) -> None:
         with pytest.raises(OSError, match="Bad file descriptor"):
             os.fstat(fd)
     payload2, fds2 = encode([big_tensor()])
-    with pytest.raises(Exception):  # noqa: B017, PT011 - truncated pickle: any unpickling error
+    with pytest.raises(Exception):  # noqa: B017 - truncated pickle: any unpickling error
         decode(payload2[: len(payload2) // 2], fds2)
 
 

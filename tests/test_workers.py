@@ -17,9 +17,6 @@ import anyio
 import pytest
 import torch
 import torch.utils.data as tud
-
-from aioloader import DataLoader, WorkerDiedError
-
 from _loader_datasets import (
     AsyncCount,
     AsyncRemote,
@@ -34,6 +31,8 @@ from _loader_datasets import (
     record_init,
 )
 from conftest import open_fds, shm_entries, wait_until
+
+from aioloader import DataLoader, WorkerDiedError
 
 FORK = {"multiprocessing_context": "fork"}
 
@@ -250,7 +249,7 @@ def test_lambda_worker_init_fn_with_spawn_fails_clearly() -> None:
     """spawn + a lambda worker_init_fn: the pickling error names the cause; nothing leaks."""
     loader = DataLoader(Slow(4, 0.0), num_workers=1, multiprocessing_context="spawn",
                         worker_init_fn=lambda wid: None)
-    with pytest.raises(Exception) as info:  # noqa: PT011 - the pickling error's own type
+    with pytest.raises(Exception) as info:
         iter(loader)
     text = str(info.value) + "".join(getattr(info.value, "__notes__", []))
     assert "worker_init_fn" in text or "pickle" in text.lower()
