@@ -31,7 +31,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import sniffio
@@ -41,12 +41,11 @@ from . import _device
 from ._afetch import AsyncFetchPool, AsyncIterFetcher
 from ._errors import LoaderClosedError, LoaderTimeoutError, RemoteError, WorkerDiedError
 from ._fetch import EXHAUSTED, DatasetKind, dataset_kind, fetch_or_exhausted, make_fetcher
+from ._pool import WorkerPool
 from ._threads import ThreadRunner
+from ._worker import WorkerConfig
 from .collate import default_collate, default_convert
 from .sampler import BatchSampler, RandomSampler, Sampler, SequentialSampler
-
-if TYPE_CHECKING:
-    from ._pool import WorkerPool
 
 __all__ = ["AsyncLoaderIter", "DataLoaderCore"]
 
@@ -547,10 +546,6 @@ def _resolve_context(loader: DataLoaderCore[Any]) -> multiprocessing.context.Bas
 
 
 def _start_pool(loader: DataLoaderCore[Any], base_seed: int) -> WorkerPool:
-    # Imported here: processes are only needed with num_workers > 0.
-    from ._pool import WorkerPool
-    from ._worker import WorkerConfig
-
     ctx = _resolve_context(loader)
     configs = [
         WorkerConfig(

@@ -158,3 +158,19 @@ class InitSeen(aioloader.Dataset[int]):
 
     def __getitem__(self, i: int) -> int:
         return self.init_by
+
+
+class AsyncFailsAt:
+    """Async dataset whose fetch of one index raises."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __len__(self) -> int:
+        return 16
+
+    async def __getitem__(self, i: int) -> int:
+        await anyio.sleep(0.001)
+        if i == self.at:
+            raise LookupError(f"remote sample {i} missing")
+        return i

@@ -174,3 +174,10 @@ def test_cuda_pinned_and_device_batches() -> None:
         assert b[0].is_cuda and b[1].is_cuda
     out = torch.cat([b[1].cpu() for b in DataLoader(ds, batch_size=16, device="cuda")])
     assert out.tolist() == list(range(64))
+
+
+def test_pin_memory_device_deprecation_warning_like_torch(fake_pin: dict[str, Any]) -> None:
+    """pin_memory_device is ignored with torch 2.13's deprecation warning (current accelerator used)."""
+    with pytest.warns(UserWarning, match="pin_memory_device is deprecated"):
+        out = list(DataLoader(range(4), batch_size=2, pin_memory=True, pin_memory_device="cuda"))
+    assert [b.tolist() for b in out] == [[0, 1], [2, 3]]

@@ -19,6 +19,7 @@ import torch
 import torch.utils.data as tud
 from _loader_datasets import (
     AsyncCount,
+    AsyncFailsAt,
     AsyncRemote,
     Augmented,
     Dies,
@@ -352,3 +353,16 @@ def test_async_dataset_workers_forked_inside_anyio_run(backend: str) -> None:
                                                           num_workers=2, **FORK)]
 
     assert anyio.run(main, backend=backend) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+async def test_async_dataset_error_in_worker_keeps_type_and_goes_on() -> None:
+    """A failing async fetch in a worker: same type, worker traceback, later batches still come."""
+    it = DataLoader(AsyncFailsAt(5), batch_size=4, num_workers=2, **FORK).__aiter__()
+    got: list[list[int]] = []
+    with pytest.raises(LookupError, match="remote sample 5 missing") as info:
+        while True:
+            got.append((await it.__anext__()).tolist())
+    assert "Caught LookupError in DataLoader worker process" in str(info.value)
+    assert got == [[0, 1, 2, 3]]
+    rest = [b.tolist() async for b in it]
+    assert rest == [[8, 9, 10, 11], [12, 13, 14, 15]]
