@@ -1091,6 +1091,12 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def _worker_processes(core: _InlineCore | _PipelineCore) -> list[Any]:
+    """The worker ``Process`` objects of an iterator (empty without workers)."""
+    lease = getattr(core, "lease", None)
+    return list(lease.pool.processes) if lease is not None and lease.started else []
+
+
 class AsyncLoaderIter(Generic[T_co]):
     """One epoch of ``async for batch in loader``.
 
@@ -1121,6 +1127,14 @@ class AsyncLoaderIter(Generic[T_co]):
 
     def __len__(self) -> int:
         return len(self._core.index_sampler)
+
+    # torch's own tests reach into these two; kept for drop-in compatibility.
+    @property
+    def _workers(self) -> list[Any]:
+        return _worker_processes(self._core)
+
+    def _shutdown_workers(self) -> None:
+        self._core.close_from_gc()
 
     def __del__(self) -> None:
         core = getattr(self, "_core", None)

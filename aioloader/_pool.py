@@ -550,10 +550,11 @@ class WorkerPool:
                         anyio.notify_closing(proc.sentinel)
                     except Exception:
                         pass
-                    try:
-                        proc.close()  # closes the sentinel
-                    except ValueError:
-                        pass
+                    # Release the sentinel fd now, but keep the Process usable:
+                    # callers holding it (torch's tests do) may still join() it.
+                    popen = getattr(proc, "_popen", None)
+                    if popen is not None and popen.returncode is not None:
+                        popen.close()
         if close_fds:
             self._closed = True
             _live_pools.discard(self)

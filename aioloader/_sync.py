@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from ._loader import DataLoaderCore, _InlineCore, _PipelineCore
+from ._loader import DataLoaderCore, _InlineCore, _PipelineCore, _worker_processes
 
 __all__ = ["DataLoader", "SyncLoaderIter"]
 
@@ -216,6 +216,14 @@ class SyncLoaderIter(Iterator[T_co]):
     def close(self) -> None:
         """Stop the epoch now and release its threads and processes. Idempotent."""
         self._finalizer()
+
+    # torch's own tests reach into these two; kept for drop-in compatibility.
+    @property
+    def _workers(self) -> list[Any]:
+        return _worker_processes(self._core)
+
+    def _shutdown_workers(self) -> None:
+        self.close()
 
     def __enter__(self) -> SyncLoaderIter[T_co]:
         return self

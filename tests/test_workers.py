@@ -366,3 +366,17 @@ async def test_async_dataset_error_in_worker_keeps_type_and_goes_on() -> None:
     assert got == [[0, 1, 2, 3]]
     rest = [b.tolist() async for b in it]
     assert rest == [[8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def test_torch_style_partial_iteration_and_shutdown() -> None:
+    """torch's test pattern: read a few batches, _shutdown_workers(), join it._workers."""
+    it = iter(DataLoader(Slow(100, 0.001), batch_size=2, num_workers=2, **FORK))
+    workers = it._workers
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    for i, _ in enumerate(it):
+        if i == 3:
+            break
+    it._shutdown_workers()
+    for w in workers:
+        w.join(10)
+        assert not w.is_alive()
