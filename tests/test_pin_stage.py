@@ -181,3 +181,79 @@ def test_pin_memory_device_deprecation_warning_like_torch(fake_pin: dict[str, An
     with pytest.warns(UserWarning, match="pin_memory_device is deprecated"):
         out = list(DataLoader(range(4), batch_size=2, pin_memory=True, pin_memory_device="cuda"))
     assert [b.tolist() for b in out] == [[0, 1], [2, 3]]
+
+
+class _FakeCuda:
+    """Stands in for torch.cuda so the device stage's CUDA path runs on a CPU machine."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, Any]] = []
+        self.in_side_stream = threading.local()
+        fake = self
+
+        class Stream:
+            def __init__(self, device: Any = None) -> None:
+                self.device = device
+                fake.log.append(("stream", device))
+
+            def wait_event(self, event: Any) -> None:
+                fake.log.append(("wait_event", event.recorded_on))
+
+        class Event:
+            def __init__(self) -> None:
+                self.recorded_on: Any = None
+
+            def record(self, stream: Any) -> None:
+                self.recorded_on = stream
+                fake.log.append(("record", threading.current_thread().name))
+
+        self.Stream, self.Event = Stream, Event
+        self.current = Stream("current")
+
+    def stream(self, s: Any) -> Any:
+        fake = self
+
+        class Ctx:
+            def __enter__(self) -> None:
+                fake.in_side_stream.on = s
+
+            def __exit__(self, *exc: object) -> None:
+                fake.in_side_stream.on = None
+
+        return Ctx()
+
+
+def test_device_stage_cuda_path_with_faked_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA branch: copies issued on a side stream in the loader's thread, the
+    consumer's stream waits on each copy's event, tensors are record_stream'ed."""
+    import aioloader._device as dev
+
+    fake = _FakeCuda()
+    monkeypatch.setattr(torch.cuda, "Stream", fake.Stream)
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    monkeypatch.setattr(torch.cuda, "stream", fake.stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.current)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: fake.log.append(("set_device", d)))
+    moved: list[str] = []
+
+    def fake_move(batch: Any, device: Any, *, non_blocking: bool = True) -> Any:
+        assert non_blocking and getattr(fake.in_side_stream, "on", None) is not None
+        moved.append(threading.current_thread().name)
+        return batch
+
+    recorded: list[Any] = []
+    monkeypatch.setattr(_pin, "move_to_device", fake_move)
+    monkeypatch.setattr(_pin, "record_stream", lambda b, s: recorded.append(s))
+    monkeypatch.setattr(dev, "_side_streams", {})
+
+    ds = aioloader.TensorDataset(torch.arange(10))
+    got = [b[0].tolist() for b in DataLoader(ds, batch_size=4, device="cuda", device_prefetch=2)]
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert len(moved) == 3 and all(name.startswith("aioloader") for name in moved)
+    assert ("set_device", torch.device("cuda", 0)) in fake.log
+    waits = [entry for entry in fake.log if entry[0] == "wait_event"]
+    assert len(waits) == 3 and all(w[1] is not fake.current for w in waits)
+    assert recorded == [fake.current] * 3
+    side = [entry for entry in fake.log if entry[0] == "stream" and entry[1] != "current"]
+    assert len(side) == 1  # one side stream, reused
