@@ -26,6 +26,7 @@ import multiprocessing
 import multiprocessing.context
 import os
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -55,6 +56,10 @@ T_co = TypeVar("T_co", covariant=True)
 
 #: Default number of ``await dataset[i]`` in flight per process for async datasets.
 DEFAULT_FETCH_CONCURRENCY = 64
+
+#: Longest wait, at a persistent loader's new epoch, for the superseded epoch's pipeline to
+#: let go of the shared worker pool (it stops within milliseconds unless something is wrong).
+PREVIOUS_EPOCH_WAIT_S = 30.0
 
 
 class _InfiniteConstantSampler(Sampler[None]):
@@ -622,7 +627,13 @@ class _PipelineCore(_CoreBase):
 
     def __init__(self, loader: DataLoaderCore[Any]) -> None:
         super().__init__(loader)
-        self.loader = loader
+        # Held while the epoch runs, dropped by its teardown: finished pipeline tasks can
+        # stay in reference cycles (cancellation tracebacks) until the cyclic GC runs, and
+        # they must not keep the loader, and so its persistent workers, alive (torch's
+        # workers stop as soon as the last reference to the loader goes).
+        self.loader: DataLoaderCore[Any] | None = loader
+        self.fetch_concurrency = loader.fetch_concurrency
+        self.fetch_threads = loader.fetch_threads
         self.in_order = loader.in_order
         self.timeout = loader.timeout
         self.persistent = loader.persistent_workers
@@ -640,6 +651,10 @@ class _PipelineCore(_CoreBase):
         # torch draws the base seed at iter() for every fresh iterator; persistent
         # workers keep theirs, so later epochs draw nothing.
         self.lease: _PoolLease | None = None
+        # Set once this epoch no longer touches its worker pool (its pipeline has stopped).
+        self.stopped = threading.Event()
+        self.after: threading.Event | None = None  # the superseded epoch's `stopped`
+        self.pid = os.getpid()  # its loop and threads exist in this process only
         if self.num_workers > 0:
             lease = loader._pool_lease if self.persistent else None
             if lease is None:
@@ -647,6 +662,8 @@ class _PipelineCore(_CoreBase):
                 lease = _PoolLease(_start_pool(loader, base_seed), base_seed)
                 if self.persistent:
                     loader._pool_lease = lease
+                    # The workers belong to the loader: they stop when it is collected.
+                    weakref.finalize(loader, lease.close)
                 self.fresh_epoch = False
             else:
                 lease.epoch += 1
@@ -654,6 +671,9 @@ class _PipelineCore(_CoreBase):
             previous = lease.holder() if lease.holder is not None else None
             if previous is not None and previous is not self:
                 previous.detach()
+                # Its pipeline may still be reading the pool on its own loop: this epoch
+                # uses the pool only once that one has stopped (see _wait_for_previous).
+                self.after = previous.stopped
             lease.holder = weakref.ref(self)
             self.lease = lease
             self.epoch = lease.epoch
@@ -740,6 +760,8 @@ class _PipelineCore(_CoreBase):
         assert self.scope is not None and self.done is not None
         try:
             with self.scope:
+                if self.after is not None and not self.after.is_set():
+                    await self.runner.run(self._wait_for_previous)
                 if self.lease is not None:
                     await self.lease.start(self.runner)
                     self._push_commands_now()
@@ -755,8 +777,16 @@ class _PipelineCore(_CoreBase):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._cleanup()
+            self.stopped.set()
             self.done.set()
             self._wake()
+
+    def _wait_for_previous(self) -> None:
+        """Block until the superseded epoch of a persistent pool stopped using it."""
+        if self.after is not None and not self.after.wait(PREVIOUS_EPOCH_WAIT_S):
+            _LG.warning("the previous epoch's pipeline did not stop within %.0f s; "
+                        "starting the new epoch anyway", PREVIOUS_EPOCH_WAIT_S)
+        self.after = None
 
     async def _cleanup(self) -> None:
         if isinstance(self.afetch, AsyncIterFetcher):
@@ -766,9 +796,10 @@ class _PipelineCore(_CoreBase):
                 _LG.debug("closing the async iterator failed", exc_info=True)
         await self.runner.aclose()
         lease = self.lease
+        loader, self.loader = self.loader, None
         if lease is not None and (not self.persistent or self.fatal is not None):
-            if self.persistent and self.loader._pool_lease is lease:
-                self.loader._pool_lease = None
+            if self.persistent and loader is not None and loader._pool_lease is lease:
+                loader._pool_lease = None
             await lease.aclose()
 
     def _set_fatal(self, exc: BaseException) -> None:
@@ -867,7 +898,7 @@ class _PipelineCore(_CoreBase):
         run_collate = self._collate_adaptively
         if self.kind is DatasetKind.ASYNC_MAP:
             pool = AsyncFetchPool(self.dataset, self.auto_collation, self.collate_fn,
-                                  self.loader.fetch_concurrency, run_collate=run_collate)
+                                  self.fetch_concurrency, run_collate=run_collate)
             self.afetch = pool
             await tg.start(pool.run)
         elif self.kind is DatasetKind.ASYNC_ITERABLE:
@@ -876,7 +907,7 @@ class _PipelineCore(_CoreBase):
                                            run_collate=run_collate)
         else:  # sync dataset with a device stage and no workers
             fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
-                                   self.collate_fn, self.drop_last, self.loader.fetch_threads)
+                                   self.collate_fn, self.drop_last, self.fetch_threads)
             self.afetch = None
             self.sync_fetcher = fetcher
 
@@ -1021,6 +1052,7 @@ class _PipelineCore(_CoreBase):
     def start_workers_sync(self) -> None:
         """Start worker processes now, from the calling thread (the sync facade)."""
         if self.lease is not None:
+            self._wait_for_previous()
             try:
                 self.lease.start_sync()
             except BaseException:
@@ -1038,9 +1070,11 @@ class _PipelineCore(_CoreBase):
             return
         self.closed = True
         if self.handle is None:  # never started: nothing runs, release directly
+            self.loader = None
             if self.lease is not None and not self.persistent:
                 await self.lease.aclose()
             await self.runner.aclose()
+            self.stopped.set()
             return
         assert self.scope is not None and self.done is not None
         self.scope.cancel()
@@ -1048,21 +1082,28 @@ class _PipelineCore(_CoreBase):
             await self.done.wait()
 
     def close_from_gc(self) -> None:
-        """Teardown that is safe from ``__del__`` in any thread."""
+        """Teardown that is safe from ``__del__`` in any thread (a no-op in a forked copy)."""
         self.closed = True
+        if os.getpid() != self.pid:  # a forked copy: its loop, threads and workers are the
+            self.stopped.set()       # parent's, and nothing of it runs here
+            return
         if self.handle is None:
+            self.loader = None
             if self.lease is not None and not self.persistent:
                 self.lease.close()
             self.runner.close()
+            self.stopped.set()
             return
         scope = self.scope
         try:
             assert scope is not None
             self.handle.call_soon(scope.cancel)
         except RuntimeError:  # the loop is closed: tear down synchronously
+            self.loader = None
             if self.lease is not None and not self.persistent:
                 self.lease.close()
             self.runner.close()
+            self.stopped.set()
 
 
 class _ErrorBox:

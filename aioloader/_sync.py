@@ -18,14 +18,16 @@ closes iterators still open at interpreter exit.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+import anyio
+from anyio.from_thread import BlockingPortal
 
 from ._loader import DataLoaderCore, _InlineCore, _PipelineCore, _worker_processes
 
@@ -91,12 +93,16 @@ class _PortalDriver:
 
     def __init__(self, core: _PipelineCore) -> None:
         self.core = core
-        self.cm: AbstractContextManager[BlockingPortal] | None = None
         self.portal: BlockingPortal | None = None
+        self.thread: threading.Thread | None = None  # runs the portal's event loop
         self.closed = False
         self.lock = threading.Lock()
         self.starter: threading.Thread | None = None
         self.start_error: BaseException | None = None
+        # The loop thread exists only in this process. A forked child (a worker of another
+        # loader) inherits this object and may run its finalizer when it collects garbage:
+        # there, closing must not wait on a loop thread that is not there.
+        self.pid = os.getpid()
 
     def start_soon(self) -> None:
         """Bring the loop thread up in the background while workers make the first batch."""
@@ -111,9 +117,15 @@ class _PortalDriver:
             self.start_error = exc
 
     def _start_portal(self) -> None:
-        cm = start_blocking_portal("asyncio", _backend_options())
-        self.portal = cm.__enter__()
-        self.cm = cm
+        # A plain thread, not anyio's start_blocking_portal(): that one is a generator, and
+        # a forked child that garbage-collects an inherited copy would run its `finally`,
+        # which waits on the parent's loop thread (absent in the child) forever.
+        ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+        thread = threading.Thread(target=_run_portal_loop, args=(ready,),
+                                  name="aioloader-facade-loop", daemon=True)
+        thread.start()
+        self.portal = ready.result()
+        self.thread = thread
         _LG.debug("facade loop thread started")
 
     def start(self) -> BlockingPortal:
@@ -136,6 +148,8 @@ class _PortalDriver:
             raise StopIteration from None
 
     def close(self) -> None:
+        if os.getpid() != self.pid:
+            return  # a forked copy: the loop thread and the workers are the parent's
         with self.lock:
             if self.closed:
                 return
@@ -143,12 +157,11 @@ class _PortalDriver:
         if self.starter is not None and self.starter is not threading.current_thread():
             self.starter.join()
             self.starter = None
-        portal, cm = self.portal, self.cm
-        if portal is None or cm is None:
+        portal, thread = self.portal, self.thread
+        if portal is None or thread is None:
             self.core.close_from_gc()
             return
-        thread = getattr(portal, "_event_loop_thread_id", None)
-        if thread is not None and thread == threading.get_ident():
+        if thread is threading.current_thread():
             # Collected on the loop thread itself: schedule, never wait on ourselves.
             self.core.close_from_gc()
             return
@@ -158,10 +171,32 @@ class _PortalDriver:
             _LG.debug("closing the pipeline failed", exc_info=True)
         finally:
             try:
-                cm.__exit__(None, None, None)
+                portal.call(portal.stop, False)
+            except RuntimeError:  # already stopped
+                pass
             except Exception:
                 _LG.debug("stopping the facade loop failed", exc_info=True)
+            thread.join()
             _LG.debug("facade loop thread stopped")
+
+
+def _run_portal_loop(ready: concurrent.futures.Future[BlockingPortal]) -> None:
+    """The facade's loop thread: serve a blocking portal until it is stopped."""
+
+    async def serve() -> None:
+        async with BlockingPortal() as portal:
+            ready.set_result(portal)
+            await portal.sleep_until_stopped()
+
+    if not ready.set_running_or_notify_cancel():
+        return
+    try:
+        anyio.run(serve, backend="asyncio", backend_options=_backend_options())
+    except BaseException as exc:
+        if not ready.done():
+            ready.set_exception(exc)
+        else:
+            _LG.debug("the facade loop ended with an error", exc_info=True)
 
 
 _open_drivers: weakref.WeakSet[_PortalDriver] = weakref.WeakSet()
@@ -172,7 +207,7 @@ def _close_open_drivers() -> None:
         driver.close()
 
 
-try:  # run before non-daemon threads are joined at exit (portal threads are not daemons)
+try:  # run at exit before threads are joined or abandoned (the loop threads are daemons)
     threading._register_atexit(_close_open_drivers)  # type: ignore[attr-defined]
 except (AttributeError, RuntimeError):  # pragma: no cover
     import atexit

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import array
 import collections
+import errno
 import io
 import logging
 import os
@@ -61,6 +62,7 @@ __all__ = [
     "LARGE_PAYLOAD",
     "MAX_FDS_PER_MESSAGE",
     "SHARE_THRESHOLD",
+    "TOO_MANY_FDS",
     "Frame",
     "FrameReader",
     "FrameWriter",
@@ -98,6 +100,24 @@ _FD_SIZE = array.array("i").itemsize
 
 class TransportError(RuntimeError):
     """The byte stream between parent and worker is not a valid frame sequence."""
+
+
+TOO_MANY_FDS = (
+    "Too many open files. Communication with the workers is no longer possible. Please "
+    "increase the limit using `ulimit -n` in the shell or change the sharing strategy by "
+    "calling `torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning "
+    "of your code (received tensors then travel inline instead of by file descriptor)"
+)
+"""torch's message for running out of descriptors (each received shared tensor holds one)."""
+
+
+def _out_of_fds(fd: int) -> bool:
+    """Whether this process cannot open one more descriptor (probed by duplicating ``fd``)."""
+    try:
+        os.close(os.dup(fd))
+    except OSError as exc:
+        return exc.errno in (errno.EMFILE, errno.ENFILE)
+    return False
 
 
 class Frame(NamedTuple):
@@ -142,8 +162,8 @@ def _rebuild_tensor(storage: torch.UntypedStorage, dtype: torch.dtype, storage_o
 
 
 def _reduce_tensor(t: torch.Tensor) -> Any:
-    if (t.device.type != "cpu" or t.layout is not torch.strided or t.is_quantized
-            or t.is_conj() or t.is_neg() or (t.requires_grad and not t.is_leaf)
+    if (t.device.type != "cpu" or t.layout is not torch.strided or t.is_nested
+            or t.is_quantized or t.is_conj() or t.is_neg() or (t.requires_grad and not t.is_leaf)
             or any(n is not None for n in getattr(t, "names", ()))):
         return NotImplemented
     try:
@@ -232,8 +252,14 @@ class _Unpickler(pickle.Unpickler):
             storage = self._storages.get(index)
             if storage is None:
                 # torch dups the fd for the mapping's lifetime; ours is closed by decode().
-                storage = torch.UntypedStorage._new_shared_fd_cpu(  # type: ignore[attr-defined]
-                    self._fds[index], nbytes)
+                fd = self._fds[index]
+                try:
+                    storage = torch.UntypedStorage._new_shared_fd_cpu(  # type: ignore[attr-defined]
+                        fd, nbytes)
+                except RuntimeError as exc:
+                    if _out_of_fds(fd):
+                        raise TransportError(TOO_MANY_FDS) from exc
+                    raise
                 self._storages[index] = storage
             return storage
         raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
@@ -430,8 +456,8 @@ class FrameReader:
                 self._fd_fifo.extend(array.array("i", data[:usable]))
         if flags & socket.MSG_CTRUNC:
             raise TransportError(
-                "file descriptors attached to a message were truncated by the kernel "
-                "(is the process out of file descriptors? raise `ulimit -n`)")
+                "file descriptors attached to a message were truncated by the kernel. "
+                + TOO_MANY_FDS)
 
     def _take_frame_fds(self, count: int) -> list[int]:
         if count > len(self._fd_fifo):

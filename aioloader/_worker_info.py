@@ -7,9 +7,20 @@ worker?" without importing the worker machinery.
 from __future__ import annotations
 
 import sys
+from dataclasses import FrozenInstanceError
 from typing import Any
 
 __all__ = ["WorkerInfo", "get_worker_info"]
+
+
+class ReadOnlyAttributeError(RuntimeError, FrozenInstanceError):
+    """Raised on assignment to a :class:`WorkerInfo` attribute.
+
+    Both exception types torch has used for it: ``RuntimeError`` (older torch, and
+    what torch's own test-suite checks) and ``dataclasses.FrozenInstanceError``, an
+    ``AttributeError`` (recent torch's frozen dataclass, e.g. 2.13), so ``except``
+    clauses written for either catch it.
+    """
 
 
 class WorkerInfo:
@@ -22,7 +33,9 @@ class WorkerInfo:
             (``base_seed + id``).
         dataset: this worker's own copy of the dataset.
 
-    Attributes cannot be changed once set, as in torch.
+    Attributes cannot be changed once set, as in torch (assigning raises
+    :class:`ReadOnlyAttributeError`, both a ``RuntimeError`` and a
+    ``dataclasses.FrozenInstanceError``).
     """
 
     id: int
@@ -39,7 +52,7 @@ class WorkerInfo:
 
     def __setattr__(self, key: str, val: Any) -> None:
         if self.__initialized:
-            raise RuntimeError(
+            raise ReadOnlyAttributeError(
                 f"Cannot assign attributes to {self.__class__.__name__} objects"
             )
         super().__setattr__(key, val)

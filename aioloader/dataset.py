@@ -163,11 +163,13 @@ class StackDataset(Dataset[_T_stack]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if args and kwargs:
             raise ValueError(
-                "StackDataset takes either positional datasets (tuple samples) or "
-                "keyword datasets (dict samples), not both; pick one form."
+                "Supported either tuple-like (positional datasets) or dict-like (keyword "
+                "datasets) input/output, but both types are given: StackDataset takes one form."
             )
         if not args and not kwargs:
-            raise ValueError("StackDataset needs at least one dataset; pass one or more.")
+            raise ValueError(
+                "At least one dataset should be passed to StackDataset (positional or keyword)."
+            )
         parts: Sequence[Any] = args if args else list(kwargs.values())
         lengths = [len(d) for d in parts]
         if any(n != lengths[0] for n in lengths):
@@ -328,11 +330,13 @@ class ChainDataset(IterableDataset[Any]):
         return sum(len(cast(Sized, self._checked(d))) for d in self.datasets)
 
 
-class Subset(Dataset[T_co]):
+class Subset(Dataset[T_co], _tud.Subset[T_co]):
     """The samples of ``dataset`` at ``indices``, in that order.
 
     A subclass that overrides ``__getitem__`` must also override
-    ``__getitems__`` (the loader fetches batches through it).
+    ``__getitems__`` (the loader fetches batches through it). It is also a
+    :class:`torch.utils.data.Subset`, so code that checks for torch's class
+    (torch's own ``TestCase.assertEqual`` compares Subsets item by item) accepts it.
 
     Args:
         dataset: the whole dataset.
