@@ -247,18 +247,7 @@ class WorkerPool:
         if conn.exited:
             return
         conn.writer.write(command)
-        if conn.send_lock is None:
-            conn.send_lock = anyio.Lock()
-        async with conn.send_lock:
-            try:
-                while not conn.writer.flush():
-                    await anyio.wait_writable(conn.sock)
-            except (BrokenPipeError, ConnectionResetError):
-                logger.debug("worker %d is gone; command dropped", worker_id)
-                conn.writer.close()
-            except anyio.ClosedResourceError:
-                if not self._closing:
-                    raise
+        await self._drain(conn)
 
     def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
         """Queue ``command`` and write what the socket takes right now; never blocks.
@@ -284,6 +273,10 @@ class WorkerPool:
         conn = self._conns[worker_id]
         if conn.exited or self._closing:
             return
+        await self._drain(conn)
+
+    async def _drain(self, conn: _Conn) -> None:
+        """Write out what is queued for ``conn``, waiting for writability as needed."""
         if conn.send_lock is None:
             conn.send_lock = anyio.Lock()
         async with conn.send_lock:
@@ -291,7 +284,11 @@ class WorkerPool:
                 while not conn.writer.flush():
                     await anyio.wait_writable(conn.sock)
             except (BrokenPipeError, ConnectionResetError):
+                logger.debug("worker %d is gone; command dropped", conn.worker_id)
                 conn.writer.close()
+            except anyio.ClosedResourceError:
+                if not self._closing:
+                    raise
 
     async def serve(self, sink: ObjectSendStream[tuple[int, Any]]) -> None:
         """Hand every message from every worker to ``sink`` as ``(worker_id, message)``.

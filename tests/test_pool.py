@@ -48,15 +48,7 @@ one_loop = pytest.mark.asyncio(loop_factories=["asyncio"])
 # --------------------------------------------------------------------------- helpers
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def shm_entries() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:  # pragma: no cover
-        return set()
+from conftest import open_fds, shm_entries  # noqa: E402 - shared leak probes
 
 
 def mp_context(method: str) -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import open_fds, shm_entries
 
 from aioloader._transport import (
     HEADER,
@@ -28,17 +29,6 @@ from aioloader._transport import (
     encode,
     send_message,
 )
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def shm_entries() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:  # pragma: no cover
-        return set()
 
 
 @pytest.fixture
