@@ -21,18 +21,7 @@ import torch
 import torch.utils.data as tud
 
 import aioloader
-
-
-class Images(tud.Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.base = torch.rand(3, 224, 224)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return self.base, i
+from bench_workers import Images  # same samples as the worker benchmark
 
 
 def fake_step(x: torch.Tensor, w: torch.Tensor, reps: int) -> None:
