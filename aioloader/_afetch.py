@@ -168,27 +168,28 @@ class AsyncFetchPool:
         finally:
             self.close()
 
+    async def _read(self, batch: _Batch, j: int, key: Any) -> None:
+        """Read sample ``j`` of ``batch`` (or the whole batch via ``__getitems__``)."""
+        if self._batched:
+            batch.results = list(await self.dataset.__getitems__(key))
+        elif self._getitem_is_async:
+            batch.results[j] = await self.dataset[key]
+        else:  # async __getitems__ only, read one by one (batch_size=None)
+            batch.results[j] = self.dataset[key]
+
     async def _runner(self) -> None:
         if sniffio.current_async_library() == "asyncio":
             await self._runner_asyncio()
             return
         queue = self._queue
-        ds = self.dataset
-        batched = self._batched
         scope_cls = self._scope_cls
-        getitem_is_async = self._getitem_is_async
         while True:
             batch, j, key = await queue.get()
             if batch.failure is None:
                 with scope_cls() as scope:
                     batch.scopes.add(scope)
                     try:
-                        if batched:
-                            batch.results = list(await ds.__getitems__(key))
-                        elif getitem_is_async:
-                            batch.results[j] = await ds[key]
-                        else:  # async __getitems__ only, read one by one (batch_size=None)
-                            batch.results[j] = ds[key]
+                        await self._read(batch, j, key)
                     except Exception as exc:
                         batch.fail(exc)
                     finally:
@@ -206,9 +207,6 @@ class AsyncFetchPool:
         until the runner leaves, so it is never lost.
         """
         queue = self._queue
-        ds = self.dataset
-        batched = self._batched
-        getitem_is_async = self._getitem_is_async
         task = asyncio.current_task()
         assert task is not None
         uncancel = getattr(task, "uncancel", None)  # Python 3.11+
@@ -218,12 +216,7 @@ class AsyncFetchPool:
                 swallowed = False
                 batch.scopes.add(task)
                 try:
-                    if batched:
-                        batch.results = list(await ds.__getitems__(key))
-                    elif getitem_is_async:
-                        batch.results[j] = await ds[key]
-                    else:
-                        batch.results[j] = ds[key]
+                    await self._read(batch, j, key)
                 except asyncio.CancelledError:
                     if task not in batch.cancelled:
                         raise

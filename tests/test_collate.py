@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
+from _containers import FrozenMapping, ImmutableSeq, MyTuple, OddMapping
 from torch.utils.data._utils import collate as torch_collate_mod
 
 from aioloader import collate as ac
@@ -117,44 +118,6 @@ class TypedPoint(NamedTuple):
 class Color(enum.IntEnum):
     RED = 1
     BLUE = 2
-
-
-class FrozenMapping(Mapping[str, Any]):
-    """Immutable mapping constructible from a dict."""
-
-    def __init__(self, data: dict[str, Any]) -> None:
-        self._data = dict(data)
-
-    def __getitem__(self, key: str) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-class OddMapping(FrozenMapping):
-    """Immutable mapping that cannot be rebuilt from a dict."""
-
-    def __init__(self, a: int, b: int) -> None:
-        super().__init__({"a": a, "b": b})
-
-
-class MyTuple(tuple):
-    pass
-
-
-class ImmutableSeq(Sequence[Any]):
-    def __init__(self, items: Any) -> None:
-        self._items = list(items)
-
-    def __getitem__(self, i: Any) -> Any:
-        return self._items[i]
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 class OddSeq(ImmutableSeq):

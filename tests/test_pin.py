@@ -6,11 +6,12 @@ import collections
 import dataclasses
 import types
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import pytest
 import torch
+from _containers import FrozenMapping, ImmutableSeq, MyTuple, OddMapping
 from torch.utils.data._utils import pin_memory as torch_pin_mod
 
 from aioloader import _pin
@@ -33,10 +34,6 @@ Point = collections.namedtuple("Point", ["x", "y"])
 class Pair(NamedTuple):
     left: Any
     right: Any
-
-
-class MyTuple(tuple):
-    pass
 
 
 @dataclasses.dataclass
@@ -99,38 +96,6 @@ class Opaque:
 
     def __init__(self) -> None:
         self.t = torch.zeros(1)
-
-
-class FrozenMapping(Mapping[str, Any]):
-    def __init__(self, data: dict[str, Any]) -> None:
-        self._data = dict(data)
-
-    def __getitem__(self, key: str) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-class OddMapping(FrozenMapping):
-    """Cannot be rebuilt from a dict: falls back to dict, as in torch."""
-
-    def __init__(self, a: Any, b: Any) -> None:
-        super().__init__({"a": a, "b": b})
-
-
-class ImmutableSeq(Sequence[Any]):
-    def __init__(self, items: Any) -> None:
-        self._items = list(items)
-
-    def __getitem__(self, i: Any) -> Any:
-        return self._items[i]
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 # ---------------------------------------------------------------------------
