@@ -209,7 +209,8 @@ class WorkerPool:
                 inherited = [c.sock.fileno() for c in self._conns] + [parent_sock.fileno()]
             else:
                 inherited = []  # fd numbers mean nothing in a fresh interpreter
-            cfg = dataclasses.replace(cfg, parent_pid=parent_pid, close_fds=inherited)
+            cfg = dataclasses.replace(cfg, parent_pid=parent_pid, close_fds=inherited,
+                                      start_method=method)
             proc = self._ctx.Process(target=worker_main, args=(child_sock, cfg),
                                      name=f"aioloader-worker-{worker_id}", daemon=True)
             try:

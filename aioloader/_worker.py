@@ -24,8 +24,10 @@ their replies may leave out of order (the parent reorders by ``seq``).
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import logging
+import multiprocessing.util
 import os
 import random
 import select
@@ -33,6 +35,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -50,6 +53,7 @@ __all__ = ["WorkerConfig", "generate_numpy_seed", "worker_main"]
 logger = logging.getLogger(__name__)
 
 _PARENT_CHECK_INTERVAL = 1.0  # seconds between checks that the parent still lives
+_EXIT_HANDLERS_LIMIT = 10.0  # most seconds a parentless worker spends in its exit handlers
 _MASK32 = 0xFFFFFFFF
 
 
@@ -72,6 +76,8 @@ class WorkerConfig:
         parent_pid: the pool's pid (set by the pool at start).
         close_fds: parent-side fds inherited through ``fork`` that the child
             closes at once, so that EOF and parent death are seen (set by the pool).
+        start_method: how the process was started (set by the pool); a forked
+            worker drops the ``atexit`` handlers it inherited from the parent.
     """
 
     worker_id: int
@@ -87,6 +93,7 @@ class WorkerConfig:
     fetch_threads: int = 0
     parent_pid: int = 0
     close_fds: list[int] = field(default_factory=list)
+    start_method: str = ""
 
 
 def generate_numpy_seed(base_seed: int, worker_id: int) -> list[int]:
@@ -179,12 +186,17 @@ def _parent_alive(cfg: WorkerConfig, watch_ppid: bool) -> bool:
     return not watch_ppid or os.getppid() == cfg.parent_pid
 
 
-def _start_watchdog(sock: socket.socket, cfg: WorkerConfig, watch_ppid: bool) -> None:
+def _start_watchdog(sock: socket.socket, cfg: WorkerConfig, watch_ppid: bool,
+                    leaving: threading.Event) -> None:
     """Exit the process when the parent dies, even while user code hangs.
 
     A daemon thread waits for the parent's end of the socket to hang up
     (``POLLHUP``) and, where the parent is our parent process (fork/spawn),
-    also checks ``os.getppid()`` at least once per second.
+    also checks ``os.getppid()`` at least once per second. A parent that
+    closes the pool hangs up right after its ``("exit",)`` command: when the
+    main thread is ``leaving`` (or starts to within a check interval), it is
+    given up to :data:`_EXIT_HANDLERS_LIMIT` seconds to run the worker's
+    exit handlers before the process is ended anyway.
     """
     fd = sock.fileno()
 
@@ -194,7 +206,10 @@ def _start_watchdog(sock: socket.socket, cfg: WorkerConfig, watch_ppid: bool) ->
         while True:
             events = poller.poll(int(_PARENT_CHECK_INTERVAL * 1000))
             if events or not _parent_alive(cfg, watch_ppid):
-                os._exit(0)
+                break
+        if leaving.wait(_PARENT_CHECK_INTERVAL):
+            time.sleep(_EXIT_HANDLERS_LIMIT)  # the main thread ends the process before this
+        os._exit(0)
 
     threading.Thread(target=watch, name="aioloader-worker-watchdog", daemon=True).start()
 
@@ -287,25 +302,28 @@ def _serve_sync(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError 
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     state = _SyncEpoch(cfg, init_error)
-    while True:
-        cmd = _next_command(reader, poller, cfg, watch_ppid)
-        if cmd is None or cmd[0] == "exit":
-            break
-        op = cmd[0]
-        if op == "fetch":
-            _, epoch, seq, index = cmd
-            del cmd
-            reply = state.fetch(cfg, epoch, seq, index)
-            del index
-            send_frame(sock, *_encode_reply(cfg, reply))
-            del reply  # free the batch (and its shared memory) before waiting again
-        elif op == "reset":
-            state.close()
-            state = _SyncEpoch(cfg, init_error)
-            send_frame(sock, *_encode_reply(cfg, ("reset", cmd[1])))
-        else:
-            raise RuntimeError(f"unknown command {cmd!r}")
-    reader.close()
+    try:
+        while True:
+            cmd = _next_command(reader, poller, cfg, watch_ppid)
+            if cmd is None or cmd[0] == "exit":
+                break
+            op = cmd[0]
+            if op == "fetch":
+                _, epoch, seq, index = cmd
+                del cmd
+                reply = state.fetch(cfg, epoch, seq, index)
+                del index
+                send_frame(sock, *_encode_reply(cfg, reply))
+                del reply  # free the batch (and its shared memory) before waiting again
+            elif op == "reset":
+                state.close()
+                state = _SyncEpoch(cfg, init_error)
+                send_frame(sock, *_encode_reply(cfg, ("reset", cmd[1])))
+            else:
+                raise RuntimeError(f"unknown command {cmd!r}")
+    finally:
+        state.close()  # the fetch threads (fetch_threads=) end with the worker's work
+        reader.close()
 
 
 # --------------------------------------------------------------------------- async serving
@@ -489,21 +507,66 @@ def _serve_async(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError
 # --------------------------------------------------------------------------- entry point
 
 
-def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
-    """Body of a worker process: set up, serve commands, leave with ``os._exit``.
+def _forget_inherited_exit_handlers() -> None:
+    """Drop the ``atexit`` handlers a forked worker inherited from its parent.
 
-    Leaving through ``os._exit`` runs none of the exit hooks inherited from
-    the parent (a forked copy of a ``concurrent.futures`` thread's hook would
-    try to join a thread that does not exist here). Exit code 0 on a normal
-    exit (``("exit",)``, EOF or parent death); 1 if the worker machinery
-    itself failed (the traceback goes to stderr).
+    They are the parent's (its test runner, its own clean-up): they must not
+    run in the worker. Handlers registered from here on are the worker's own
+    and run when it leaves (:func:`_run_own_exit_handlers`).
+    """
+    atexit._clear()
+
+
+def _run_own_exit_handlers() -> None:
+    """Run what an interpreter runs at exit, except the thread-exit hooks.
+
+    The ``atexit`` handlers (for ``fork``, only those registered in the
+    worker; for ``spawn``/``forkserver``, those of the worker's interpreter)
+    and multiprocessing's finalizers: a semaphore a dataset created here (as
+    tqdm does) is unlinked and unregistered from the resource tracker, so it
+    is not reported as leaked. ``threading``'s exit hooks and the join of
+    non-daemon threads are skipped on purpose: in a child forked from a
+    ``concurrent.futures`` thread, that executor's inherited hook would join
+    the thread the child runs on and fail the exit (code 1).
+    """
+    try:
+        atexit._run_exitfuncs()  # clears the registry: nothing runs twice
+    except BaseException:
+        _report_exit_failure("an atexit handler")
+    try:
+        multiprocessing.util._exit_function()  # type: ignore[attr-defined]
+    except BaseException:
+        _report_exit_failure("a multiprocessing finalizer")
+
+
+def _report_exit_failure(what: str) -> None:
+    try:
+        sys.stderr.write(f"aioloader worker (pid {os.getpid()}): {what} failed at exit:\n"
+                         + traceback.format_exc())
+    except BaseException:
+        pass
+
+
+def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
+    """Body of a worker process: set up, serve commands, clean up, leave with ``os._exit``.
+
+    Before leaving, the worker runs its own ``atexit`` handlers and
+    multiprocessing finalizers (:func:`_run_own_exit_handlers`); leaving
+    through ``os._exit`` then runs none of the thread-exit hooks inherited
+    from the parent (a forked copy of a ``concurrent.futures`` thread's hook
+    would try to join a thread that does not exist here). Exit code 0 on a
+    normal exit (``("exit",)``, EOF or parent death); 1 if the worker
+    machinery itself failed (the traceback goes to stderr).
     """
     code = 0
+    leaving = threading.Event()
     try:
+        if cfg.start_method == "fork":
+            _forget_inherited_exit_handlers()
         watch_ppid = os.getppid() == cfg.parent_pid  # False under forkserver
         _setup_process(cfg)
         logger.debug("worker %d (pid %d) started", cfg.worker_id, os.getpid())
-        _start_watchdog(sock, cfg, watch_ppid)
+        _start_watchdog(sock, cfg, watch_ppid, leaving)
         init_error: RemoteError | None = None
         try:
             if cfg.worker_init_fn is not None:
@@ -527,10 +590,12 @@ def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
         except BaseException:
             pass
     finally:
+        leaving.set()
         try:
             sock.close()
         except BaseException:
             pass
+        _run_own_exit_handlers()
         try:
             sys.stdout.flush()
             sys.stderr.flush()
