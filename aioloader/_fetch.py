@@ -137,10 +137,10 @@ class MapFetcher:
             data = [ds[i] for i in index]
         return self.collate_fn(data)
 
-    def close(self) -> None:
-        """Stop the fetch threads, if any (waits for running reads)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the fetch threads, if any; ``wait``: join them (after running reads end)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown(wait=wait, cancel_futures=True)
             self._pool = None
 
 
@@ -188,7 +188,7 @@ class IterFetcher:
             raise StopIteration
         return self.collate_fn(data)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Nothing to release for a plain iterator."""
 
 

@@ -795,6 +795,17 @@ class _PipelineCore(_CoreBase):
             except Exception:
                 _LG.debug("closing the async iterator failed", exc_info=True)
         await self.runner.aclose()
+        # The device path's sync fetcher owns a thread pool (fetch_threads): it ends with
+        # the epoch. Its reads ran in the runner, which is idle now unless a read hung past
+        # the runner's grace; then the pool is told to stop without waiting for that read.
+        fetcher: Any = getattr(self, "sync_fetcher", None)
+        if fetcher is not None:
+            del self.sync_fetcher
+            thread = self.runner.thread
+            fetcher.close(wait=thread is None or not thread.is_alive())
+        # Batches that arrived but will never be handed out: free their shared memory now.
+        self.slots.clear()
+        self.staged.clear()
         lease = self.lease
         loader, self.loader = self.loader, None
         if lease is not None and (not self.persistent or self.fatal is not None):
@@ -856,6 +867,9 @@ class _PipelineCore(_CoreBase):
             async with recv:
                 async for worker, msg in recv:
                     await self._intake_worker_message(worker, msg)
+                    # Not kept while waiting: a cancellation's traceback would keep this
+                    # frame, and so the batch and its shared memory, until the cyclic GC.
+                    del msg
 
     async def _serve_pool(self, send: Any) -> None:
         assert self.lease is not None
@@ -1025,6 +1039,9 @@ class _PipelineCore(_CoreBase):
             raise
         except WorkerDiedError:
             await self.aclose()
+            # Raised now, and the epoch is over: kept, it would tie this core to the
+            # consumer's frames (its traceback) in a cycle only the cyclic GC breaks.
+            self.fatal = None
             raise
         self._count_yield()
         return data

@@ -48,6 +48,7 @@ import anyio
 from anyio.abc import ObjectSendStream
 
 from ._errors import LoaderClosedError, WorkerDiedError
+from ._threads import ThreadRunner
 from ._transport import LARGE_PAYLOAD, Frame, FrameReader, FrameWriter, decode
 from ._worker import WorkerConfig, worker_main
 
@@ -312,6 +313,8 @@ class WorkerPool:
             raise LoaderClosedError("the worker pool is closed")
         errors: list[BaseException] = []
         scope = anyio.CancelScope()  # cancelled by aclose(): serve() then returns quietly
+        # Decodes large frames off the loop; started on first use, joined before we return.
+        decoder = ThreadRunner("aioloader-decode")
         self._serve_scopes.add(scope)
         self._serving += 1
         try:
@@ -320,8 +323,10 @@ class WorkerPool:
                     for conn in self._conns:
                         if not conn.exited or conn.pending or len(conn.reader):
                             tg.start_soon(self._serve_conn, conn, sink, errors,
-                                          tg.cancel_scope)
+                                          tg.cancel_scope, decoder)
         finally:
+            # A decode still running finishes into conn.pending before this returns.
+            await decoder.aclose()
             self._serve_scopes.discard(scope)
             self._serving -= 1
             if self._serving == 0:
@@ -331,10 +336,16 @@ class WorkerPool:
                     self._deferred_release = False
                     self._release()
         if errors:
-            raise errors[0]
+            error = errors[0]
+            errors.clear()
+            try:
+                raise error
+            finally:  # no frame -> exception -> traceback -> frame cycle
+                del error
 
     async def _serve_conn(self, conn: _Conn, sink: ObjectSendStream[tuple[int, Any]],
-                          errors: list[BaseException], group: anyio.CancelScope) -> None:
+                          errors: list[BaseException], group: anyio.CancelScope,
+                          decoder: ThreadRunner) -> None:
         error: BaseException | None = None
         exited = anyio.Event()
         async with anyio.create_task_group() as tg:
@@ -343,7 +354,7 @@ class WorkerPool:
             else:
                 tg.start_soon(self._watch_sentinel, conn, exited)
             try:
-                await self._pump(conn, sink, exited)
+                await self._pump(conn, sink, exited, decoder)
             except anyio.ClosedResourceError as exc:
                 # Our fds were closed under us (only closing does that) or the sink was.
                 if not self._closing:
@@ -354,6 +365,7 @@ class WorkerPool:
                 tg.cancel_scope.cancel()
         if error is not None:
             errors.append(error)
+            error = None  # this frame is in the error's traceback: no cycle through it
             group.cancel()
 
     async def _watch_sentinel(self, conn: _Conn, exited: anyio.Event) -> None:
@@ -367,10 +379,10 @@ class WorkerPool:
             conn.wait_scope.cancel()
 
     async def _pump(self, conn: _Conn, sink: ObjectSendStream[tuple[int, Any]],
-                    exited: anyio.Event) -> None:
+                    exited: anyio.Event, decoder: ThreadRunner) -> None:
         reader = conn.reader
         while True:
-            await self._deliver(conn, sink)
+            await self._deliver(conn, sink, decoder)
             if conn.exited:
                 break
             if reader.eof:
@@ -387,12 +399,13 @@ class WorkerPool:
         # The process has ended: take what it wrote before dying, then say why.
         if not reader.eof:
             reader.read_available()
-        await self._deliver(conn, sink)
+        await self._deliver(conn, sink, decoder)
         if self._closing or conn.retiring:
             return
         raise await self._death_error(conn)
 
-    async def _deliver(self, conn: _Conn, sink: ObjectSendStream[tuple[int, Any]]) -> None:
+    async def _deliver(self, conn: _Conn, sink: ObjectSendStream[tuple[int, Any]],
+                       decoder: ThreadRunner) -> None:
         """Decode complete frames and hand them over, in order."""
         while True:
             if not conn.pending:
@@ -402,7 +415,7 @@ class WorkerPool:
                 if len(frame.payload) >= LARGE_PAYLOAD:
                     # Unpickling megabytes would stall the loop: do it in a thread. The
                     # result is parked on the conn first, so a cancellation loses nothing.
-                    await anyio.to_thread.run_sync(_decode_into, conn.pending, frame)
+                    await decoder.run(_decode_into, conn.pending, frame)
                 else:
                     conn.pending.append(decode(*frame))
             await sink.send((conn.worker_id, conn.pending[0]))
@@ -482,6 +495,8 @@ class WorkerPool:
         closes fds. Idempotent. Does nothing to the processes when called in a
         process other than the one that started them (a forked child).
         """
+        if os.getpid() != self._owner_pid:
+            return  # a forked copy: its lock may have been held by a thread absent here
         with self._close_lock:
             if self._closing:
                 return

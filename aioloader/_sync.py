@@ -18,6 +18,7 @@ closes iterators still open at interpreter exit.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import os
@@ -95,6 +96,7 @@ class _PortalDriver:
         self.core = core
         self.portal: BlockingPortal | None = None
         self.thread: threading.Thread | None = None  # runs the portal's event loop
+        self.loop: asyncio.AbstractEventLoop | None = None  # that thread's loop
         self.closed = False
         self.lock = threading.Lock()
         self.starter: threading.Thread | None = None
@@ -120,11 +122,12 @@ class _PortalDriver:
         # A plain thread, not anyio's start_blocking_portal(): that one is a generator, and
         # a forked child that garbage-collects an inherited copy would run its `finally`,
         # which waits on the parent's loop thread (absent in the child) forever.
-        ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+        ready: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]] = (
+            concurrent.futures.Future())
         thread = threading.Thread(target=_run_portal_loop, args=(ready,),
                                   name="aioloader-facade-loop", daemon=True)
         thread.start()
-        self.portal = ready.result()
+        self.portal, self.loop = ready.result()
         self.thread = thread
         _LG.debug("facade loop thread started")
 
@@ -141,11 +144,18 @@ class _PortalDriver:
 
     def next(self) -> Any:
         portal = self.start()
-        try:
-            return portal.call(self.core.anext)
-        except StopAsyncIteration:
+        ok, value = portal.call(_anext_boxed, self.core)
+        if ok:
+            return value
+        if value is None:
             self.close()
-            raise StopIteration from None
+            raise StopIteration
+        try:
+            raise value
+        finally:
+            del value  # no frame -> exception -> traceback -> frame cycle
+            if self.core.closed:  # a fatal error (a worker died): the epoch is over
+                self.close()
 
     def close(self) -> None:
         if os.getpid() != self.pid:
@@ -162,8 +172,11 @@ class _PortalDriver:
             self.core.close_from_gc()
             return
         if thread is threading.current_thread():
-            # Collected on the loop thread itself: schedule, never wait on ourselves.
-            self.core.close_from_gc()
+            # Collected on the loop thread itself (a reference cycle that the cyclic GC
+            # broke there): never wait on ourselves. Schedule the teardown, then the end
+            # of the portal: the loop thread leaves and its loop's fds are closed.
+            assert self.loop is not None
+            self.loop.call_soon(_spawn_closer, self.loop, self.core, portal)
             return
         try:
             portal.call(self.core.aclose)
@@ -180,12 +193,50 @@ class _PortalDriver:
             _LG.debug("facade loop thread stopped")
 
 
-def _run_portal_loop(ready: concurrent.futures.Future[BlockingPortal]) -> None:
+async def _anext_boxed(core: _PipelineCore) -> tuple[bool, Any]:
+    """``(True, batch)``, ``(False, None)`` at the end, or ``(False, exception)``.
+
+    Nothing is raised through the portal: an exception crossing it stays in a
+    reference cycle with the portal's future (future -> exception -> traceback
+    -> frame -> future), which would keep the consumer's frame, and so its
+    last batch and its shared memory, alive until the cyclic GC runs.
+    """
+    try:
+        return True, await core.anext()
+    except StopAsyncIteration:
+        return False, None
+    except Exception as exc:
+        return False, exc
+
+
+_closers: set[asyncio.Task[None]] = set()  # strong references until each task is done
+
+
+def _spawn_closer(loop: asyncio.AbstractEventLoop, core: _PipelineCore,
+                  portal: BlockingPortal) -> None:
+    """On the facade's loop: tear the pipeline down, then stop the portal (and its thread)."""
+
+    async def close_then_stop() -> None:
+        try:
+            await core.aclose()
+        except Exception:
+            _LG.debug("closing the pipeline failed", exc_info=True)
+        finally:
+            await portal.stop(False)
+
+    task = loop.create_task(close_then_stop())
+    _closers.add(task)
+    task.add_done_callback(_closers.discard)
+
+
+def _run_portal_loop(
+        ready: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]],
+) -> None:
     """The facade's loop thread: serve a blocking portal until it is stopped."""
 
     async def serve() -> None:
         async with BlockingPortal() as portal:
-            ready.set_result(portal)
+            ready.set_result((portal, asyncio.get_running_loop()))
             await portal.sleep_until_stopped()
 
     if not ready.set_running_or_notify_cancel():

@@ -396,6 +396,7 @@ class FrameReader:
         self._big_fds: list[int] = []
         self._eof = False
         self._closed = False
+        self._pid = os.getpid()  # the received fds are this process's
 
     @property
     def eof(self) -> bool:
@@ -497,6 +498,15 @@ class FrameReader:
         while self._frames:
             close_fds(self._frames.popleft().fds)
         self._buf.clear()
+
+    def __del__(self) -> None:
+        # A reader dropped without close() (an abandoned pipeline): its received fds go
+        # with it. Not in a forked copy, where those numbers may name other files now.
+        try:
+            if not self._closed and os.getpid() == self._pid:
+                self.close()
+        except Exception:
+            pass
 
 
 # --------------------------------------------------------------------------- writing

@@ -432,7 +432,17 @@ async def serve_until_error(pool: WorkerPool, limit: float = 10,
 
 
 async def test_kill9_mid_fetch_is_reported_within_a_second() -> None:
-    """SIGKILL of a worker busy in __getitem__ makes serve() raise WorkerDiedError at once."""
+    """SIGKILL of a worker busy in __getitem__ makes serve() raise WorkerDiedError at once.
+
+    Measured 3 times: the median latency from the kill to the error is under a second.
+    """
+    latencies = [await _kill9_mid_fetch_latency() for _ in range(3)]
+    log.info("SIGKILL detected after %s ms", [round(x * 1000, 1) for x in latencies])
+    assert sorted(latencies)[1] < 1.0, latencies
+
+
+async def _kill9_mid_fetch_latency() -> float:
+    """One SIGKILL of a worker hanging in __getitem__; seconds until serve() raised."""
     with no_leaks():
         pool = WorkerPool(make_configs(2, ds.DyingDataset()), mp_context("fork"))
         pool.start()
@@ -461,9 +471,6 @@ async def test_kill9_mid_fetch_is_reported_within_a_second() -> None:
                     async for _ in recv:
                         pass
             exc, raised_at = result[0]
-            latency = raised_at - killed_at
-            log.info("SIGKILL detected after %.1f ms", latency * 1000)
-            assert latency < 5.0  # typically a few ms; generous against CI noise
             assert isinstance(exc, WorkerDiedError)
             assert f"DataLoader worker (pid {victim}) is killed by signal: Killed." in str(exc)
             assert exc.worker_id == 1
@@ -471,6 +478,9 @@ async def test_kill9_mid_fetch_is_reported_within_a_second() -> None:
             assert exc.exitcode == -signal.SIGKILL
             assert not pool.is_running(1)
             assert pool.is_running(0)
+            del exc
+            result.clear()  # exception -> traceback -> watch() -> result: no cycle
+            return raised_at - killed_at
         finally:
             await pool.aclose()
 

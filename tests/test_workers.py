@@ -163,16 +163,24 @@ def test_timeout_raises_runtime_error() -> None:
     ("exit", r"DataLoader worker \(pid \d+\) exited unexpectedly with exit code 7"),
 ])
 def test_dead_worker_is_named_within_a_second(how: str, pattern: str) -> None:
-    """SIGKILL / os._exit in a worker: RuntimeError naming pid and signal/code, fast, no hang."""
+    """SIGKILL / os._exit in a worker: RuntimeError naming pid and signal/code, fast, no hang.
+
+    Timed from ``iter()`` (workers start, serve 10 batches, one dies) to the
+    error; the median of 3 runs must be under a second.
+    """
     loader = DataLoader(Dies(21, how), batch_size=2, num_workers=2, **FORK)
-    seen = []
-    t0 = time.monotonic()
-    with pytest.raises(WorkerDiedError, match=pattern) as info:
-        for b in loader:
-            seen.append(b.tolist())
-    assert isinstance(info.value, RuntimeError)
-    assert time.monotonic() - t0 < 5  # death is seen at once; the bound is for noisy CI
-    assert len(seen) < 32
+    took = []
+    for _ in range(3):
+        seen = []
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=pattern) as info:
+            for b in loader:
+                seen.append(b.tolist())
+        took.append(time.monotonic() - t0)
+        assert isinstance(info.value, RuntimeError)
+        assert len(seen) < 32
+        del info
+    assert sorted(took)[1] < 1.0, took
 
 
 def test_worker_exception_type_traceback_and_continuation() -> None:
