@@ -27,10 +27,10 @@ def main() -> int:
 
     got_async = asyncio.run(run())
     if got_sync != expected or got_async != expected:
-        print(f"bare venv check: wrong batches: for={got_sync} async for={got_async}",
+        print(f"bare venv check: wrong batches: for={got_sync} async for={got_async}",  # noqa: T201
               file=sys.stderr)
         return 1
-    print(f"bare venv check: aioloader {aioloader.__file__} imports and loads with "
+    print(f"bare venv check: aioloader {aioloader.__file__} imports and loads with "  # noqa: T201
           f"num_workers=2 (for and async for) from a plain venv")
     return 0
 
