@@ -280,6 +280,8 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
 
     def _shutdown_workers(self) -> None:
         """Stop the epoch; with persistent workers the workers too, as torch's does."""
+        if not hasattr(self, "_finalizer"):  # __init__ raised (torch's __del__ calls this)
+            return
         self.close()
         _shutdown_persistent_pool(self._core)
 
