@@ -37,6 +37,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 import sniffio
 import torch
+import torch.utils.data as _tud
 
 from . import _device
 from ._afetch import AsyncFetchPool, AsyncIterFetcher
@@ -75,10 +76,21 @@ def _draw_base_seed(generator: torch.Generator | None) -> int:
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
-class DataLoaderCore(Generic[T_co]):
-    """Everything of :class:`aioloader.DataLoader` except the sync facade."""
+class DataLoaderCore(_tud.DataLoader[T_co]):
+    """Everything of :class:`aioloader.DataLoader` except the sync facade.
+
+    A subclass of :class:`torch.utils.data.DataLoader` so that frameworks that check
+    ``isinstance(x, torch.utils.data.DataLoader)`` (Lightning, Fabric, accelerate) treat it
+    as one: they inject distributed samplers by re-creating the loader from its public
+    attributes, which are exactly its ``__init__`` arguments. torch's ``__init__`` is never
+    called (it would build torch's own samplers); everything torch's methods use is set here
+    or overridden.
+    """
 
     __initialized = False
+    #: torch's persistent-workers iterator slot: the latest ``for`` iterator of a loader with
+    #: persistent workers (frameworks call its ``_shutdown_workers()`` at teardown).
+    _iterator: Any = None
 
     def __init__(
         self,
@@ -210,9 +222,12 @@ class DataLoaderCore(Generic[T_co]):
         self.collate_fn = collate_fn
         self.persistent_workers = persistent_workers
 
-        self._IterableDataset_len_called: int | None = None
+        self._IterableDataset_len_called: int | None = None  # type: ignore[assignment]
         self._pool_lease: _PoolLease | None = None
+        self._iterator = None
+        self._dataset_kind = 1 if self._kind.iterable else 0  # torch: _DatasetKind.Map/Iterable
         self.__initialized = True
+        self._DataLoader__initialized = True  # torch's own __setattr__ guard, same attributes
         self.check_worker_number_rationality()
 
     # -- torch-compatible attributes ------------------------------------------------------
@@ -269,7 +284,7 @@ class DataLoaderCore(Generic[T_co]):
 
     def __len__(self) -> int:
         if self._kind.iterable:
-            length = len(self.dataset)
+            length = len(self.dataset)  # type: ignore[arg-type]
             self._IterableDataset_len_called = length
             if self.batch_size is not None:
                 if self.drop_last:
@@ -519,8 +534,22 @@ class _PoolLease:
         self.base_seed = base_seed
         self.epoch = 0
         self.started = False
+        self.closed = False
+        # Set when the loader is collected while an epoch still uses the pool: that epoch
+        # closes it when it stops (see loader_collected and _PipelineCore._release_lease).
+        self.orphaned = False
+        self.lock = threading.Lock()
         self.holder: weakref.ref[_PipelineCore] | None = None
         self._finalizer = weakref.finalize(self, pool.close)
+
+    def loader_collected(self) -> None:
+        """The owning loader is gone: close now, or let the running epoch close at its end."""
+        with self.lock:
+            holder = self.holder() if self.holder is not None else None
+            if holder is not None and not holder.lease_released:
+                self.orphaned = True
+                return
+        self.close()
 
     def start_sync(self) -> None:
         if not self.started:
@@ -536,10 +565,12 @@ class _PoolLease:
             await runner.run(self.start_sync)
 
     async def aclose(self) -> None:
-        self._finalizer.detach()
-        await self.pool.aclose()
+        self.closed = True
+        if self._finalizer.detach() is not None:
+            await self.pool.aclose()
 
     def close(self) -> None:
+        self.closed = True
         self._finalizer()
 
 
@@ -627,11 +658,13 @@ class _PipelineCore(_CoreBase):
 
     def __init__(self, loader: DataLoaderCore[Any]) -> None:
         super().__init__(loader)
-        # Held while the epoch runs, dropped by its teardown: finished pipeline tasks can
-        # stay in reference cycles (cancellation tracebacks) until the cyclic GC runs, and
-        # they must not keep the loader, and so its persistent workers, alive (torch's
-        # workers stop as soon as the last reference to the loader goes).
-        self.loader: DataLoaderCore[Any] | None = loader
+        # Weak: the loader keeps its persistent iterator (``loader._iterator``, as torch), so
+        # a strong reference back would be a cycle that keeps the workers alive until the
+        # cyclic GC runs (torch's stop as soon as the last reference to the loader goes). An
+        # epoch that outlives its loader keeps the pool through ``self.lease`` and closes it
+        # at its end (``_PoolLease.orphaned``).
+        self.loader: weakref.ref[DataLoaderCore[Any]] | None = weakref.ref(loader)
+        self.lease_released = False
         self.fetch_concurrency = loader.fetch_concurrency
         self.fetch_threads = loader.fetch_threads
         self.in_order = loader.in_order
@@ -657,13 +690,16 @@ class _PipelineCore(_CoreBase):
         self.pid = os.getpid()  # its loop and threads exist in this process only
         if self.num_workers > 0:
             lease = loader._pool_lease if self.persistent else None
+            if lease is not None and lease.closed:  # shut down by _shutdown_workers()
+                lease = None
             if lease is None:
                 base_seed = _draw_base_seed(loader.generator)
                 lease = _PoolLease(_start_pool(loader, base_seed), base_seed)
                 if self.persistent:
                     loader._pool_lease = lease
-                    # The workers belong to the loader: they stop when it is collected.
-                    weakref.finalize(loader, lease.close)
+                    # The workers belong to the loader: they stop when it is collected (or,
+                    # if an epoch still runs then, when that epoch stops).
+                    weakref.finalize(loader, lease.loader_collected)
                 self.fresh_epoch = False
             else:
                 lease.epoch += 1
@@ -807,11 +843,22 @@ class _PipelineCore(_CoreBase):
         self.slots.clear()
         self.staged.clear()
         lease = self.lease
-        loader, self.loader = self.loader, None
-        if lease is not None and (not self.persistent or self.fatal is not None):
+        loader_ref, self.loader = self.loader, None
+        loader = loader_ref() if loader_ref is not None else None
+        orphaned = self._release_lease()
+        if lease is not None and (not self.persistent or self.fatal is not None or orphaned):
             if self.persistent and loader is not None and loader._pool_lease is lease:
                 loader._pool_lease = None
             await lease.aclose()
+
+    def _release_lease(self) -> bool:
+        """This epoch is done with the pool; True when it must close it (loader collected)."""
+        lease = self.lease
+        if lease is None:
+            return False
+        with lease.lock:
+            self.lease_released = True
+            return lease.orphaned and lease.holder is not None and lease.holder() is self
 
     def _set_fatal(self, exc: BaseException) -> None:
         if self.fatal is None:
@@ -1088,7 +1135,7 @@ class _PipelineCore(_CoreBase):
         self.closed = True
         if self.handle is None:  # never started: nothing runs, release directly
             self.loader = None
-            if self.lease is not None and not self.persistent:
+            if self.lease is not None and (not self.persistent or self._release_lease()):
                 await self.lease.aclose()
             await self.runner.aclose()
             self.stopped.set()
@@ -1106,7 +1153,7 @@ class _PipelineCore(_CoreBase):
             return
         if self.handle is None:
             self.loader = None
-            if self.lease is not None and not self.persistent:
+            if self.lease is not None and (not self.persistent or self._release_lease()):
                 self.lease.close()
             self.runner.close()
             self.stopped.set()
@@ -1117,7 +1164,7 @@ class _PipelineCore(_CoreBase):
             self.handle.call_soon(scope.cancel)
         except RuntimeError:  # the loop is closed: tear down synchronously
             self.loader = None
-            if self.lease is not None and not self.persistent:
+            if self.lease is not None and (not self.persistent or self._release_lease()):
                 self.lease.close()
             self.runner.close()
             self.stopped.set()
@@ -1153,6 +1200,21 @@ def _worker_processes(core: _InlineCore | _PipelineCore) -> list[Any]:
     """The worker ``Process`` objects of an iterator (empty without workers)."""
     lease = getattr(core, "lease", None)
     return list(lease.pool.processes) if lease is not None and lease.started else []
+
+
+def _shutdown_persistent_pool(core: _InlineCore | _PipelineCore) -> None:
+    """torch's ``iterator._shutdown_workers()`` for persistent workers: stop the pool too.
+
+    Only while ``core`` is the epoch that holds the pool: an older epoch's iterator being
+    shut down (or collected) must not stop the workers a newer epoch uses. The loader then
+    starts a fresh pool (and draws a new base seed) at its next ``iter()``, as torch does.
+    """
+    lease = getattr(core, "lease", None)
+    if (lease is None or not core.persistent  # type: ignore[union-attr]
+            or os.getpid() != core.pid  # type: ignore[union-attr]
+            or lease.holder is None or lease.holder() is not core):
+        return
+    lease.close()
 
 
 class AsyncLoaderIter(Generic[T_co]):

@@ -29,8 +29,15 @@ from typing import Any, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
-from ._loader import DataLoaderCore, _InlineCore, _PipelineCore, _worker_processes
+from ._loader import (
+    DataLoaderCore,
+    _InlineCore,
+    _PipelineCore,
+    _shutdown_persistent_pool,
+    _worker_processes,
+)
 
 __all__ = ["DataLoader", "SyncLoaderIter"]
 
@@ -80,8 +87,20 @@ class DataLoader(DataLoaderCore[T_co]):
     """
 
     def __iter__(self) -> SyncLoaderIter[T_co]:
-        """Start an epoch: ``for batch in loader``."""
+        """Start an epoch: ``for batch in loader``.
+
+        With persistent workers the iterator is also kept in ``self._iterator``, as torch
+        does, so that frameworks can shut the workers down through it.
+        """
+        iterator = self._get_iterator()
+        if self.persistent_workers and self.num_workers > 0:
+            self._iterator = iterator
+        return iterator
+
+    def _get_iterator(self) -> SyncLoaderIter[T_co]:
         core = self._make_core()
+        if self.num_workers > 0:
+            return _MultiProcessSyncLoaderIter(core)
         return SyncLoaderIter(core)
 
     def close(self) -> None:
@@ -266,11 +285,13 @@ except (AttributeError, RuntimeError):  # pragma: no cover
     atexit.register(_close_open_drivers)
 
 
-class SyncLoaderIter(Iterator[T_co]):
+class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
     """One epoch of ``for batch in loader``.
 
     ``close()`` (or garbage collection, or interpreter exit) stops every
-    thread and worker process the epoch started.
+    thread and worker process the epoch started. A
+    :class:`torch.utils.data.dataloader._BaseDataLoaderIter` for code that checks
+    (torch's ``__init__`` is not called).
     """
 
     def __init__(self, core: _InlineCore | _PipelineCore) -> None:
@@ -309,7 +330,11 @@ class SyncLoaderIter(Iterator[T_co]):
         return _worker_processes(self._core)
 
     def _shutdown_workers(self) -> None:
+        """Stop the epoch; with persistent workers the workers too, as torch's does."""
+        if not hasattr(self, "_finalizer"):  # __init__ raised (torch's __del__ calls this)
+            return
         self.close()
+        _shutdown_persistent_pool(self._core)
 
     def __enter__(self) -> SyncLoaderIter[T_co]:
         return self
@@ -317,3 +342,16 @@ class SyncLoaderIter(Iterator[T_co]):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+
+
+class _MultiProcessSyncLoaderIter(  # type: ignore[override]  # _workers: a property
+    SyncLoaderIter[T_co], _MultiProcessingDataLoaderIter
+):
+    """The iterator of a loader with workers.
+
+    Also a :class:`torch.utils.data.dataloader._MultiProcessingDataLoaderIter`: Lightning
+    shuts a persistent loader's workers down at the end of ``fit()`` only through an
+    iterator of that type (``loader._iterator._shutdown_workers()``). Every method used
+    is :class:`SyncLoaderIter`'s; torch's ``__del__`` calls ``_shutdown_workers()``, which
+    leaves a newer epoch's persistent workers alone.
+    """

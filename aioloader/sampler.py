@@ -53,7 +53,7 @@ class Sampler(_tud.Sampler[T_co]):
         raise NotImplementedError(f"{type(self).__name__} must implement __iter__().")
 
 
-class SequentialSampler(Sampler[int]):
+class SequentialSampler(Sampler[int], _tud.SequentialSampler):
     """Yield ``0, 1, ..., len(data_source) - 1`` in order.
 
     Args:
@@ -76,7 +76,7 @@ class SequentialSampler(Sampler[int]):
         return len(self.data_source)
 
 
-class RandomSampler(Sampler[int]):
+class RandomSampler(Sampler[int], _tud.RandomSampler):
     """Yield random indices into ``data_source``: a shuffle, or draws with replacement.
 
     Without ``generator``, each iteration seeds a fresh generator from one draw
@@ -160,7 +160,7 @@ class RandomSampler(Sampler[int]):
         return self.num_samples
 
 
-class SubsetRandomSampler(Sampler[int]):
+class SubsetRandomSampler(Sampler[int], _tud.SubsetRandomSampler):
     """Yield the given ``indices`` in a random order (without replacement).
 
     Args:
@@ -188,7 +188,7 @@ class SubsetRandomSampler(Sampler[int]):
         return len(self.indices)
 
 
-class WeightedRandomSampler(Sampler[int]):
+class WeightedRandomSampler(Sampler[int], _tud.WeightedRandomSampler):
     """Yield ``num_samples`` indices into ``weights``, drawn with probability ∝ weight.
 
     Args:
@@ -251,7 +251,7 @@ class WeightedRandomSampler(Sampler[int]):
         return self.num_samples
 
 
-class BatchSampler(Sampler[list[int]]):
+class BatchSampler(Sampler[list[int]], _tud.BatchSampler):
     """Group the indices of another sampler into lists of ``batch_size``.
 
     Args:
