@@ -1007,13 +1007,14 @@ class _PipelineCore(_CoreBase):
         run_collate = self._collate_adaptively
         if self.kind is DatasetKind.ASYNC_MAP:
             pool = AsyncFetchPool(self.dataset, self.auto_collation, self.collate_fn,
-                                  self.fetch_concurrency, run_collate=run_collate)
+                                  self.fetch_concurrency, run_collate=run_collate,
+                                  run_sync=self.runner.run)
             self.afetch = pool
             await tg.start(pool.run)
         else:
             self.afetch = AsyncIterFetcher(self.dataset, self.auto_collation,
                                            self.collate_fn, self.drop_last,
-                                           run_collate=run_collate)
+                                           run_collate=run_collate, run_sync=self.runner.run)
 
     async def _fetch_in_process(self, seq: int, index: Any) -> None:
         slot = self.slots.get(seq)
