@@ -59,6 +59,7 @@ __all__ = ["AsyncLoaderIter", "DataLoaderCore"]
 _LG = logging.getLogger(__name__)
 
 T_co = TypeVar("T_co", covariant=True)
+_LoaderT = TypeVar("_LoaderT", bound="DataLoaderCore[Any]")
 
 #: Default number of ``await dataset[i]`` in flight per process for async datasets.
 DEFAULT_FETCH_CONCURRENCY = 64
@@ -350,6 +351,30 @@ class DataLoaderCore(Generic[T_co]):
         self._pool_lease = None
         if lease is not None:
             lease.close()
+
+    # -- async with loader: persistent workers end with the block --------------------------
+
+    async def __aenter__(self: _LoaderT) -> _LoaderT:
+        """``async with loader:`` shuts persistent workers down when the block ends.
+
+        Each epoch's own clean-up is ``async with aiter(loader) as it``.
+
+        Example:
+            >>> import anyio
+            >>> from aioloader import DataLoader
+            >>> async def main():
+            ...     async with DataLoader(list(range(5)), batch_size=2) as loader:
+            ...         async with aiter(loader) as it:
+            ...             async for batch in it:
+            ...                 break  # the epoch's thread/workers stop here, no GC needed
+            ...     return batch.tolist()
+            >>> anyio.run(main)
+            [0, 1]
+        """
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 # ----------------------------------------------------------------------------------------

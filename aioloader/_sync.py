@@ -76,6 +76,18 @@ class DataLoader(DataLoaderCore[T_co]):
         ...     return [b[0].tolist() async for b in DataLoader(ds, batch_size=4)]
         >>> asyncio.run(main())
         [[0, 1, 2, 3], [4, 5]]
+
+        Deterministic clean-up: ``async with aiter(loader) as it`` stops the
+        epoch's threads and workers when the block ends (``break`` included);
+        ``async with loader`` also shuts down persistent workers at its end.
+
+        >>> async def first_batch():
+        ...     async with DataLoader(ds, batch_size=4) as loader:
+        ...         async with aiter(loader) as it:
+        ...             async for batch in it:
+        ...                 return batch[0].tolist()
+        >>> asyncio.run(first_batch())
+        [0, 1, 2, 3]
     """
 
     def __iter__(self) -> SyncLoaderIter[T_co]:
