@@ -2,7 +2,7 @@
 
 The only module that knows about the facade's thread. Two shapes:
 
-* ``num_workers=0`` with a sync dataset and no device stage: batches are
+* ``num_workers=0`` with a sync dataset (``device=`` included): batches are
   fetched in the calling thread, one per ``next()``, exactly as torch does.
   No event loop is involved, so it works anywhere, Jupyter included.
 * everything else: the same async pipeline as ``async for``, driven from a
@@ -62,8 +62,10 @@ class DataLoader(DataLoaderCore[T_co]):
             dataset with a pool of this many threads (I/O-bound datasets);
             0 (default) reads them one after another, as torch.
         device: opt-in device stage: deliver batches already copied to this
-            device (``"cuda"``), copied on a side stream a few batches ahead.
-        device_prefetch: how many batches the device stage keeps in flight.
+            device (``"cuda"``), copied on a side stream; a few batches ahead
+            with workers or an async dataset, inside each ``next()`` otherwise.
+        device_prefetch: how many batches the device stage keeps in flight
+            (with workers or an async dataset).
 
     Example:
         >>> import torch

@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -28,7 +29,7 @@ class AsyncItems:
         return 32
 
     async def __getitem__(self, i: int) -> int:
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         return i
 
 
