@@ -23,7 +23,6 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import sniffio
-import torch.utils.data as _tud
 from anyio.abc import TaskStatus
 
 from . import dataset as _ds
@@ -34,6 +33,7 @@ from ._fetch import (
     STACK_TYPES,
     SUBSET_TYPES,
     DatasetKind,
+    _is_coro_method,
     dataset_kind,
     fetch_or_exhausted,
     make_fetcher,
@@ -46,10 +46,6 @@ RunSync = Callable[..., Awaitable[Any]]
 
 async def _run_inline(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
-
-
-def _is_coro_method(obj: object, name: str) -> bool:
-    return inspect.iscoroutinefunction(getattr(type(obj), name, None))
 
 
 def _stock(dataset: object, types: tuple[type, ...]) -> bool:
@@ -111,20 +107,13 @@ async def iterate_async(dataset: Any, run_sync: RunSync = _run_inline) -> AsyncI
         return
     chain: Any = dataset
     for part in chain.datasets:
-        if not isinstance(part, _tud.IterableDataset) and not hasattr(type(part), "__aiter__"):
-            raise AssertionError(
-                f"ChainDataset only supports IterableDataset, got {type(part).__name__}; "
-                "use ConcatDataset for map-style datasets."
-            )
         if dataset_kind(part).is_async:
             async for item in iterate_async(part, run_sync):
                 yield item
             continue
+        _ds.ChainDataset._checked(part)  # iterable-style, or torch's AssertionError
         it = await run_sync(iter, part)
-        while True:
-            item = await run_sync(next, it, _END)
-            if item is _END:
-                break
+        while (item := await run_sync(next, it, _END)) is not _END:
             yield item
 
 

@@ -49,7 +49,7 @@ from ._errors import (
 )
 from ._fetch import EXHAUSTED, DatasetKind, dataset_kind, fetch_or_exhausted, make_fetcher
 from ._pool import WorkerPool
-from ._threads import ThreadRunner
+from ._threads import ThreadRunner, _noop
 from ._worker import WorkerConfig
 from .collate import default_collate, default_convert
 from .sampler import BatchSampler, RandomSampler, Sampler, SequentialSampler
@@ -455,10 +455,6 @@ def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     t0 = time.perf_counter()
     value = fn(*args)
     return value, time.perf_counter() - t0
-
-
-def _noop() -> None:
-    return None
 
 
 class _ThreadCall:
