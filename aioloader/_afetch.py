@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -25,7 +25,19 @@ import anyio.lowlevel
 import sniffio
 from anyio.abc import TaskStatus
 
-from ._fetch import EXHAUSTED, DatasetKind, fetch_or_exhausted, make_fetcher
+from . import dataset as _ds
+from ._fetch import (
+    CHAIN_TYPES,
+    CONCAT_TYPES,
+    EXHAUSTED,
+    STACK_TYPES,
+    SUBSET_TYPES,
+    DatasetKind,
+    _is_coro_method,
+    dataset_kind,
+    fetch_or_exhausted,
+    make_fetcher,
+)
 
 __all__ = ["AsyncFetchPool", "AsyncIterFetcher", "SyncFetchAdapter"]
 
@@ -34,6 +46,78 @@ RunSync = Callable[..., Awaitable[Any]]
 
 async def _run_inline(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
+
+
+def _stock(dataset: object, types: tuple[type, ...]) -> bool:
+    """``dataset`` is one of ``types`` and reads samples with that class's own ``__getitem__``."""
+    if not isinstance(dataset, types):
+        return False
+    getitem = getattr(type(dataset), "__getitem__", None)
+    return any(getitem is getattr(t, "__getitem__", None) for t in types)
+
+
+async def read_sample(dataset: Any, key: Any, run_sync: RunSync = _run_inline) -> Any:
+    """One sample of ``dataset``, awaiting whatever part of it is async.
+
+    Looks through ``Subset``, ``ConcatDataset`` and ``StackDataset`` (torch's
+    and aioloader's) down to the datasets that hold the samples: an async one
+    is awaited on the loop, a sync one is read through ``run_sync`` (the
+    iterator's thread in the main process, inline in a worker), so wrappers
+    may mix sync and async datasets. A sync ``__getitem__`` that returns an
+    awaitable (another wrapper of an async dataset) is awaited too.
+    """
+    while True:
+        if _stock(dataset, SUBSET_TYPES):
+            dataset, key = dataset.dataset, dataset.indices[key]
+        elif _stock(dataset, CONCAT_TYPES):
+            which, key = _ds.ConcatDataset._locate(dataset, key)
+            dataset = dataset.datasets[which]
+        else:
+            break
+    if _stock(dataset, STACK_TYPES):
+        parts = dataset.datasets
+        if isinstance(parts, dict):
+            return {k: await read_sample(d, key, run_sync) for k, d in parts.items()}
+        return tuple([await read_sample(d, key, run_sync) for d in parts])
+    if _is_coro_method(dataset, "__getitem__"):
+        return await dataset[key]
+    if _is_coro_method(dataset, "__getitems__"):
+        return (await dataset.__getitems__([key]))[0]
+    value = await run_sync(dataset.__getitem__, key)
+    if inspect.isawaitable(value):
+        value = await value
+    return value
+
+
+async def iterate_async(dataset: Any, run_sync: RunSync = _run_inline) -> AsyncIterator[Any]:
+    """The samples of an async iterable-style ``dataset``, ``ChainDataset`` of them included.
+
+    A ``ChainDataset`` streams its parts in order: async ones with ``async
+    for``, sync ones pulled through ``run_sync`` one item at a time.
+    """
+    if not isinstance(dataset, CHAIN_TYPES) or hasattr(type(dataset), "__aiter__"):
+        ait = dataset.__aiter__()
+        try:
+            async for item in ait:
+                yield item
+        finally:
+            aclose = getattr(ait, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        return
+    chain: Any = dataset
+    for part in chain.datasets:
+        if dataset_kind(part).is_async:
+            async for item in iterate_async(part, run_sync):
+                yield item
+            continue
+        _ds.ChainDataset._checked(part)  # iterable-style, or torch's AssertionError
+        it = await run_sync(iter, part)
+        while (item := await run_sync(next, it, _END)) is not _END:
+            yield item
+
+
+_END = object()
 
 
 class _Batch:
@@ -140,16 +224,20 @@ class AsyncFetchPool:
     """
 
     def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
-                 concurrency: int, run_collate: RunSync | None = None) -> None:
+                 concurrency: int, run_collate: RunSync | None = None,
+                 run_sync: RunSync | None = None) -> None:
         self.dataset = dataset
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
         self.concurrency = concurrency
         self._run_collate: RunSync = run_collate or _run_inline
+        self._run_sync: RunSync = run_sync or _run_inline
+        # A wrapper of async datasets (Subset, ConcatDataset, ...): read sample by sample.
+        self._wrapper = not (_is_coro_method(dataset, "__getitem__")
+                             or _is_coro_method(dataset, "__getitems__"))
         getitems = getattr(type(dataset), "__getitems__", None)
-        self._batched = bool(getitems) and auto_collation
-        self._getitem_is_async = inspect.iscoroutinefunction(
-            getattr(type(dataset), "__getitem__", None))
+        self._batched = bool(getitems) and auto_collation and not self._wrapper
+        self._getitem_is_async = _is_coro_method(dataset, "__getitem__")
         self._queue = _WorkQueue()
         self._event_cls: Callable[[], anyio.Event] = anyio.Event
         self._scope_cls: Callable[[], anyio.CancelScope] = anyio.CancelScope
@@ -172,6 +260,8 @@ class AsyncFetchPool:
         """Read sample ``j`` of ``batch`` (or the whole batch via ``__getitems__``)."""
         if self._batched:
             batch.results = list(await self.dataset.__getitems__(key))
+        elif self._wrapper:
+            batch.results[j] = await read_sample(self.dataset, key, self._run_sync)
         elif self._getitem_is_async:
             batch.results[j] = await self.dataset[key]
         else:  # async __getitems__ only, read one by one (batch_size=None)
@@ -288,13 +378,17 @@ class AsyncIterFetcher:
     """
 
     def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
-                 drop_last: bool, run_collate: RunSync | None = None) -> None:
+                 drop_last: bool, run_collate: RunSync | None = None,
+                 run_sync: RunSync | None = None) -> None:
         self.dataset = dataset
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
         self.drop_last = drop_last
         self._run_collate: RunSync = run_collate or _run_inline
-        self._it = dataset.__aiter__()
+        if hasattr(type(dataset), "__aiter__"):
+            self._it = dataset.__aiter__()
+        else:  # a ChainDataset with async parts
+            self._it = iterate_async(dataset, run_sync or _run_inline).__aiter__()
         self._ended = False
         self._lock = anyio.Lock()
 

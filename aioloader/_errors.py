@@ -7,6 +7,8 @@ code written against ``torch.utils.data`` catches the same things::
     ├── LoaderTimeoutError          a batch took longer than ``timeout``
     ├── WorkerDiedError             a worker process exited unexpectedly
     └── LoaderClosedError           the iterator was used after ``aclose()``
+    AssertionError + ValueError
+    └── PrefetchFactorError         ``prefetch_factor=0`` with workers (at ``iter()``)
 
 Errors raised by user code (dataset, sampler, ``collate_fn``,
 ``worker_init_fn``) keep their own type. In the main process they propagate
@@ -24,6 +26,7 @@ from typing import NoReturn
 __all__ = [
     "LoaderClosedError",
     "LoaderTimeoutError",
+    "PrefetchFactorError",
     "RemoteError",
     "WorkerDiedError",
 ]
@@ -53,6 +56,15 @@ class WorkerDiedError(RuntimeError):
 
 class LoaderClosedError(RuntimeError):
     """The iterator was used after it was closed by ``aclose()``/``close()``."""
+
+
+class PrefetchFactorError(AssertionError, ValueError):
+    """``prefetch_factor=0`` with worker processes: no batch could ever be requested.
+
+    torch raises :class:`AssertionError` at ``iter()`` for this; this class is
+    one (so ``except AssertionError`` keeps working) and also a
+    :class:`ValueError`, the type of every other bad-argument error.
+    """
 
 
 class _KeyErrorMessage(str):

@@ -23,8 +23,14 @@ from typing import Any
 
 import torch.utils.data as _tud
 
+from . import dataset as _ds
+
 __all__ = [
+    "CHAIN_TYPES",
+    "CONCAT_TYPES",
     "EXHAUSTED",
+    "STACK_TYPES",
+    "SUBSET_TYPES",
     "DatasetKind",
     "IterFetcher",
     "MapFetcher",
@@ -32,7 +38,14 @@ __all__ = [
     "fetch_or_exhausted",
     "is_async_dataset",
     "make_fetcher",
+    "wrapped_datasets",
 ]
+
+#: The dataset wrappers (torch's and aioloader's) whose parts decide whether they are async.
+SUBSET_TYPES: tuple[type, ...] = (_tud.Subset, _ds.Subset)
+CONCAT_TYPES: tuple[type, ...] = (_tud.ConcatDataset, _ds.ConcatDataset)
+STACK_TYPES: tuple[type, ...] = (_tud.StackDataset, _ds.StackDataset)
+CHAIN_TYPES: tuple[type, ...] = (_tud.ChainDataset, _ds.ChainDataset)
 
 
 class DatasetKind(enum.Enum):
@@ -74,19 +87,44 @@ def is_async_dataset(dataset: object) -> bool:
     return dataset_kind(dataset).is_async
 
 
+def wrapped_datasets(dataset: object) -> list[Any] | None:
+    """The datasets a ``Subset``/``ConcatDataset``/``StackDataset``/``ChainDataset`` reads.
+
+    ``None`` for anything else, and for a ``ChainDataset`` over a one-shot
+    iterable (listing it here would consume it).
+    """
+    if isinstance(dataset, SUBSET_TYPES):
+        return [dataset.dataset]  # type: ignore[attr-defined]
+    if isinstance(dataset, CONCAT_TYPES):
+        return list(dataset.datasets)  # type: ignore[attr-defined]
+    if isinstance(dataset, STACK_TYPES):
+        parts = dataset.datasets  # type: ignore[attr-defined]
+        return list(parts.values()) if isinstance(parts, dict) else list(parts)
+    if isinstance(dataset, CHAIN_TYPES):
+        parts = dataset.datasets  # type: ignore[attr-defined]
+        return list(parts) if isinstance(parts, (list, tuple)) else None
+    return None
+
+
 def dataset_kind(dataset: object) -> DatasetKind:
     """Classify ``dataset`` as torch does, plus the async kinds.
 
     An object with ``__aiter__`` is async iterable-style; any
     ``torch.utils.data.IterableDataset`` (aioloader's subclass it) is
     iterable-style; everything else is map-style, async when its
-    ``__getitem__`` or ``__getitems__`` is a coroutine function.
+    ``__getitem__`` or ``__getitems__`` is a coroutine function. A wrapper
+    (``Subset``, ``random_split``'s parts, ``ConcatDataset``, ``StackDataset``,
+    ``ChainDataset``; torch's or aioloader's) is async when any dataset it
+    wraps is (:mod:`aioloader._afetch` awaits the async parts only).
     """
     if hasattr(type(dataset), "__aiter__"):
         return DatasetKind.ASYNC_ITERABLE
+    parts = wrapped_datasets(dataset)
+    wraps_async = parts is not None and any(dataset_kind(p).is_async for p in parts)
     if isinstance(dataset, _tud.IterableDataset):
-        return DatasetKind.ITERABLE
-    if _is_coro_method(dataset, "__getitem__") or _is_coro_method(dataset, "__getitems__"):
+        return DatasetKind.ASYNC_ITERABLE if wraps_async else DatasetKind.ITERABLE
+    if (wraps_async or _is_coro_method(dataset, "__getitem__")
+            or _is_coro_method(dataset, "__getitems__")):
         return DatasetKind.ASYNC_MAP
     return DatasetKind.MAP
 

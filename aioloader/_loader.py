@@ -41,10 +41,16 @@ import torch.utils.data as _tud
 
 from . import _device
 from ._afetch import AsyncFetchPool, AsyncIterFetcher
-from ._errors import LoaderClosedError, LoaderTimeoutError, RemoteError, WorkerDiedError
+from ._errors import (
+    LoaderClosedError,
+    LoaderTimeoutError,
+    PrefetchFactorError,
+    RemoteError,
+    WorkerDiedError,
+)
 from ._fetch import EXHAUSTED, DatasetKind, dataset_kind, fetch_or_exhausted, make_fetcher
 from ._pool import WorkerPool
-from ._threads import ThreadRunner
+from ._threads import ThreadRunner, _noop
 from ._worker import WorkerConfig
 from .collate import default_collate, default_convert
 from .sampler import BatchSampler, RandomSampler, Sampler, SequentialSampler
@@ -54,6 +60,7 @@ __all__ = ["AsyncLoaderIter", "DataLoaderCore"]
 _LG = logging.getLogger(__name__)
 
 T_co = TypeVar("T_co", covariant=True)
+_LoaderT = TypeVar("_LoaderT", bound="DataLoaderCore[Any]")
 
 #: Default number of ``await dataset[i]`` in flight per process for async datasets.
 DEFAULT_FETCH_CONCURRENCY = 64
@@ -117,7 +124,14 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
     ) -> None:
-        if not isinstance(num_workers, int) or num_workers < 0:
+        # torch fails on a non-int num_workers/prefetch_factor with TypeError (at the
+        # constructor's comparison, or at iter() for a float): same type, raised here.
+        if not isinstance(num_workers, int):
+            raise TypeError(
+                f"num_workers should be an int (0 loads in the main process), but got "
+                f"{type(num_workers).__name__} {num_workers!r}"
+            )
+        if num_workers < 0:
             raise ValueError(
                 "num_workers option should be non-negative; "
                 "use num_workers=0 to disable multiprocessing."
@@ -132,6 +146,11 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
             )
         if num_workers > 0 and prefetch_factor is None:
             prefetch_factor = 2
+        elif prefetch_factor is not None and not isinstance(prefetch_factor, int):
+            raise TypeError(
+                f"prefetch_factor should be an int (batches requested ahead per worker), "
+                f"but got {type(prefetch_factor).__name__} {prefetch_factor!r}"
+            )
         elif prefetch_factor is not None and prefetch_factor < 0:
             raise ValueError("prefetch_factor option should be non-negative")
         if persistent_workers and num_workers == 0:
@@ -324,7 +343,7 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
 
     @property
     def _uses_pipeline(self) -> bool:
-        return self.num_workers > 0 or self._kind.is_async or self.device is not None
+        return self.num_workers > 0 or self._kind.is_async
 
     def _make_core(self) -> _InlineCore | _PipelineCore:
         if self._uses_pipeline:
@@ -347,6 +366,30 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         self._pool_lease = None
         if lease is not None:
             lease.close()
+
+    # -- async with loader: persistent workers end with the block --------------------------
+
+    async def __aenter__(self: _LoaderT) -> _LoaderT:
+        """``async with loader:`` shuts persistent workers down when the block ends.
+
+        Each epoch's own clean-up is ``async with aiter(loader) as it``.
+
+        Example:
+            >>> import anyio
+            >>> from aioloader import DataLoader
+            >>> async def main():
+            ...     async with DataLoader(list(range(5)), batch_size=2) as loader:
+            ...         async with aiter(loader) as it:
+            ...             async for batch in it:
+            ...                 break  # the epoch's thread/workers stop here, no GC needed
+            ...     return batch.tolist()
+            >>> anyio.run(main)
+            [0, 1]
+        """
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 # ----------------------------------------------------------------------------------------
@@ -429,8 +472,58 @@ def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     return value, time.perf_counter() - t0
 
 
+class _ThreadCall:
+    """One call handed to a :class:`ThreadRunner` whose result outlives a cancelled waiter.
+
+    Python threads cannot be interrupted, so a cancelled ``await runner.run(...)``
+    lets the call finish and drops its result. For a fetch that would lose a
+    batch the sampler already drew; this keeps the result instead, for the next
+    :meth:`wait` (a runner runs its calls in order, so once a no-op queued after
+    the call has run, the call has finished).
+    """
+
+    __slots__ = ("args", "done", "fn", "ok", "submitted", "value")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.fn = fn
+        self.args = args
+        self.submitted = False
+        self.done = False
+        self.ok = False
+        self.value: Any = None
+
+    def _call(self) -> None:
+        try:
+            self.value = self.fn(*self.args)
+            self.ok = True
+        except BaseException as exc:  # handed to the waiter, whatever it is
+            self.value = exc
+        self.done = True
+
+    async def wait(self, runner: ThreadRunner) -> None:
+        """Run the call (first time) or wait for it to end (after a cancellation)."""
+        if not self.submitted:
+            self.submitted = True
+            await runner.run(self._call)
+        elif not self.done:
+            await runner.run(_noop)
+
+    def result(self) -> Any:
+        """The call's return value (raises its exception); only after :meth:`wait`."""
+        value, self.value = self.value, None
+        if not self.ok:
+            raise value
+        return value
+
+
 class _InlineCore(_CoreBase):
-    """``num_workers=0`` with a sync dataset: fetch one batch per ``next``, as torch."""
+    """``num_workers=0`` with a sync dataset: fetch one batch per ``next``, as torch.
+
+    With ``device=`` the batch is also copied to the device inside the same
+    ``next`` (no lookahead: the dataset's ``__getitem__`` never runs between calls).
+    A cancelled ``__anext__`` keeps its drawn batch: the fetch finishes in the
+    thread and the next call delivers it without drawing from the sampler again.
+    """
 
     def __init__(self, loader: DataLoaderCore[Any]) -> None:
         super().__init__(loader)
@@ -443,14 +536,25 @@ class _InlineCore(_CoreBase):
         self.base_seed = _draw_base_seed(loader.generator)
         self.fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
                                     self.collate_fn, self.drop_last, loader.fetch_threads)
+        self.device = loader.device
         self.runner: ThreadRunner | None = None
         self.policy = _InlinePolicy()
         self.last_yield = 0.0
+        self.pending: _ThreadCall | None = None  # a drawn batch whose waiter was cancelled
 
     def _fetch(self, index: Any) -> Any:
         data = fetch_or_exhausted(self.fetcher, index)
-        if data is not EXHAUSTED and self.pin.enabled:
-            data = self.pin.apply(data)
+        if data is not EXHAUSTED:
+            if self.pin.enabled:
+                data = self.pin.apply(data)
+            if self.device is not None:
+                data = _device.stage_to_device(data, self.device)
+        return data
+
+    def _deliver(self, data: Any) -> Any:
+        self._count_yield()
+        if self.device is not None:
+            return _device.finish_on_device(data)
         return data
 
     def next_sync(self) -> Any:
@@ -459,42 +563,53 @@ class _InlineCore(_CoreBase):
             raise StopIteration
         try:
             index = next(self.sampler_iter)
-            data = self.fetcher.fetch(index)
         except StopIteration:
             self.close()
             raise
-        if self.pin.enabled:
-            data = self.pin.apply(data)
-        self._count_yield()
-        return data
+        data = self._fetch(index)
+        if data is EXHAUSTED:
+            self.close()
+            raise StopIteration
+        return self._deliver(data)
 
     async def anext(self) -> Any:
         if self.closed:
             raise StopAsyncIteration
-        try:
-            index = next(self.sampler_iter)
-        except StopIteration:
-            await self.aclose()
-            raise StopAsyncIteration from None
-        policy = self.policy
-        if policy.inline:
-            # Yield to the loop at least every YIELD_EVERY_S so other tasks keep running
-            # (and cancellation is seen) without paying a loop round-trip per tiny batch.
-            now = time.perf_counter()
-            if now - self.last_yield > _InlinePolicy.YIELD_EVERY_S:
-                await anyio.lowlevel.checkpoint()
-                self.last_yield = time.perf_counter()
-            data, took = _timed(self._fetch, index)
-        else:
+        call = self.pending
+        if call is None:
+            policy = self.policy
+            if policy.inline:
+                # Yield to the loop at least every YIELD_EVERY_S so other tasks keep
+                # running (and cancellation is seen) without paying a loop round-trip per
+                # tiny batch. Before the draw: a cancellation here loses nothing.
+                now = time.perf_counter()
+                if now - self.last_yield > _InlinePolicy.YIELD_EVERY_S:
+                    await anyio.lowlevel.checkpoint()
+                    self.last_yield = time.perf_counter()
+            try:
+                index = next(self.sampler_iter)
+            except StopIteration:
+                await self.aclose()
+                raise StopAsyncIteration from None
+            if policy.inline:
+                data, took = _timed(self._fetch, index)
+                policy.record(took)
+                return await self._finish(data)
             if self.runner is None:
                 self.runner = ThreadRunner("aioloader-fetch")
-            data, took = await self.runner.run(_timed, self._fetch, index)
-        policy.record(took)
+            call = self.pending = _ThreadCall(_timed, self._fetch, index)
+        assert self.runner is not None
+        await call.wait(self.runner)  # cancelled: `pending` keeps the batch for the next call
+        self.pending = None
+        data, took = call.result()
+        self.policy.record(took)
+        return await self._finish(data)
+
+    async def _finish(self, data: Any) -> Any:
         if data is EXHAUSTED:
             await self.aclose()
             raise StopAsyncIteration
-        self._count_yield()
-        return data
+        return self._deliver(data)
 
     def close(self) -> None:
         if not self.closed:
@@ -672,14 +787,17 @@ class _PipelineCore(_CoreBase):
         self.persistent = loader.persistent_workers
         self.device = loader.device
         self.device_prefetch = loader.device_prefetch
-        if self.num_workers == 0 and not self.kind.is_async and self.timeout != 0:
-            raise AssertionError(
-                "timeout applies to multi-process loading only (as in torch): set "
-                "timeout=0 with num_workers=0, or use num_workers > 0"
+        if self.num_workers > 0 and loader.prefetch_factor == 0:
+            # torch asserts this at iter() too; PrefetchFactorError is an AssertionError.
+            raise PrefetchFactorError(
+                "prefetch_factor must be greater than 0 with num_workers > 0 (it is how many "
+                "batches each worker is asked for ahead; 0 would request none): pass "
+                "prefetch_factor=1 or more, or leave it None for the default of 2"
             )
         bs = loader.batch_size or 1
-        # Queue about twice the fetch limit so fetch runners never wait for the consumer.
-        async_depth = math.ceil(2 * loader.fetch_concurrency / bs) + 1
+        # Async datasets keep enough batches in flight to use the fetch limit, plus one
+        # (docs/async_datasets.md): with num_workers=0 this is the documented prefetch.
+        async_depth = math.ceil(loader.fetch_concurrency / bs) + 1
         self.sampler_iter = iter(loader._index_sampler)
         # torch draws the base seed at iter() for every fresh iterator; persistent
         # workers keep theirs, so later epochs draw nothing.
@@ -721,7 +839,7 @@ class _PipelineCore(_CoreBase):
             self.base_seed = _draw_base_seed(loader.generator)
             self.fresh_epoch = False
             self.epoch = 0
-            self.window = max(2, async_depth) if self.kind.is_async else 1
+            self.window = async_depth  # only async datasets use the pipeline without workers
         self.worker_active = [True] * self.num_workers
         self.worker_tasks = [0] * self.num_workers
         self.worker_cycle = itertools.cycle(range(self.num_workers))
@@ -744,7 +862,19 @@ class _PipelineCore(_CoreBase):
         self.host_done = False
         self.detached = False
         self.afetch: AsyncFetchPool | AsyncIterFetcher | None = None
-        # Prime the window now, as torch does at iter(): sampler draws happen here.
+        self.primed = False
+        self.staging: _ThreadCall | None = None  # device copy whose waiter was cancelled
+        if self.num_workers > 0:
+            # Prime the window now, as torch does at iter(): sampler draws happen here.
+            self._prime()
+
+    def _prime(self) -> None:
+        """Draw the window's first batches (iter() with workers, first next() without).
+
+        Without workers torch draws nothing from the sampler at iter() (its sampler
+        seed is drawn by the first next()); the async window is filled there too.
+        """
+        self.primed = True
         for _ in range(self.window):
             self._try_put_index()
 
@@ -959,28 +1089,22 @@ class _PipelineCore(_CoreBase):
         run_collate = self._collate_adaptively
         if self.kind is DatasetKind.ASYNC_MAP:
             pool = AsyncFetchPool(self.dataset, self.auto_collation, self.collate_fn,
-                                  self.fetch_concurrency, run_collate=run_collate)
+                                  self.fetch_concurrency, run_collate=run_collate,
+                                  run_sync=self.runner.run)
             self.afetch = pool
             await tg.start(pool.run)
-        elif self.kind is DatasetKind.ASYNC_ITERABLE:
+        else:
             self.afetch = AsyncIterFetcher(self.dataset, self.auto_collation,
                                            self.collate_fn, self.drop_last,
-                                           run_collate=run_collate)
-        else:  # sync dataset with a device stage and no workers
-            fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
-                                   self.collate_fn, self.drop_last, self.fetch_threads)
-            self.afetch = None
-            self.sync_fetcher = fetcher
+                                           run_collate=run_collate, run_sync=self.runner.run)
 
     async def _fetch_in_process(self, seq: int, index: Any) -> None:
         slot = self.slots.get(seq)
         if slot is None:
             return
         try:
-            if self.afetch is not None:
-                data = await self.afetch.fetch(index)
-            else:
-                data = await self.runner.run(fetch_or_exhausted, self.sync_fetcher, index)
+            assert self.afetch is not None
+            data = await self.afetch.fetch(index)
             if data is not EXHAUSTED and self.pin.enabled:
                 data = await self.runner.run(self.pin.apply, data)
         except Exception as exc:
@@ -997,6 +1121,8 @@ class _PipelineCore(_CoreBase):
     async def _next_host(self) -> Any:
         """Next batch in order (or as it comes with in_order=False), before the device stage."""
         self._ensure_started()
+        if not self.primed:
+            self._prime()
         while True:
             if self.fatal is not None:
                 raise self.fatal
@@ -1096,16 +1222,24 @@ class _PipelineCore(_CoreBase):
     async def _next_device(self) -> Any:
         assert self.device is not None
         while len(self.staged) < self.device_prefetch and not self.host_done:
+            call = self.staging
+            if call is None:
+                try:
+                    batch = await self._next_host()
+                except StopAsyncIteration:
+                    self.host_done = True
+                    break
+                except Exception as exc:
+                    self.staged.append(_ErrorBox(exc))
+                    break
+                call = self.staging = _ThreadCall(_device.stage_to_device, batch, self.device)
+            await call.wait(self.runner)  # cancelled: `staging` keeps the batch
+            self.staging = None
             try:
-                batch = await self._next_host()
-            except StopAsyncIteration:
-                self.host_done = True
-                break
+                self.staged.append(call.result())
             except Exception as exc:
                 self.staged.append(_ErrorBox(exc))
                 break
-            self.staged.append(await self.runner.run(_device.stage_to_device, batch,
-                                                     self.device))
         if not self.staged:
             raise StopAsyncIteration
         item = self.staged.popleft()

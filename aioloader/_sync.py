@@ -2,7 +2,7 @@
 
 The only module that knows about the facade's thread. Two shapes:
 
-* ``num_workers=0`` with a sync dataset and no device stage: batches are
+* ``num_workers=0`` with a sync dataset (``device=`` included): batches are
   fetched in the calling thread, one per ``next()``, exactly as torch does.
   No event loop is involved, so it works anywhere, Jupyter included.
 * everything else: the same async pipeline as ``async for``, driven from a
@@ -70,8 +70,10 @@ class DataLoader(DataLoaderCore[T_co]):
             dataset with a pool of this many threads (I/O-bound datasets);
             0 (default) reads them one after another, as torch.
         device: opt-in device stage: deliver batches already copied to this
-            device (``"cuda"``), copied on a side stream a few batches ahead.
-        device_prefetch: how many batches the device stage keeps in flight.
+            device (``"cuda"``), copied on a side stream; a few batches ahead
+            with workers or an async dataset, inside each ``next()`` otherwise.
+        device_prefetch: how many batches the device stage keeps in flight
+            (with workers or an async dataset).
 
     Example:
         >>> import torch
@@ -84,6 +86,18 @@ class DataLoader(DataLoaderCore[T_co]):
         ...     return [b[0].tolist() async for b in DataLoader(ds, batch_size=4)]
         >>> asyncio.run(main())
         [[0, 1, 2, 3], [4, 5]]
+
+        Deterministic clean-up: ``async with aiter(loader) as it`` stops the
+        epoch's threads and workers when the block ends (``break`` included);
+        ``async with loader`` also shuts down persistent workers at its end.
+
+        >>> async def first_batch():
+        ...     async with DataLoader(ds, batch_size=4) as loader:
+        ...         async with aiter(loader) as it:
+        ...             async for batch in it:
+        ...                 return batch[0].tolist()
+        >>> asyncio.run(first_batch())
+        [0, 1, 2, 3]
     """
 
     def __iter__(self) -> SyncLoaderIter[T_co]:

@@ -262,6 +262,11 @@ class ConcatDataset(Dataset[T_co]):
         return self.cumulative_sizes[-1]
 
     def __getitem__(self, idx: int) -> T_co:
+        which, local = self._locate(idx)
+        return self.datasets[which][local]
+
+    def _locate(self, idx: int) -> tuple[int, int]:
+        """``(which dataset, index inside it)`` for ``idx``; also used for torch's class."""
         n = len(self)
         if idx < 0:
             if -idx > n:
@@ -276,7 +281,7 @@ class ConcatDataset(Dataset[T_co]):
                 f"index {idx} is out of range for a ConcatDataset of length {n}."
             )
         start = self.cumulative_sizes[which - 1] if which else 0
-        return self.datasets[which][idx - start]
+        return which, idx - start
 
     @property
     def cummulative_sizes(self) -> list[int]:

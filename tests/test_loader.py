@@ -225,6 +225,52 @@ def test_bad_arguments_raise_torchs_exception_type(kw: dict[str, Any]) -> None:
     assert str(ours.value)
 
 
+# Mistakes torch rejects only at iter() (or at its first use of the value): same type, here
+# raised at construction (a float num_workers) or at iter() (prefetch_factor=0, as torch).
+LATE_BAD: list[dict[str, Any]] = [
+    {"num_workers": "2"},
+    {"num_workers": 2.0},
+    {"num_workers": None},
+    {"num_workers": 1, "prefetch_factor": 2.0},
+    {"num_workers": 1, "prefetch_factor": "2"},
+    {"num_workers": 1, "prefetch_factor": 0},
+]
+
+
+def _torch_error(kw: dict[str, Any]) -> type[BaseException]:
+    with pytest.raises(Exception) as theirs:
+        next(iter(tud.DataLoader(range(4), **kw)))
+    kind = theirs.type
+    del theirs
+    gc.collect()  # torch's half-built iterator: its __del__ fails here, inside this test
+    return kind
+
+
+# torch's half-built worker iterator raises AttributeError in its __del__ (unraisable).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("kw", LATE_BAD)
+def test_bad_types_raise_torchs_exception_type(kw: dict[str, Any]) -> None:
+    """Regression (issue 8): num_workers="2" raised ValueError; torch raises TypeError."""
+    expected = _torch_error(kw)
+    with pytest.raises(expected, match=r"num_workers|prefetch_factor"):
+        next(iter(DataLoader(range(4), **kw)))
+
+
+def test_prefetch_factor_zero_is_refused_at_iter() -> None:
+    """prefetch_factor=0 with workers: AssertionError (torch's type) and ValueError, at iter()."""
+    loader = DataLoader(range(4), num_workers=1, prefetch_factor=0)  # accepted, as torch
+    with pytest.raises(AssertionError, match="prefetch_factor=1 or more") as err:
+        iter(loader)
+    assert isinstance(err.value, ValueError)
+    with pytest.raises(ValueError, match="prefetch_factor"):
+        aiter(loader)
+
+
+def test_bool_num_workers_is_an_int_as_in_torch() -> None:
+    """num_workers=True works in torch (bool is an int); it does here too."""
+    assert [b.tolist() for b in DataLoader(range(3), num_workers=True)] == [[0], [1], [2]]
+
+
 ITER_BAD: list[dict[str, Any]] = [
     {"shuffle": True},
     {"sampler": [0, 1]},
