@@ -961,14 +961,6 @@ class _PipelineCore(_CoreBase):
             except Exception:
                 _LG.debug("closing the async iterator failed", exc_info=True)
         await self.runner.aclose()
-        # The device path's sync fetcher owns a thread pool (fetch_threads): it ends with
-        # the epoch. Its reads ran in the runner, which is idle now unless a read hung past
-        # the runner's grace; then the pool is told to stop without waiting for that read.
-        fetcher: Any = getattr(self, "sync_fetcher", None)
-        if fetcher is not None:
-            del self.sync_fetcher
-            thread = self.runner.thread
-            fetcher.close(wait=thread is None or not thread.is_alive())
         # Batches that arrived but will never be handed out: free their shared memory now.
         self.slots.clear()
         self.staged.clear()

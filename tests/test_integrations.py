@@ -179,6 +179,8 @@ def test_hf_datasets_map_style_and_iterable_with_workers() -> None:
     assert sorted(i for b in ours_it for i in b) == list(range(20))
 
 
+# tqdm starts its own monitor thread once per process and keeps it (not ours to join).
+@pytest.mark.keeps_threads("tqdm_monitor")
 def test_tqdm_wraps_the_loader() -> None:
     tqdm = pytest.importorskip("tqdm")
     loader = DataLoader(_indexed(), batch_size=5, num_workers=2)
