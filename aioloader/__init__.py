@@ -13,6 +13,12 @@ primary interface) or ``for``:
 from __future__ import annotations
 
 from ._errors import LoaderClosedError, LoaderTimeoutError, WorkerDiedError
+from ._failure import (
+    FailureReport,
+    SampleFailure,
+    SkippedSamplesWarning,
+    TooManyFailuresError,
+)
 from ._sync import DataLoader
 from ._worker_info import WorkerInfo, get_worker_info
 from .collate import default_collate, default_convert
@@ -47,16 +53,20 @@ __all__ = [
     "DataLoader",
     "Dataset",
     "DistributedSampler",
+    "FailureReport",
     "IterableDataset",
     "LoaderClosedError",
     "LoaderTimeoutError",
     "RandomSampler",
+    "SampleFailure",
     "Sampler",
     "SequentialSampler",
+    "SkippedSamplesWarning",
     "StackDataset",
     "Subset",
     "SubsetRandomSampler",
     "TensorDataset",
+    "TooManyFailuresError",
     "WeightedRandomSampler",
     "WorkerDiedError",
     "WorkerInfo",
@@ -69,8 +79,9 @@ __all__ = [
 
 def _fix_module_names() -> None:
     """Show public objects as ``aioloader.X`` in reprs, tracebacks and docs."""
-    for name in ("DataLoader", "LoaderClosedError", "LoaderTimeoutError", "WorkerDiedError",
-                 "WorkerInfo", "get_worker_info"):
+    for name in ("DataLoader", "FailureReport", "LoaderClosedError", "LoaderTimeoutError",
+                 "SampleFailure", "SkippedSamplesWarning", "TooManyFailuresError",
+                 "WorkerDiedError", "WorkerInfo", "get_worker_info"):
         obj = globals()[name]
         try:
             obj.__module__ = __name__

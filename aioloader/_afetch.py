@@ -26,6 +26,7 @@ import sniffio
 from anyio.abc import TaskStatus
 
 from . import dataset as _ds
+from ._failure import NOTHING, FailurePolicy, Outcome, SampleFailure, Tally, aguard
 from ._fetch import (
     CHAIN_TYPES,
     CONCAT_TYPES,
@@ -123,9 +124,10 @@ _END = object()
 class _Batch:
     """Book-keeping for one batch whose samples are being awaited."""
 
-    __slots__ = ("cancelled", "done", "failure", "remaining", "results", "scopes")
+    __slots__ = ("cancelled", "done", "failure", "remaining", "results", "scopes", "tally")
 
     def __init__(self, n: int, event_cls: Callable[[], anyio.Event] = anyio.Event) -> None:
+        self.tally: Tally | None = None  # failure policy: what was skipped/retried
         self.results: list[Any] = [None] * n
         self.remaining = n
         self.failure: BaseException | None = None
@@ -202,6 +204,11 @@ class AsyncFetchPool:
         concurrency: the most ``await dataset[key]`` running at once.
         run_collate: how to run ``collate_fn`` (default: inline on the loop;
             the main process passes a thread runner).
+        failure: the loader's failure policy (:mod:`aioloader._failure`): with
+            skip or retries, sample reads go through its guard, and a batch
+            with skipped or retried samples comes back as an ``Outcome``.
+        worker_id: the worker this pool runs in (``None``: the main process),
+            recorded with each skipped sample.
 
     Run :meth:`run` in a task group, then ``await pool.fetch(keys)`` from as
     many tasks as you like.
@@ -225,8 +232,11 @@ class AsyncFetchPool:
 
     def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
                  concurrency: int, run_collate: RunSync | None = None,
-                 run_sync: RunSync | None = None) -> None:
+                 run_sync: RunSync | None = None, failure: FailurePolicy | None = None,
+                 worker_id: int | None = None) -> None:
         self.dataset = dataset
+        self._policy = failure if failure is not None and failure.guards_reads else None
+        self._worker_id = worker_id
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
         self.concurrency = concurrency
@@ -258,6 +268,42 @@ class AsyncFetchPool:
 
     async def _read(self, batch: _Batch, j: int, key: Any) -> None:
         """Read sample ``j`` of ``batch`` (or the whole batch via ``__getitems__``)."""
+        if self._policy is None:
+            await self._read_raw(batch, j, key)
+        else:
+            await self._read_guarded(self._policy, batch, j, key)
+
+    async def _read_guarded(self, policy: FailurePolicy, batch: _Batch, j: int,
+                            key: Any) -> None:
+        """:meth:`_read_raw` with the failure policy's retries and skipping."""
+        if batch.tally is None:
+            batch.tally = Tally()
+        tally, wid = batch.tally, self._worker_id
+        if not self._batched:
+            async def one() -> None:
+                await self._read_raw(batch, j, key)
+
+            if await aguard(policy, tally, key, one, wid) is NOTHING:
+                batch.results[j] = NOTHING
+            return
+        getitems = self.dataset.__getitems__
+
+        async def whole() -> list[Any]:
+            return list(await getitems(key))
+
+        probe = Tally()  # a failed whole-batch call is not a sample failure
+        results = await aguard(policy, probe, key, whole, wid)
+        tally.retried += probe.retried
+        if results is NOTHING:  # skip: find the bad keys, each read alone, no more retries
+            results = []
+            for k in key:
+                async def single(k: Any = k) -> Any:
+                    return (await getitems([k]))[0]
+
+                results.append(await aguard(policy, tally, k, single, wid, retries=0))
+        batch.results = results
+
+    async def _read_raw(self, batch: _Batch, j: int, key: Any) -> None:
         if self._batched:
             batch.results = list(await self.dataset.__getitems__(key))
         elif self._wrapper:
@@ -348,7 +394,16 @@ class AsyncFetchPool:
         if batch.failure is not None:
             raise batch.failure
         data = batch.results if self.auto_collation else batch.results[0]
-        return await self._run_collate(self.collate_fn, data)
+        tally = batch.tally
+        if not tally:
+            return await self._run_collate(self.collate_fn, data)
+        assert tally is not None
+        if self.auto_collation:
+            data = [d for d in data if d is not NOTHING]
+        if data is NOTHING or (self.auto_collation and not data):
+            return Outcome(NOTHING, tally.failures, tally.retried)
+        batch_data = await self._run_collate(self.collate_fn, data)
+        return Outcome(batch_data, tally.failures, tally.retried)
 
     def close(self) -> None:
         """Drop queued work (the runners stop when ``run`` is cancelled)."""
@@ -379,11 +434,15 @@ class AsyncIterFetcher:
 
     def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
                  drop_last: bool, run_collate: RunSync | None = None,
-                 run_sync: RunSync | None = None) -> None:
+                 run_sync: RunSync | None = None, failure: FailurePolicy | None = None,
+                 worker_id: int | None = None) -> None:
         self.dataset = dataset
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
         self.drop_last = drop_last
+        self._policy = failure if failure is not None and failure.skip else None
+        self._worker_id = worker_id
+        self._position = 0
         self._run_collate: RunSync = run_collate or _run_inline
         if hasattr(type(dataset), "__aiter__"):
             self._it = dataset.__aiter__()
@@ -399,8 +458,47 @@ class AsyncIterFetcher:
             self._ended = True
             return EXHAUSTED
 
+    async def _next_guarded(self, policy: FailurePolicy, tally: Tally) -> Any:
+        """:meth:`_next`, but an item whose ``__anext__`` raised is recorded and skipped."""
+        pos = self._position
+        self._position += 1
+        try:
+            return await self._next()
+        except Exception as exc:
+            failure = SampleFailure.from_exc(pos, exc, 1, self._worker_id)
+            if getattr(self._it, "ag_frame", True) is None:  # a finished async generator
+                failure.ended_stream = True
+                self._ended = True
+            tally.failures.append(failure)
+            return NOTHING
+
+    async def _fetch_guarded(self, policy: FailurePolicy, index: Any) -> Any:
+        tally = Tally()
+        bound = policy.max_failures
+        async with self._lock:
+            if self._ended:
+                return EXHAUSTED
+            want = len(index) if self.auto_collation else 1
+            data: list[Any] = []
+            while len(data) < want and not self._ended:
+                item = await self._next_guarded(policy, tally)
+                if item is EXHAUSTED:
+                    break
+                if item is not NOTHING:
+                    data.append(item)
+                elif bound is not None and len(tally.failures) > bound:
+                    break
+            if not data or (self.auto_collation and self.drop_last and len(data) < want
+                            and self._ended):
+                return Outcome(NOTHING, tally.failures, 0) if tally else EXHAUSTED
+        batch = await self._run_collate(self.collate_fn,
+                                        data if self.auto_collation else data[0])
+        return Outcome(batch, tally.failures, 0) if tally else batch
+
     async def fetch(self, index: Any) -> Any:
         """Return the next collated batch, or :data:`EXHAUSTED`."""
+        if self._policy is not None:
+            return await self._fetch_guarded(self._policy, index)
         async with self._lock:
             if self._ended:
                 return EXHAUSTED

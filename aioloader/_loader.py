@@ -48,6 +48,15 @@ from ._errors import (
     RemoteError,
     WorkerDiedError,
 )
+from ._failure import (
+    DEFAULT_RETRY_DELAY,
+    NOTHING,
+    FailureReport,
+    TooManyFailuresError,
+    apply_to_batch,
+    guard_fetcher,
+    make_policy,
+)
 from ._fetch import EXHAUSTED, DatasetKind, dataset_kind, fetch_or_exhausted, make_fetcher
 from ._pool import WorkerPool
 from ._threads import ThreadRunner, _noop
@@ -123,6 +132,11 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         fetch_threads: int = 0,
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
+        on_error: str | None = None,
+        max_failures: int | None = None,
+        retries: int = 0,
+        retry_delay: float = DEFAULT_RETRY_DELAY,
+        respawn_workers: bool | int = False,
     ) -> None:
         # torch fails on a non-int num_workers/prefetch_factor with TypeError (at the
         # constructor's comparison, or at iter() for a float): same type, raised here.
@@ -186,6 +200,17 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         self.device_prefetch = device_prefetch
 
         self._kind = dataset_kind(dataset)
+        # Failure policy (docs/failure_policy.md): validated here, TypeError/ValueError.
+        self._failure_policy = make_policy(
+            on_error=on_error, max_failures=max_failures, retries=retries,
+            retry_delay=retry_delay, respawn_workers=respawn_workers, num_workers=num_workers,
+            iterable=self._kind.iterable, is_async=self._kind.is_async)
+        self.on_error = on_error
+        self.max_failures = max_failures
+        self.retries = retries
+        self.retry_delay = retry_delay
+        self.respawn_workers = respawn_workers
+        self._failure_report: FailureReport | None = None
         if self._kind.iterable:
             if shuffle not in {False, None}:
                 raise ValueError(
@@ -339,6 +364,15 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
                 stacklevel=3,
             )
 
+    @property
+    def failures(self) -> FailureReport | None:
+        """The failure report of the latest epoch (``None`` before the first ``iter()``).
+
+        Counts the samples skipped (``on_error="skip"``), the retries and the
+        worker respawns; see docs/failure_policy.md.
+        """
+        return self._failure_report
+
     # -- iteration -----------------------------------------------------------------------
 
     @property
@@ -412,6 +446,17 @@ class _CoreBase:
         self.closed = False
         self.index_sampler = loader._index_sampler
         self.pin = _device.PinPolicy(loader.pin_memory, loader.pin_memory_device)
+        self.failure_policy = loader._failure_policy
+        self.failures = FailureReport(self.failure_policy, self.kind.iterable)
+        loader._failure_report = self.failures
+
+    def _absorb(self, index: Any, data: Any) -> Any:
+        """Count a delivered batch for the failure report; NOTHING: every sample failed.
+
+        Raises TooManyFailuresError past ``max_failures``.
+        """
+        self.failures.count_requested(len(index) if self.auto_collation else 1)
+        return self.failures.absorb(data)
 
     def _count_yield(self) -> None:
         self.num_yielded += 1
@@ -534,8 +579,10 @@ class _InlineCore(_CoreBase):
             )
         self.sampler_iter = iter(loader._index_sampler)
         self.base_seed = _draw_base_seed(loader.generator)
-        self.fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
-                                    self.collate_fn, self.drop_last, loader.fetch_threads)
+        self.fetcher = guard_fetcher(
+            make_fetcher(self.kind, self.dataset, self.auto_collation, self.collate_fn,
+                         self.drop_last, loader.fetch_threads),
+            self.failure_policy, None)
         self.device = loader.device
         self.runner: ThreadRunner | None = None
         self.policy = _InlinePolicy()
@@ -546,10 +593,14 @@ class _InlineCore(_CoreBase):
         data = fetch_or_exhausted(self.fetcher, index)
         if data is not EXHAUSTED:
             if self.pin.enabled:
-                data = self.pin.apply(data)
+                data = apply_to_batch(self.pin.apply, data)
             if self.device is not None:
-                data = _device.stage_to_device(data, self.device)
-        return data
+                data = apply_to_batch(self._stage, data)
+        return index, data
+
+    def _stage(self, data: Any) -> Any:
+        assert self.device is not None
+        return _device.stage_to_device(data, self.device)
 
     def _deliver(self, data: Any) -> Any:
         self._count_yield()
@@ -559,20 +610,35 @@ class _InlineCore(_CoreBase):
 
     def next_sync(self) -> Any:
         """One batch, fetched in the calling thread (the sync facade's fast path)."""
-        if self.closed:
-            raise StopIteration
-        try:
-            index = next(self.sampler_iter)
-        except StopIteration:
-            self.close()
-            raise
-        data = self._fetch(index)
-        if data is EXHAUSTED:
-            self.close()
-            raise StopIteration
-        return self._deliver(data)
+        while True:
+            if self.closed:
+                raise StopIteration
+            try:
+                index = next(self.sampler_iter)
+            except StopIteration:
+                self.close()
+                self.failures.end_of_epoch()
+                raise
+            index, data = self._fetch(index)
+            if data is EXHAUSTED:
+                self.close()
+                self.failures.end_of_epoch()
+                raise StopIteration
+            try:
+                data = self._absorb(index, data)
+            except TooManyFailuresError:
+                self.close()
+                raise
+            if data is not NOTHING:
+                return self._deliver(data)
 
     async def anext(self) -> Any:
+        while True:
+            data = await self._anext_raw()
+            if data is not NOTHING:
+                return data
+
+    async def _anext_raw(self) -> Any:
         if self.closed:
             raise StopAsyncIteration
         call = self.pending
@@ -590,6 +656,7 @@ class _InlineCore(_CoreBase):
                 index = next(self.sampler_iter)
             except StopIteration:
                 await self.aclose()
+                self.failures.end_of_epoch()
                 raise StopAsyncIteration from None
             if policy.inline:
                 data, took = _timed(self._fetch, index)
@@ -605,10 +672,19 @@ class _InlineCore(_CoreBase):
         self.policy.record(took)
         return await self._finish(data)
 
-    async def _finish(self, data: Any) -> Any:
+    async def _finish(self, fetched: tuple[Any, Any]) -> Any:
+        index, data = fetched
         if data is EXHAUSTED:
             await self.aclose()
+            self.failures.end_of_epoch()
             raise StopAsyncIteration
+        try:
+            data = self._absorb(index, data)
+        except TooManyFailuresError:
+            await self.aclose()
+            raise
+        if data is NOTHING:
+            return NOTHING
         return self._deliver(data)
 
     def close(self) -> None:
@@ -713,6 +789,7 @@ def _start_pool(loader: DataLoaderCore[Any], base_seed: int) -> WorkerPool:
             fetch_threads=loader.fetch_threads,
             parent_pid=os.getpid(),
             close_fds=[],
+            failure=loader._failure_policy if loader._failure_policy.guards_reads else None,
         )
         for i in range(loader.num_workers)
     ]
@@ -757,10 +834,11 @@ class _LoopHandle:
 class _Slot:
     """One dispatched batch: where it went and, once arrived, what came back."""
 
-    __slots__ = ("data", "has_data", "worker")
+    __slots__ = ("data", "has_data", "index", "worker")
 
-    def __init__(self, worker: int) -> None:
+    def __init__(self, worker: int, index: Any = None) -> None:
         self.worker = worker
+        self.index = index  # re-sent if its worker dies and is respawned
         self.has_data = False
         self.data: Any = None
 
@@ -903,7 +981,7 @@ class _PipelineCore(_CoreBase):
                 return
             self.worker_tasks[worker] += 1
         seq = self.send_idx
-        self.slots[seq] = _Slot(worker)
+        self.slots[seq] = _Slot(worker, index)
         self.outstanding += 1
         self.send_idx += 1
         self.pending_cmds.append((worker, ("fetch", self.epoch, seq, index)))
@@ -1042,11 +1120,39 @@ class _PipelineCore(_CoreBase):
 
     async def _serve_pool(self, send: Any) -> None:
         assert self.lease is not None
+        respawn = self._allow_respawn if self.failure_policy.max_respawns else None
         async with send:
-            await self.lease.pool.serve(send)
+            await self.lease.pool.serve(send, respawn)
+
+    def _allow_respawn(self, error: WorkerDiedError) -> bool:
+        """respawn_workers: may the dead worker be replaced (bounded per worker per epoch)?"""
+        if self.closed:
+            return False
+        if self.failures.allow_respawn(error.worker_id, str(error)):
+            return True
+        note = self.failures.respawn_note(error.worker_id)
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+        else:  # pragma: no cover - Python 3.10
+            error.args = (f"{error.args[0]}\n{note}", *error.args[1:])
+        return False
+
+    def _redispatch(self, worker: int) -> None:
+        """A respawned worker gets every batch its predecessor did not answer, in order."""
+        cmds = deque(c for c in self.pending_cmds if c[0] != worker)
+        for seq in sorted(self.slots):
+            slot = self.slots[seq]
+            if slot.worker == worker and not slot.has_data:
+                cmds.append((worker, ("fetch", self.epoch, seq, slot.index)))
+        self.pending_cmds = cmds
+        if self.cmd_ready is not None:
+            self.cmd_ready.set()
 
     async def _intake_worker_message(self, worker: int, msg: tuple[Any, ...]) -> None:
         tag = msg[0]
+        if tag == "respawned":
+            self._redispatch(worker)
+            return
         if tag == "reset" or msg[1] != self.epoch:
             return  # acknowledgement, or a stale batch of an abandoned epoch
         seq = msg[2]
@@ -1056,7 +1162,7 @@ class _PipelineCore(_CoreBase):
         if tag == "data":
             data = msg[3]
             if self.pin.enabled:
-                data = await self.runner.run(self.pin.apply, data)
+                data = await self.runner.run(apply_to_batch, self.pin.apply, data)
         elif tag == "error":
             data = msg[3]
         elif tag == "exhausted":
@@ -1082,13 +1188,14 @@ class _PipelineCore(_CoreBase):
         if self.kind is DatasetKind.ASYNC_MAP:
             pool = AsyncFetchPool(self.dataset, self.auto_collation, self.collate_fn,
                                   self.fetch_concurrency, run_collate=run_collate,
-                                  run_sync=self.runner.run)
+                                  run_sync=self.runner.run, failure=self.failure_policy)
             self.afetch = pool
             await tg.start(pool.run)
         else:
             self.afetch = AsyncIterFetcher(self.dataset, self.auto_collation,
                                            self.collate_fn, self.drop_last,
-                                           run_collate=run_collate, run_sync=self.runner.run)
+                                           run_collate=run_collate, run_sync=self.runner.run,
+                                           failure=self.failure_policy)
 
     async def _fetch_in_process(self, seq: int, index: Any) -> None:
         slot = self.slots.get(seq)
@@ -1098,7 +1205,7 @@ class _PipelineCore(_CoreBase):
             assert self.afetch is not None
             data = await self.afetch.fetch(index)
             if data is not EXHAUSTED and self.pin.enabled:
-                data = await self.runner.run(self.pin.apply, data)
+                data = await self.runner.run(apply_to_batch, self.pin.apply, data)
         except Exception as exc:
             data = _ErrorBox(exc)
         slot.data = data
@@ -1159,6 +1266,9 @@ class _PipelineCore(_CoreBase):
                 data.reraise()
             if isinstance(data, _ErrorBox):
                 data.raise_it()
+            data = self._absorb(slot.index, data)
+            if data is NOTHING:  # every sample of the batch failed (on_error="skip")
+                continue
             return data
 
     def _pick_ready(self) -> tuple[int, _Slot | None]:
@@ -1200,6 +1310,10 @@ class _PipelineCore(_CoreBase):
             else:
                 data = await self._next_device()
         except StopAsyncIteration:
+            await self.aclose()
+            self.failures.end_of_epoch()
+            raise
+        except TooManyFailuresError:
             await self.aclose()
             raise
         except WorkerDiedError:
@@ -1373,6 +1487,11 @@ class AsyncLoaderIter(Generic[T_co]):
 
     def __len__(self) -> int:
         return len(self._core.index_sampler)
+
+    @property
+    def failures(self) -> FailureReport:
+        """This epoch's failure report (skipped samples, retries, respawns)."""
+        return self._core.failures
 
     # torch's own tests reach into these two; kept for drop-in compatibility.
     @property

@@ -127,6 +127,9 @@ class WorkerPool:
         self._deferred_release = False  # fds to close when the running serve() ends
         self._owner_pid = os.getpid()
         self._close_lock = threading.Lock()
+        self._configs: list[WorkerConfig] = []
+        # During serve(): decides whether a dead worker is replaced (respawn_workers).
+        self._respawn: Callable[[WorkerDiedError], bool] | None = None
 
     # ------------------------------------------------------------------ info
 
@@ -186,6 +189,7 @@ class WorkerPool:
         method = self.start_method
         source = self._config_source
         configs = list(source() if callable(source) else source)
+        self._configs = configs
         parent_pid = os.getpid()
         try:
             for worker_id, cfg in enumerate(configs):
@@ -226,7 +230,11 @@ class WorkerPool:
         finally:
             child_sock.close()
         parent_sock.setblocking(False)
-        self._conns.append(_Conn(worker_id, proc, parent_sock))
+        conn = _Conn(worker_id, proc, parent_sock)
+        if worker_id < len(self._conns):  # a respawn: the replacement takes the same id
+            self._conns[worker_id] = conn
+        else:
+            self._conns.append(conn)
 
     # ------------------------------------------------------------------ talk
 
@@ -292,8 +300,15 @@ class WorkerPool:
                 if not self._closing:
                     raise
 
-    async def serve(self, sink: ObjectSendStream[tuple[int, Any]]) -> None:
+    async def serve(self, sink: ObjectSendStream[tuple[int, Any]],
+                    respawn: Callable[[WorkerDiedError], bool] | None = None) -> None:
         """Hand every message from every worker to ``sink`` as ``(worker_id, message)``.
+
+        ``respawn`` (``respawn_workers=``): called with the error of a worker
+        that died; when it returns True the worker is replaced by a new process
+        with the same config (id, seed, ``worker_init_fn``), and
+        ``("respawned", worker_id)`` is handed to ``sink`` after every message
+        the dead worker wrote: the caller re-sends the commands it did not answer.
 
         Runs until cancelled (the loader cancels it when an epoch ends) or
         until every worker has ended in an orderly way. Messages of one
@@ -317,6 +332,7 @@ class WorkerPool:
         decoder = ThreadRunner("aioloader-decode")
         self._serve_scopes.add(scope)
         self._serving += 1
+        self._respawn = respawn
         try:
             with scope:
                 async with anyio.create_task_group() as tg:
@@ -327,6 +343,7 @@ class WorkerPool:
         finally:
             # A decode still running finishes into conn.pending before this returns.
             await decoder.aclose()
+            self._respawn = None
             self._serve_scopes.discard(scope)
             self._serving -= 1
             if self._serving == 0:
@@ -346,6 +363,52 @@ class WorkerPool:
     async def _serve_conn(self, conn: _Conn, sink: ObjectSendStream[tuple[int, Any]],
                           errors: list[BaseException], group: anyio.CancelScope,
                           decoder: ThreadRunner) -> None:
+        while True:
+            error = await self._serve_one_conn(conn, sink, decoder)
+            if isinstance(error, WorkerDiedError) and self._respawn is not None:
+                try:
+                    new_conn = await self._try_respawn(conn, error)
+                except Exception as exc:
+                    error = exc
+                else:
+                    if new_conn is not None:
+                        conn = new_conn
+                        error = None
+                        await sink.send((conn.worker_id, ("respawned", conn.worker_id)))
+                        continue
+            if error is not None:
+                errors.append(error)
+                error = None  # this frame is in the error's traceback: no cycle through it
+                group.cancel()
+            return
+
+    async def _try_respawn(self, conn: _Conn, error: WorkerDiedError) -> _Conn | None:
+        """Replace dead ``conn``'s worker if the respawn hook allows; None if not."""
+        assert self._respawn is not None
+        if self._closing or not self._respawn(error):
+            return None
+        # The dead worker's fds go first (a fork would inherit them otherwise).
+        self._close_socket(conn)
+        conn.reader.close()
+        popen = getattr(conn.proc, "_popen", None)
+        if popen is not None and popen.returncode is not None:
+            popen.close()
+        wid = conn.worker_id
+        cfg, method, parent_pid = self._configs[wid], self.start_method, os.getpid()
+        logger.debug("respawning worker %d after: %s", wid, error)
+        if method == "fork":
+            self._start_one(wid, cfg, method, parent_pid)
+        else:  # a new interpreter takes a while to start: not on the loop
+            runner = ThreadRunner("aioloader-respawn")
+            try:
+                await runner.run(self._start_one, wid, cfg, method, parent_pid)
+            finally:
+                await runner.aclose()
+        return self._conns[wid]
+
+    async def _serve_one_conn(self, conn: _Conn, sink: ObjectSendStream[tuple[int, Any]],
+                              decoder: ThreadRunner) -> BaseException | None:
+        """Serve one worker process until it ends; return the error that ended it, if any."""
         error: BaseException | None = None
         exited = anyio.Event()
         async with anyio.create_task_group() as tg:
@@ -363,10 +426,10 @@ class WorkerPool:
                 error = exc
             finally:
                 tg.cancel_scope.cancel()
-        if error is not None:
-            errors.append(error)
-            error = None  # this frame is in the error's traceback: no cycle through it
-            group.cancel()
+        try:
+            return error
+        finally:  # this frame is in the error's traceback: no cycle through it
+            del error
 
     async def _watch_sentinel(self, conn: _Conn, exited: anyio.Event) -> None:
         try:

@@ -31,6 +31,7 @@ import anyio
 from anyio.from_thread import BlockingPortal
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
+from ._failure import FailureReport
 from ._loader import (
     DataLoaderCore,
     _InlineCore,
@@ -333,6 +334,11 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
 
     def __len__(self) -> int:
         return len(self._core.index_sampler)
+
+    @property
+    def failures(self) -> FailureReport:
+        """This epoch's failure report (skipped samples, retries, respawns)."""
+        return self._core.failures
 
     def close(self) -> None:
         """Stop the epoch now and release its threads and processes. Idempotent."""

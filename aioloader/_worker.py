@@ -44,6 +44,7 @@ from typing import Any, NoReturn
 import torch
 
 from ._errors import RemoteError
+from ._failure import FailurePolicy, guard_fetcher
 from ._fetch import DatasetKind, IterFetcher, MapFetcher, make_fetcher
 from ._transport import Frame, FrameReader, FrameWriter, close_fds, decode, encode, send_frame
 from ._worker_info import WorkerInfo, _set_worker_info
@@ -78,6 +79,8 @@ class WorkerConfig:
             closes at once, so that EOF and parent death are seen (set by the pool).
         start_method: how the process was started (set by the pool); a forked
             worker drops the ``atexit`` handlers it inherited from the parent.
+        failure: the loader's failure policy (``on_error``/``retries``), or
+            ``None`` for torch's behaviour (see :mod:`aioloader._failure`).
     """
 
     worker_id: int
@@ -94,6 +97,7 @@ class WorkerConfig:
     parent_pid: int = 0
     close_fds: list[int] = field(default_factory=list)
     start_method: str = ""
+    failure: FailurePolicy | None = None
 
 
 def generate_numpy_seed(base_seed: int, worker_id: int) -> list[int]:
@@ -247,13 +251,15 @@ class _SyncEpoch:
     __slots__ = ("error", "exhausted", "fetcher")
 
     def __init__(self, cfg: WorkerConfig, init_error: RemoteError | None) -> None:
-        self.fetcher: MapFetcher | IterFetcher | None = None
+        self.fetcher: MapFetcher | IterFetcher | Any = None
         self.error = init_error
         self.exhausted = False
         if init_error is None:
             try:
-                self.fetcher = make_fetcher(cfg.kind, cfg.dataset, cfg.auto_collation,
-                                            cfg.collate_fn, cfg.drop_last, cfg.fetch_threads)
+                self.fetcher = guard_fetcher(
+                    make_fetcher(cfg.kind, cfg.dataset, cfg.auto_collation, cfg.collate_fn,
+                                 cfg.drop_last, cfg.fetch_threads),
+                    cfg.failure, cfg.worker_id)
             except Exception:
                 self.error = RemoteError.from_current(_where(cfg))
 
@@ -356,12 +362,15 @@ class _AsyncEpoch:
                     try:
                         if cfg.kind is DatasetKind.ASYNC_MAP:
                             pool = AsyncFetchPool(cfg.dataset, cfg.auto_collation,
-                                                  cfg.collate_fn, max(1, cfg.fetch_concurrency))
+                                                  cfg.collate_fn, max(1, cfg.fetch_concurrency),
+                                                  failure=cfg.failure, worker_id=cfg.worker_id)
                             await tg.start(pool.run)
                             self.fetch = pool.fetch
                         else:
                             iter_fetcher = AsyncIterFetcher(cfg.dataset, cfg.auto_collation,
-                                                            cfg.collate_fn, cfg.drop_last)
+                                                            cfg.collate_fn, cfg.drop_last,
+                                                            failure=cfg.failure,
+                                                            worker_id=cfg.worker_id)
                             self.fetch = iter_fetcher.fetch
                     except Exception:
                         self.error = RemoteError.from_current(_where(cfg))
