@@ -75,6 +75,10 @@ class DataLoader(DataLoaderCore[T_co]):
             with workers or an async dataset, inside each ``next()`` otherwise.
         device_prefetch: how many batches the device stage keeps in flight
             (with workers or an async dataset).
+        on_error, max_failures, retries, retry_delay, respawn_workers: the
+            opt-in failure policy (skip and count bad samples, retry async
+            reads with backoff, replace dead workers); off by default. See
+            ``docs/failure_policy.md``; the epoch's report is ``loader.failures``.
 
     Example:
         >>> import torch

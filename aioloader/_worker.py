@@ -17,6 +17,12 @@ command (parent -> worker)            reply (worker -> parent)
 ``("exit",)`` (or EOF)                none: the process leaves with code 0
 ====================================  ========================================
 
+With the failure policy's skip or retries (``WorkerConfig.failure``), a
+``"data"`` reply's batch may be an :class:`aioloader._failure.Outcome` (the
+batch, or ``NOTHING``, plus the samples skipped). The pool itself adds
+``("respawned", worker_id)`` to the parent's stream when it replaced a dead
+worker (``respawn_workers``).
+
 Sync datasets are served one command at a time, in order. Async datasets run
 one event loop for the worker's life and keep several fetches in flight;
 their replies may leave out of order (the parent reorders by ``seq``).

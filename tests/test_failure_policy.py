@@ -34,8 +34,8 @@ from aioloader import (
     SkippedSamplesWarning,
     TooManyFailuresError,
     WorkerDiedError,
+    _failure,
 )
-from aioloader import _failure
 
 N = 20
 BAD = {3, 7, 8, 9}  # with batch_size=4: batch 0 loses 3, batch 1 loses 7, batch 2 loses 8, 9
@@ -245,7 +245,7 @@ def test_retry_backoff_doubles_from_the_base_delay(monkeypatch: pytest.MonkeyPat
 # ------------------------------------------------------------------------------ validation
 
 
-@pytest.mark.parametrize("kwargs, exc", [
+@pytest.mark.parametrize(("kwargs", "exc"), [
     ({"on_error": "ignore"}, ValueError),
     ({"on_error": 1}, TypeError),
     ({"max_failures": -1}, ValueError),
@@ -343,3 +343,16 @@ def test_respawn_with_persistent_workers_keeps_order_across_epochs(tmp_path: Any
     second, _ = _collect(loader)
     loader.close()
     assert first == second == list(range(20))
+
+
+def test_reinstantiable_from_attributes_keeps_the_policy() -> None:
+    """What Lightning does to inject a sampler: public attributes back into __init__."""
+    loader = DataLoader(AsyncBadAt(8, {2}), batch_size=4, num_workers=1, max_failures=5,
+                        retries=1, retry_delay=0.001, respawn_workers=2)
+    attrs = {k: v for k, v in vars(loader).items() if not k.startswith("_")}
+    attrs["multiprocessing_context"] = loader.multiprocessing_context
+    attrs.update(sampler=None, batch_sampler=None, shuffle=False)
+    again = type(loader)(**attrs)
+    assert again._failure_policy == loader._failure_policy
+    out, _ = _collect(again)
+    assert out == [0, 1, 3, 4, 5, 6, 7]
