@@ -441,8 +441,9 @@ class FailureReport:
 
     Attributes:
         failed: samples skipped because their read raised.
-        samples: samples requested from the sampler so far (map-style; ``None``
-            for iterable-style datasets, whose batch sizes are not known).
+        samples: samples requested from the sampler so far (map-style with a
+            failure policy set; ``None`` for iterable-style datasets, whose batch
+            sizes are not known, and for loaders without a policy).
         skipped_batches: batches dropped because every sample in them failed.
         retried: retry attempts made (async reads that raised and were tried again).
         respawns: worker processes replaced after they died.
@@ -453,7 +454,7 @@ class FailureReport:
     def __init__(self, policy: FailurePolicy, iterable: bool) -> None:
         self.policy = policy
         self.failed = 0
-        self.samples: int | None = None if iterable else 0
+        self.samples: int | None = None if iterable or not policy.active else 0
         self.skipped_batches = 0
         self.retried = 0
         self.respawns = 0

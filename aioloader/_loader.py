@@ -455,6 +455,8 @@ class _CoreBase:
 
         Raises TooManyFailuresError past ``max_failures``.
         """
+        if not self.failure_policy.active:  # torch's behaviour: nothing to count
+            return data
         self.failures.count_requested(len(index) if self.auto_collation else 1)
         return self.failures.absorb(data)
 

@@ -297,7 +297,9 @@ class WorkerPool:
                 logger.debug("worker %d is gone; command dropped", conn.worker_id)
                 conn.writer.close()
             except anyio.ClosedResourceError:
-                if not self._closing:
+                # Closed under us: the pool is closing, or a dead worker's socket was closed
+                # to respawn it (its unanswered commands are re-sent to the replacement).
+                if not self._closing and not conn.exited:
                     raise
 
     async def serve(self, sink: ObjectSendStream[tuple[int, Any]],

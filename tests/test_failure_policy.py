@@ -356,3 +356,14 @@ def test_reinstantiable_from_attributes_keeps_the_policy() -> None:
     assert again._failure_policy == loader._failure_policy
     out, _ = _collect(again)
     assert out == [0, 1, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+async def test_respawn_async_for_after_a_worker_dies(tmp_path: Any, in_order: bool) -> None:
+    loader = DataLoader(CrashOnce(30, 10, str(tmp_path / "marker")), batch_size=2,
+                        num_workers=2, respawn_workers=True, in_order=in_order)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        out = [int(x) async for b in loader for x in b]
+    assert (out if in_order else sorted(out)) == list(range(30))
+    assert loader.failures is not None and loader.failures.respawns == 1
