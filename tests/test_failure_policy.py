@@ -367,3 +367,10 @@ async def test_respawn_async_for_after_a_worker_dies(tmp_path: Any, in_order: bo
         out = [int(x) async for b in loader for x in b]
     assert (out if in_order else sorted(out)) == list(range(30))
     assert loader.failures is not None and loader.failures.respawns == 1
+
+
+def test_skip_with_fetch_threads() -> None:
+    loader = DataLoader(BadAt(N, BAD), batch_size=4, fetch_threads=2, on_error="skip")
+    out, warned = _collect(loader)
+    assert out == GOOD and len(warned) == 1
+    assert loader.failures is not None and loader.failures.failed == len(BAD)
