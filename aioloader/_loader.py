@@ -39,7 +39,7 @@ import sniffio
 import torch
 import torch.utils.data as _tud
 
-from . import _device
+from . import _device, _state
 from ._afetch import AsyncFetchPool, AsyncIterFetcher
 from ._errors import (
     LoaderClosedError,
@@ -98,6 +98,9 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
     #: torch's persistent-workers iterator slot: the latest ``for`` iterator of a loader with
     #: persistent workers (frameworks call its ``_shutdown_workers()`` at teardown).
     _iterator: Any = None
+    #: Resume (aioloader._state): a loaded state for the next iter(), the latest epoch's tracker.
+    _resume_pending: Any = None
+    _resume_tracker: Any = None
 
     def __init__(
         self,
@@ -123,6 +126,7 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         fetch_threads: int = 0,
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
+        snapshot_every_n_steps: int = 1,
     ) -> None:
         # torch fails on a non-int num_workers/prefetch_factor with TypeError (at the
         # constructor's comparison, or at iter() for a float): same type, raised here.
@@ -184,6 +188,10 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         self.fetch_threads = fetch_threads
         self.device = torch.device(device) if device is not None else None
         self.device_prefetch = device_prefetch
+        if not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 1:
+            raise ValueError(f"snapshot_every_n_steps should be a positive integer, but got "
+                             f"snapshot_every_n_steps={snapshot_every_n_steps!r}")
+        self.snapshot_every_n_steps = snapshot_every_n_steps
 
         self._kind = dataset_kind(dataset)
         if self._kind.iterable:
@@ -354,6 +362,27 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         """Start an epoch: ``async for batch in loader``."""
         return AsyncLoaderIter(self._make_core())
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where the latest epoch stands: resume it exactly with :meth:`load_state_dict`.
+
+        As torchdata's ``StatefulDataLoader.state_dict()``: it describes the loader after
+        the batches yielded so far (batches prefetched but not yet yielded are fetched
+        again after a resume). Plain data (JSON-able when the dataset's and sampler's own
+        states are). See docs/resume.md.
+        """
+        return _state.loader_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Make the next ``iter()``/``aiter()`` resume from ``state_dict``.
+
+        The resumed epoch yields the remaining batches of the saved one, equal to an
+        uninterrupted run's; later epochs follow as they would have. Persistent workers
+        are restarted (with the saved base seed). ``{}`` does nothing.
+        """
+        _state.prepare_resume(self, state_dict)
+        if self._resume_pending is not None:
+            self._close_pool_sync()
+
     async def aclose(self) -> None:
         """Shut down persistent workers, if any (iterators close themselves)."""
         lease = self._pool_lease
@@ -412,6 +441,8 @@ class _CoreBase:
         self.closed = False
         self.index_sampler = loader._index_sampler
         self.pin = _device.PinPolicy(loader.pin_memory, loader.pin_memory_device)
+        self.track = _state.EpochTracker(loader, _state.take_pending(loader))
+        loader._resume_tracker = self.track
 
     def _count_yield(self) -> None:
         self.num_yielded += 1
@@ -532,10 +563,14 @@ class _InlineCore(_CoreBase):
                 "timeout applies to multi-process loading only (as in torch): set "
                 "timeout=0 with num_workers=0, or use num_workers > 0"
             )
-        self.sampler_iter = iter(loader._index_sampler)
-        self.base_seed = _draw_base_seed(loader.generator)
+        self.sampler_iter = self.track.sampler_iter(loader._index_sampler)
+        self.base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
+        self.track.seed = self.base_seed
+        wstate = self.track.worker_states.get(0) if self.kind.iterable else None
+        _state.load_dataset_state(self.dataset, wstate)
         self.fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
                                     self.collate_fn, self.drop_last, loader.fetch_threads)
+        _state.load_fetcher_state(self.fetcher, wstate)
         self.device = loader.device
         self.runner: ThreadRunner | None = None
         self.policy = _InlinePolicy()
@@ -553,6 +588,7 @@ class _InlineCore(_CoreBase):
 
     def _deliver(self, data: Any) -> Any:
         self._count_yield()
+        self.track.commit_inline(self.dataset, self.fetcher)
         if self.device is not None:
             return _device.finish_on_device(data)
         return data
@@ -561,13 +597,17 @@ class _InlineCore(_CoreBase):
         """One batch, fetched in the calling thread (the sync facade's fast path)."""
         if self.closed:
             raise StopIteration
+        if self.track.discard and not self.track.replaying:
+            self.track.replay(self.next_sync)
         try:
             index = next(self.sampler_iter)
         except StopIteration:
+            self.track.finished = True
             self.close()
             raise
-        data = self._fetch(index)
+        data = self.track.consumed_on_error(self._fetch, index)
         if data is EXHAUSTED:
+            self.track.finished = True
             self.close()
             raise StopIteration
         return self._deliver(data)
@@ -575,6 +615,8 @@ class _InlineCore(_CoreBase):
     async def anext(self) -> Any:
         if self.closed:
             raise StopAsyncIteration
+        if self.track.discard and not self.track.replaying:
+            await self.track.areplay(self.anext)
         call = self.pending
         if call is None:
             policy = self.policy
@@ -589,10 +631,11 @@ class _InlineCore(_CoreBase):
             try:
                 index = next(self.sampler_iter)
             except StopIteration:
+                self.track.finished = True
                 await self.aclose()
                 raise StopAsyncIteration from None
             if policy.inline:
-                data, took = _timed(self._fetch, index)
+                data, took = self.track.consumed_on_error(_timed, self._fetch, index)
                 policy.record(took)
                 return await self._finish(data)
             if self.runner is None:
@@ -601,12 +644,13 @@ class _InlineCore(_CoreBase):
         assert self.runner is not None
         await call.wait(self.runner)  # cancelled: `pending` keeps the batch for the next call
         self.pending = None
-        data, took = call.result()
+        data, took = self.track.consumed_on_error(call.result)
         self.policy.record(took)
         return await self._finish(data)
 
     async def _finish(self, data: Any) -> Any:
         if data is EXHAUSTED:
+            self.track.finished = True
             await self.aclose()
             raise StopAsyncIteration
         return self._deliver(data)
@@ -696,7 +740,8 @@ def _resolve_context(loader: DataLoaderCore[Any]) -> multiprocessing.context.Bas
     return ctx
 
 
-def _start_pool(loader: DataLoaderCore[Any], base_seed: int) -> WorkerPool:
+def _start_pool(loader: DataLoaderCore[Any], base_seed: int,
+                resume_states: dict[int, Any] | None = None) -> WorkerPool:
     ctx = _resolve_context(loader)
     configs = [
         WorkerConfig(
@@ -713,6 +758,7 @@ def _start_pool(loader: DataLoaderCore[Any], base_seed: int) -> WorkerPool:
             fetch_threads=loader.fetch_threads,
             parent_pid=os.getpid(),
             close_fds=[],
+            resume_state=(resume_states or {}).get(i),
         )
         for i in range(loader.num_workers)
     ]
@@ -757,12 +803,14 @@ class _LoopHandle:
 class _Slot:
     """One dispatched batch: where it went and, once arrived, what came back."""
 
-    __slots__ = ("data", "has_data", "worker")
+    __slots__ = ("data", "has_data", "logical", "worker", "wstate")
 
-    def __init__(self, worker: int) -> None:
+    def __init__(self, worker: int, logical: int = -1) -> None:
         self.worker = worker
         self.has_data = False
         self.data: Any = None
+        self.logical = logical  # the batch's number in the epoch (aioloader._state)
+        self.wstate: Any = None  # an iterable dataset's state sent with the batch
 
 
 _ERROR = object()  # marks an in-process fetch that raised
@@ -798,7 +846,7 @@ class _PipelineCore(_CoreBase):
         # Async datasets keep enough batches in flight to use the fetch limit, plus one
         # (docs/async_datasets.md): with num_workers=0 this is the documented prefetch.
         async_depth = math.ceil(loader.fetch_concurrency / bs) + 1
-        self.sampler_iter = iter(loader._index_sampler)
+        self.sampler_iter = self.track.sampler_iter(loader._index_sampler)
         # torch draws the base seed at iter() for every fresh iterator; persistent
         # workers keep theirs, so later epochs draw nothing.
         self.lease: _PoolLease | None = None
@@ -811,8 +859,9 @@ class _PipelineCore(_CoreBase):
             if lease is not None and lease.closed:  # shut down by _shutdown_workers()
                 lease = None
             if lease is None:
-                base_seed = _draw_base_seed(loader.generator)
-                lease = _PoolLease(_start_pool(loader, base_seed), base_seed)
+                base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
+                lease = _PoolLease(_start_pool(loader, base_seed, self.track.worker_states),
+                                   base_seed)
                 if self.persistent:
                     loader._pool_lease = lease
                     # The workers belong to the loader: they stop when it is collected (or,
@@ -830,19 +879,23 @@ class _PipelineCore(_CoreBase):
                 self.after = previous.stopped
             lease.holder = weakref.ref(self)
             self.lease = lease
+            self.track.seed = lease.base_seed
             self.epoch = lease.epoch
             per_worker = loader.prefetch_factor or 0
             if self.kind.is_async:
                 per_worker = max(per_worker, async_depth)
             self.window = per_worker * self.num_workers
         else:
-            self.base_seed = _draw_base_seed(loader.generator)
+            self.base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
+            self.track.seed = self.base_seed
             self.fresh_epoch = False
             self.epoch = 0
             self.window = async_depth  # only async datasets use the pipeline without workers
         self.worker_active = [True] * self.num_workers
         self.worker_tasks = [0] * self.num_workers
         self.worker_cycle = itertools.cycle(range(self.num_workers))
+        for _ in range(self.track.cycle_skip()):  # a resume continues the round robin
+            next(self.worker_cycle)
         self.send_idx = 0
         self.rcvd_idx = 0
         self.outstanding = 0
@@ -903,7 +956,7 @@ class _PipelineCore(_CoreBase):
                 return
             self.worker_tasks[worker] += 1
         seq = self.send_idx
-        self.slots[seq] = _Slot(worker)
+        self.slots[seq] = _Slot(worker, self.track.last_drawn)
         self.outstanding += 1
         self.send_idx += 1
         self.pending_cmds.append((worker, ("fetch", self.epoch, seq, index)))
@@ -1053,6 +1106,8 @@ class _PipelineCore(_CoreBase):
         slot = self.slots.get(seq)
         if slot is None:
             return
+        if len(msg) > (4 if tag == "data" else 3):
+            slot.wstate = msg[-1]  # the dataset's state after this batch (aioloader._state)
         if tag == "data":
             data = msg[3]
             if self.pin.enabled:
@@ -1146,6 +1201,7 @@ class _PipelineCore(_CoreBase):
             if self.num_workers > 0:
                 self.worker_tasks[slot.worker] -= 1
                 if data is EXHAUSTED:
+                    self.track.commit(slot.logical, slot.worker, slot.wstate, yielded=False)
                     self._mark_worker_unavailable(slot.worker)
                     self._try_put_index()
                     continue
@@ -1155,6 +1211,8 @@ class _PipelineCore(_CoreBase):
                 self.rcvd_idx = self.send_idx
                 raise StopAsyncIteration
             self._try_put_index()
+            self.track.taken(slot.logical, slot.worker if self.num_workers else None,
+                             slot.wstate, failed=isinstance(data, (RemoteError, _ErrorBox)))
             if isinstance(data, RemoteError):
                 data.reraise()
             if isinstance(data, _ErrorBox):
@@ -1194,12 +1252,15 @@ class _PipelineCore(_CoreBase):
                     "this iterator was superseded: a new epoch was started on the same "
                     "loader with persistent_workers=True")
             raise StopAsyncIteration
+        if self.track.discard and not self.track.replaying:
+            await self.track.areplay(self.anext)
         try:
             if self.device is None:
                 data = await self._next_host()
             else:
                 data = await self._next_device()
         except StopAsyncIteration:
+            self.track.finished = True
             await self.aclose()
             raise
         except WorkerDiedError:
@@ -1209,6 +1270,7 @@ class _PipelineCore(_CoreBase):
             self.fatal = None
             raise
         self._count_yield()
+        self.track.delivered()
         return data
 
     async def _next_device(self) -> Any:

@@ -43,6 +43,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from . import _state
 from ._errors import RemoteError
 from ._fetch import DatasetKind, IterFetcher, MapFetcher, make_fetcher
 from ._transport import Frame, FrameReader, FrameWriter, close_fds, decode, encode, send_frame
@@ -78,6 +79,8 @@ class WorkerConfig:
             closes at once, so that EOF and parent death are seen (set by the pool).
         start_method: how the process was started (set by the pool); a forked
             worker drops the ``atexit`` handlers it inherited from the parent.
+        resume_state: this worker's saved iterable-dataset state (``loader.load_state_dict``),
+            loaded into its first epoch (:mod:`aioloader._state`).
     """
 
     worker_id: int
@@ -94,6 +97,7 @@ class WorkerConfig:
     parent_pid: int = 0
     close_fds: list[int] = field(default_factory=list)
     start_method: str = ""
+    resume_state: Any = None
 
 
 def generate_numpy_seed(base_seed: int, worker_id: int) -> list[int]:
@@ -244,16 +248,22 @@ def _encode_reply(cfg: WorkerConfig, reply: tuple[Any, ...]) -> tuple[bytes, lis
 class _SyncEpoch:
     """The fetcher of one epoch and what it already knows."""
 
-    __slots__ = ("error", "exhausted", "fetcher")
+    __slots__ = ("error", "exhausted", "fetcher", "stateful")
 
     def __init__(self, cfg: WorkerConfig, init_error: RemoteError | None) -> None:
         self.fetcher: MapFetcher | IterFetcher | None = None
         self.error = init_error
         self.exhausted = False
+        self.stateful = False
         if init_error is None:
+            resume, cfg.resume_state = cfg.resume_state, None  # the first epoch's only
             try:
+                _state.load_dataset_state(cfg.dataset, resume)
                 self.fetcher = make_fetcher(cfg.kind, cfg.dataset, cfg.auto_collation,
                                             cfg.collate_fn, cfg.drop_last, cfg.fetch_threads)
+                _state.load_fetcher_state(self.fetcher, resume)
+                self.stateful = cfg.kind.iterable and _state.is_stateful_iterable(
+                    cfg.dataset, self.fetcher)
             except Exception:
                 self.error = RemoteError.from_current(_where(cfg))
 
@@ -264,10 +274,18 @@ class _SyncEpoch:
             return ("exhausted", epoch, seq)
         assert self.fetcher is not None
         try:
+            if self.stateful:  # the dataset's position goes with each batch (_state)
+                batch = self.fetcher.fetch(index)
+                return ("data", epoch, seq, batch,
+                        _state.worker_state(cfg.worker_id, cfg.dataset, self.fetcher))
             return ("data", epoch, seq, self.fetcher.fetch(index))
         except StopIteration:
             if cfg.kind.iterable:
                 self.exhausted = True
+                if self.stateful:
+                    self.fetcher._ended = True  # type: ignore[union-attr]
+                    return ("exhausted", epoch, seq,
+                            _state.worker_state(cfg.worker_id, cfg.dataset, self.fetcher))
                 return ("exhausted", epoch, seq)
             return _error_reply(cfg, epoch, seq)
         except Exception:
