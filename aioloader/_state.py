@@ -331,6 +331,9 @@ class EpochTracker:
             self.yielded += 1
         if logical < self.prefix:
             return
+        if logical == self.prefix and not self.extra and self.sampler_obj is None:
+            self.prefix += 1  # the common case: in order, nothing else to update
+            return
         self.extra.add(logical)
         while self.prefix in self.extra:
             self.extra.discard(self.prefix)
@@ -501,6 +504,13 @@ def from_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
     ``RandomSampler`` draws a different permutation than torch's; its state is passed
     to a ``Stateful`` sampler only.
     """
+    main_state = sd.get("_snapshot", {}).get("_main_snapshot", sd)
+    iter_state = main_state.get("_sampler_iter_state")
+    if isinstance(iter_state, dict) and iter_state.get("sampler_iter_state") is not None:
+        raise ValueError(
+            "this torchdata state comes from torchdata's own shuffling RandomSampler, whose "
+            "permutation differs from torch's (and aioloader's): it cannot resume the same "
+            "order here. Resume it with torchdata, or checkpoint an aioloader DataLoader")
     if "_snapshot" in sd:
         snap = sd["_snapshot"]
         main = snap["_main_snapshot"]
@@ -531,10 +541,10 @@ def from_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
     if "_num_yielded" in sd:
         yielded = int(sd["_num_yielded"])
         wstate = None
-        if sd.get("_dataset_state") is not None or (
-                (sd.get("_fetcher_state") or {}).get(_DATASET_ITER_STATE) is not None):
-            wstate = {_WORKER_ID: 0, _FETCHER_STATE: sd.get("_fetcher_state"),
-                      _DATASET_STATE: sd.get("_dataset_state")}
+        if sd.get(_DATASET_STATE) is not None or (
+                (sd.get(_FETCHER_STATE) or {}).get(_DATASET_ITER_STATE) is not None):
+            wstate = {_WORKER_ID: 0, _FETCHER_STATE: sd.get(_FETCHER_STATE),
+                      _DATASET_STATE: sd.get(_DATASET_STATE)}
         return {
             FORMAT_KEY: FORMAT_VERSION,
             "num_workers": 0,

@@ -158,3 +158,19 @@ class StatefulPermSampler(aioloader.Sampler[int]):
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._loaded = (sd["epoch"], sd["pos"])
+
+
+class FailsAt(aioloader.Dataset[int]):
+    """Item ``bad`` raises; the others are their index."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n = n
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.bad:
+            raise KeyError(i)
+        return i

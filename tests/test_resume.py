@@ -22,6 +22,7 @@ import torch
 from _resume_datasets import (
     AFTER_END,
     AsyncInfoMap,
+    FailsAt,
     InfoMap,
     PlainRange,
     StatefulDatasetRange,
@@ -195,6 +196,31 @@ def test_stateful_sampler() -> None:
     _check(make, [0, 2, 100, AFTER_END])
 
 
+def test_device_stage() -> None:
+    """device= keeps batches ahead of the consumer: they are not counted as consumed."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(InfoMap(20), batch_size=3, shuffle=True, num_workers=2,
+                          device="cpu", device_prefetch=3)
+    _check(make, [1, 99], use_async=True)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_failed_batch_is_consumed(num_workers: int) -> None:
+    """A batch whose fetch raised is not fetched again after a resume (as torch goes on)."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(FailsAt(12, bad=4), batch_size=2, num_workers=num_workers)
+    loader = make()
+    it = iter(loader)
+    got = [_py(next(it)), _py(next(it))]
+    with pytest.raises(KeyError):
+        next(it)
+    state = json.loads(json.dumps(loader.state_dict()))
+    it.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert got + _epoch_sync(resumed) == [[0, 1], [2, 3], [6, 7], [8, 9], [10, 11]]
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_async_map_dataset(num_workers: int) -> None:
     """Async map-style datasets, in process and in workers."""
@@ -273,8 +299,9 @@ _TD_WARNING = "ignore:'set_vital' is deprecated:UserWarning"  # torchdata 0.11 o
 
 
 @pytest.mark.filterwarnings(_TD_WARNING)
+@pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("kind", ["map", "iterable", "dataset_state"])
-def test_torchdata_state_loads(kind: str) -> None:
+def test_torchdata_state_loads(kind: str, num_workers: int) -> None:
     """A StatefulDataLoader state resumes here where the semantics match (docs/resume.md)."""
     td = _torchdata()
 
@@ -283,9 +310,9 @@ def test_torchdata_state_loads(kind: str) -> None:
             return torch.utils.data.TensorDataset(torch.arange(30))
         return (StatefulIterRange if kind == "iterable" else StatefulDatasetRange)(6)
 
-    kw: dict[str, Any] = {"batch_size": 4, "num_workers": 2}
+    kw: dict[str, Any] = {"batch_size": 4, "num_workers": num_workers}
     ref = [_py(b) for b in td.StatefulDataLoader(make_ds(), **kw)]
-    for k in (0, 3, len(ref) - 1):
+    for k in sorted({0, 1, len(ref) // 2, len(ref) - 1}):
         tdl = td.StatefulDataLoader(make_ds(), **kw)
         it = iter(tdl)
         got = [_py(next(it)) for _ in range(k)]
@@ -320,6 +347,19 @@ def test_same_batches_as_torchdata_resume() -> None:
     b.load_state_dict(our_state)
     assert [_py(x) for x in a] == _epoch_sync(b)
     _close(b)
+
+
+@pytest.mark.filterwarnings(_TD_WARNING)
+def test_torchdata_shuffle_state_is_refused() -> None:
+    """torchdata's RandomSampler permutes differently: its states are refused, with why."""
+    td = _torchdata()
+    tdl = td.StatefulDataLoader(list(range(10)), batch_size=2, shuffle=True)
+    it = iter(tdl)
+    next(it)
+    state = tdl.state_dict()
+    del it
+    with pytest.raises(ValueError, match="RandomSampler"):
+        DataLoader(list(range(10)), batch_size=2, shuffle=True).load_state_dict(state)
 
 
 def test_exports_stateful() -> None:
