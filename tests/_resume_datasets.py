@@ -174,3 +174,15 @@ class FailsAt(aioloader.Dataset[int]):
         if i == self.bad:
             raise KeyError(i)
         return i
+
+
+class AsyncRange:
+    """``__aiter__`` dataset without state (resumed by replay), sharded per worker."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+
+    async def __aiter__(self) -> Any:
+        start, count = _shard(self.base)
+        for i in range(start, start + count):
+            yield i

@@ -22,6 +22,7 @@ import torch
 from _resume_datasets import (
     AFTER_END,
     AsyncInfoMap,
+    AsyncRange,
     FailsAt,
     InfoMap,
     PlainRange,
@@ -159,16 +160,16 @@ def test_inline_shuffle(use_async: bool, gen: bool) -> None:
     _check(make, KS, use_async)
 
 
-@pytest.mark.parametrize(("use_async", "gen", "persistent"),
-                         [(False, False, False), (True, True, False), (False, True, True),
-                          (True, False, True)])
-def test_workers_shuffle(use_async: bool, gen: bool, persistent: bool) -> None:
+@pytest.mark.parametrize(("use_async", "gen", "persistent", "ks"),
+                         [(False, False, False, KS), (True, True, False, [1, AFTER_END]),
+                          (False, True, True, [0, 99, AFTER_END]), (True, False, True, KS)])
+def test_workers_shuffle(use_async: bool, gen: bool, persistent: bool, ks: list[int]) -> None:
     """Workers: prefetched batches are fetched again; same worker, same base seed."""
     def make() -> DataLoader[Any]:
         g = torch.Generator().manual_seed(7) if gen else None
         return DataLoader(InfoMap(29), batch_size=3, shuffle=True, generator=g, num_workers=2,
                           persistent_workers=persistent, prefetch_factor=3)
-    _check(make, KS, use_async)
+    _check(make, ks, use_async)
 
 
 def test_replacement_sampler_and_no_batching() -> None:
@@ -232,15 +233,28 @@ def test_async_map_dataset(num_workers: int) -> None:
 # -- iterable-style ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("ds_type", "num_workers", "use_async"),
-                         [(StatefulIterRange, 0, False), (StatefulIterRange, 2, True),
-                          (StatefulDatasetRange, 2, False), (PlainRange, 2, False),
-                          (PlainRange, 0, True)])
-def test_iterable(ds_type: type, num_workers: int, use_async: bool) -> None:
+ALL_KS = [0, 1, 4, 99, 100, AFTER_END]
+
+
+@pytest.mark.parametrize(("ds_type", "num_workers", "use_async", "ks"),
+                         [(StatefulIterRange, 0, False, ALL_KS),
+                          (StatefulIterRange, 2, True, ALL_KS),
+                          (StatefulDatasetRange, 2, False, [4, 100, AFTER_END]),
+                          (PlainRange, 2, False, [4, AFTER_END]),
+                          (PlainRange, 0, True, ALL_KS)])
+def test_iterable(ds_type: type, num_workers: int, use_async: bool, ks: list[int]) -> None:
     """Per-worker dataset state (or a replay), workers of uneven lengths ending at times."""
     def make() -> DataLoader[Any]:
         return DataLoader(ds_type(7), batch_size=2, num_workers=num_workers)
-    _check(make, [0, 1, 4, 99, 100, AFTER_END], use_async)
+    _check(make, ks, use_async)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_async_iterable_replayed(num_workers: int) -> None:
+    """``__aiter__`` datasets are resumed by fetching and dropping the consumed batches."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(AsyncRange(7), batch_size=2, num_workers=num_workers)
+    _check(make, [1, 99, AFTER_END] if num_workers == 0 else [99], use_async=True)
 
 
 # -- state and API -------------------------------------------------------------------------
