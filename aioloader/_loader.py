@@ -1106,7 +1106,7 @@ class _PipelineCore(_CoreBase):
         slot = self.slots.get(seq)
         if slot is None:
             return
-        if len(msg) > (4 if tag == "data" else 3 if tag == "exhausted" else 99):
+        if (tag == "data" and len(msg) > 4) or (tag == "exhausted" and len(msg) > 3):
             slot.wstate = msg[-1]  # the dataset's state after this batch (aioloader._state)
         if tag == "data":
             data = msg[3]

@@ -17,6 +17,10 @@ command (parent -> worker)            reply (worker -> parent)
 ``("exit",)`` (or EOF)                none: the process leaves with code 0
 ====================================  ========================================
 
+An iterable dataset that implements ``state_dict``/``load_state_dict`` (torchdata's
+``Stateful``) adds its state after the batch as a last element of ``data`` and
+``exhausted`` replies (:mod:`aioloader._state`).
+
 Sync datasets are served one command at a time, in order. Async datasets run
 one event loop for the worker's life and keep several fetches in flight;
 their replies may leave out of order (the parent reorders by ``seq``).
