@@ -322,6 +322,11 @@ class EpochTracker:
     def commit(self, logical: int, worker: int | None = None, wstate: Any = None,
                yielded: bool = True) -> None:
         """Batch ``logical`` was handed out (or its error raised, or its worker ended)."""
+        if (logical == self.prefix and worker is None and yielded and not self.extra
+                and self.sampler_obj is None and not self.replaying):
+            self.prefix = logical + 1  # the common case: in order, nothing else to update
+            self.yielded += 1
+            return
         if worker is not None:
             if wstate is not None:
                 self.worker_states[worker] = wstate
@@ -330,9 +335,6 @@ class EpochTracker:
         if yielded and not self.replaying:
             self.yielded += 1
         if logical < self.prefix:
-            return
-        if logical == self.prefix and not self.extra and self.sampler_obj is None:
-            self.prefix += 1  # the common case: in order, nothing else to update
             return
         self.extra.add(logical)
         while self.prefix in self.extra:
@@ -442,9 +444,10 @@ class _TrackedIter:
                     tr.capture_rng()
                 item = next(self.base)
             logical = tr.drawn
-            tr.drawn += 1
-            tr.after_draw(logical)
-            if logical in tr.skip:
+            tr.drawn = logical + 1
+            if tr.sampler_obj is not None:
+                tr.after_draw(logical)
+            if tr.skip and logical in tr.skip:
                 tr.skip.discard(logical)
                 continue
             tr.last_drawn = logical
