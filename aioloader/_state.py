@@ -266,10 +266,15 @@ class EpochTracker:
             for _ in iter(index_sampler):
                 pass
         if st is None or self.iterable:
-            if st is not None and not self.discard:
-                self.drawn = self.prefix  # batch numbers go on where the saved epoch stood
+            if st is not None:
+                # Only the base seed draws from the loader's generator: as it was then.
+                self._set_gens(st.get("generators") or {})
+                if not self.discard:
+                    self.drawn = self.prefix  # batch numbers go on where the epoch stood
             return _TrackedIter(self, iter(index_sampler))
         if self.sampler_obj is not None and self.sampler_state is not None:
+            # The sampler keeps its own position; the generators are as they were then.
+            self._set_gens(st.get("generators") or {})
             self.sampler_obj.load_state_dict(self.sampler_state)
             if self.prefix == 0:
                 # Taken before the epoch's first draw: the state closes the previous epoch.

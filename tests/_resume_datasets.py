@@ -54,10 +54,13 @@ class AsyncInfoMap:
 
 
 def _shard(base: int) -> tuple[int, int]:
-    """This worker's (first item, count): worker ``w`` has ``base + 3 * w`` items."""
-    wid, _ = _info()
+    """This worker's (first item, count): worker ``w`` has ``base + 3 * w`` items.
+
+    The first item also tells the worker's seed (the loader's base seed + worker id).
+    """
+    wid, wseed = _info()
     w = max(wid, 0)
-    return w * 1000, base + 3 * w
+    return w * 1000 + (wseed % 1000003) * 10000, base + 3 * w
 
 
 class _RangeIter:

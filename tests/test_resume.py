@@ -193,7 +193,8 @@ def test_stateful_sampler() -> None:
     """A sampler with state_dict/load_state_dict (torchdata's Stateful) is asked, not replayed."""
     def make() -> DataLoader[Any]:
         ds = InfoMap(17)
-        return DataLoader(ds, batch_size=4, sampler=StatefulPermSampler(17), num_workers=2)
+        return DataLoader(ds, batch_size=4, sampler=StatefulPermSampler(17), num_workers=2,
+                          generator=torch.Generator().manual_seed(3))
     _check(make, [0, 2, 100, AFTER_END])
 
 
@@ -245,7 +246,8 @@ ALL_KS = [0, 1, 4, 99, 100, AFTER_END]
 def test_iterable(ds_type: type, num_workers: int, use_async: bool, ks: list[int]) -> None:
     """Per-worker dataset state (or a replay), workers of uneven lengths ending at times."""
     def make() -> DataLoader[Any]:
-        return DataLoader(ds_type(7), batch_size=2, num_workers=num_workers)
+        return DataLoader(ds_type(7), batch_size=2, num_workers=num_workers,
+                          generator=torch.Generator().manual_seed(3))
     _check(make, ks, use_async)
 
 
