@@ -53,14 +53,14 @@ class AsyncInfoMap:
         return torch.tensor([i, wid, wseed % 1000003])
 
 
-def _shard(base: int) -> tuple[int, int]:
+def _shard(base: int, with_seed: bool) -> tuple[int, int]:
     """This worker's (first item, count): worker ``w`` has ``base + 3 * w`` items.
 
-    The first item also tells the worker's seed (the loader's base seed + worker id).
+    With ``with_seed`` the items also tell the worker's seed (the base seed + worker id).
     """
     wid, wseed = _info()
     w = max(wid, 0)
-    return w * 1000 + (wseed % 1000003) * 10000, base + 3 * w
+    return w * 1000 + (wseed % 1000003) * 10000 * with_seed, base + 3 * w
 
 
 class _RangeIter:
@@ -90,23 +90,25 @@ class _RangeIter:
 class StatefulIterRange(aioloader.IterableDataset[int]):
     """Iterable dataset whose iterator is ``Stateful``; uneven shards per worker."""
 
-    def __init__(self, base: int) -> None:
+    def __init__(self, base: int, with_seed: bool = True) -> None:
         self.base = base
+        self.with_seed = with_seed
 
     def __iter__(self) -> Iterator[int]:
-        start, count = _shard(self.base)
+        start, count = _shard(self.base, self.with_seed)
         return _RangeIter(start, count)
 
 
 class StatefulDatasetRange(torch.utils.data.IterableDataset[int]):
     """Iterable dataset that is ``Stateful`` itself (torchdata's documented pattern)."""
 
-    def __init__(self, base: int) -> None:
+    def __init__(self, base: int, with_seed: bool = True) -> None:
         self.base = base
+        self.with_seed = with_seed
         self.pos = 0
 
     def __iter__(self) -> Iterator[int]:
-        start, count = _shard(self.base)
+        start, count = _shard(self.base, self.with_seed)
         while self.pos < count:
             self.pos += 1
             yield start + self.pos - 1
@@ -122,11 +124,12 @@ class StatefulDatasetRange(torch.utils.data.IterableDataset[int]):
 class PlainRange(aioloader.IterableDataset[int]):
     """Iterable dataset without state: resumed by replaying."""
 
-    def __init__(self, base: int) -> None:
+    def __init__(self, base: int, with_seed: bool = True) -> None:
         self.base = base
+        self.with_seed = with_seed
 
     def __iter__(self) -> Iterator[int]:
-        start, count = _shard(self.base)
+        start, count = _shard(self.base, self.with_seed)
         return iter(range(start, start + count))
 
 
@@ -182,10 +185,11 @@ class FailsAt(aioloader.Dataset[int]):
 class AsyncRange:
     """``__aiter__`` dataset without state (resumed by replay), sharded per worker."""
 
-    def __init__(self, base: int) -> None:
+    def __init__(self, base: int, with_seed: bool = True) -> None:
         self.base = base
+        self.with_seed = with_seed
 
     async def __aiter__(self) -> Any:
-        start, count = _shard(self.base)
+        start, count = _shard(self.base, self.with_seed)
         for i in range(start, start + count):
             yield i
