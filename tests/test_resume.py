@@ -182,6 +182,21 @@ def test_replacement_sampler_and_no_batching() -> None:
     _check(make, [7, AFTER_END])
 
 
+@pytest.mark.parametrize("which", ["subset", "weighted", "distributed"])
+def test_other_random_samplers(which: str) -> None:
+    """SubsetRandomSampler, WeightedRandomSampler, DistributedSampler resume by replay."""
+    def make() -> DataLoader[Any]:
+        ds = InfoMap(30)
+        if which == "subset":
+            sampler: Any = aioloader.SubsetRandomSampler(list(range(3, 27)))
+        elif which == "weighted":
+            sampler = aioloader.WeightedRandomSampler([1.0 + i % 3 for i in range(30)], 25)
+        else:
+            sampler = aioloader.DistributedSampler(ds, num_replicas=2, rank=1, seed=5)
+        return DataLoader(ds, batch_size=4, sampler=sampler)
+    _check(make, [2, AFTER_END])
+
+
 def test_in_order_false() -> None:
     """in_order=False: the remaining batches, each once (their order is not guaranteed)."""
     def make() -> DataLoader[Any]:
