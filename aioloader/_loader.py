@@ -39,7 +39,7 @@ import sniffio
 import torch
 import torch.utils.data as _tud
 
-from . import _device
+from . import _device, _state
 from ._afetch import AsyncFetchPool, AsyncIterFetcher
 from ._errors import (
     LoaderClosedError,
@@ -107,6 +107,9 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
     #: torch's persistent-workers iterator slot: the latest ``for`` iterator of a loader with
     #: persistent workers (frameworks call its ``_shutdown_workers()`` at teardown).
     _iterator: Any = None
+    #: Resume (aioloader._state): a loaded state for the next iter(), the latest epoch's tracker.
+    _resume_pending: Any = None
+    _resume_tracker: Any = None
 
     def __init__(
         self,
@@ -137,6 +140,7 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         retries: int = 0,
         retry_delay: float = DEFAULT_RETRY_DELAY,
         respawn_workers: bool | int = False,
+        snapshot_every_n_steps: int = 1,
     ) -> None:
         # torch fails on a non-int num_workers/prefetch_factor with TypeError (at the
         # constructor's comparison, or at iter() for a float): same type, raised here.
@@ -198,6 +202,10 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         self.fetch_threads = fetch_threads
         self.device = torch.device(device) if device is not None else None
         self.device_prefetch = device_prefetch
+        if not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 1:
+            raise ValueError(f"snapshot_every_n_steps should be a positive integer, but got "
+                             f"snapshot_every_n_steps={snapshot_every_n_steps!r}")
+        self.snapshot_every_n_steps = snapshot_every_n_steps
 
         self._kind = dataset_kind(dataset)
         # Failure policy (docs/failure_policy.md): validated here, TypeError/ValueError.
@@ -388,6 +396,27 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         """Start an epoch: ``async for batch in loader``."""
         return AsyncLoaderIter(self._make_core())
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where the latest epoch stands: resume it exactly with :meth:`load_state_dict`.
+
+        As torchdata's ``StatefulDataLoader.state_dict()``: it describes the loader after
+        the batches yielded so far (batches prefetched but not yet yielded are fetched
+        again after a resume). Plain data (JSON-able when the dataset's and sampler's own
+        states are). See docs/resume.md.
+        """
+        return _state.loader_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Make the next ``iter()``/``aiter()`` resume from ``state_dict``.
+
+        The resumed epoch yields the remaining batches of the saved one, equal to an
+        uninterrupted run's; later epochs follow as they would have. Persistent workers
+        are restarted (with the saved base seed). ``{}`` does nothing.
+        """
+        _state.prepare_resume(self, state_dict)
+        if self._resume_pending is not None:
+            self._close_pool_sync()
+
     async def aclose(self) -> None:
         """Shut down persistent workers, if any (iterators close themselves)."""
         lease = self._pool_lease
@@ -449,6 +478,8 @@ class _CoreBase:
         self.failure_policy = loader._failure_policy
         self.failures = FailureReport(self.failure_policy, self.kind.iterable)
         loader._failure_report = self.failures
+        self.track = _state.EpochTracker(loader, _state.take_pending(loader))
+        loader._resume_tracker = self.track
 
     def _absorb(self, index: Any, data: Any) -> Any:
         """Count a delivered batch for the failure report; NOTHING: every sample failed.
@@ -579,12 +610,16 @@ class _InlineCore(_CoreBase):
                 "timeout applies to multi-process loading only (as in torch): set "
                 "timeout=0 with num_workers=0, or use num_workers > 0"
             )
-        self.sampler_iter = iter(loader._index_sampler)
-        self.base_seed = _draw_base_seed(loader.generator)
-        self.fetcher = guard_fetcher(
-            make_fetcher(self.kind, self.dataset, self.auto_collation, self.collate_fn,
-                         self.drop_last, loader.fetch_threads),
-            self.failure_policy, None)
+        self.sampler_iter = self.track.sampler_iter(loader._index_sampler)
+        self.base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
+        self.track.seed = self.base_seed
+        wstate = self.track.worker_states.get(0) if self.kind.iterable else None
+        _state.load_dataset_state(self.dataset, wstate)
+        # The resume state is read from the plain fetcher; batches come through its guard.
+        self.raw_fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
+                                        self.collate_fn, self.drop_last, loader.fetch_threads)
+        _state.load_fetcher_state(self.raw_fetcher, wstate)
+        self.fetcher = guard_fetcher(self.raw_fetcher, self.failure_policy, None)
         self.device = loader.device
         self.runner: ThreadRunner | None = None
         self.policy = _InlinePolicy()
@@ -600,12 +635,22 @@ class _InlineCore(_CoreBase):
                 data = apply_to_batch(self._stage, data)
         return index, data
 
+    def _consumed_nothing(self) -> None:
+        """Every sample of the batch drawn last failed (skipped): it counts as consumed."""
+        if self.kind.iterable:
+            self.track.commit(self.track.last_drawn, 0,
+                              _state.worker_state(0, self.dataset, self.raw_fetcher),
+                              yielded=False)
+        else:
+            self.track.commit(self.track.last_drawn, yielded=False)
+
     def _stage(self, data: Any) -> Any:
         assert self.device is not None
         return _device.stage_to_device(data, self.device)
 
     def _deliver(self, data: Any) -> Any:
         self._count_yield()
+        self.track.commit_inline(self.dataset, self.raw_fetcher)
         if self.device is not None:
             return _device.finish_on_device(data)
         return data
@@ -615,14 +660,18 @@ class _InlineCore(_CoreBase):
         while True:
             if self.closed:
                 raise StopIteration
+            if self.track.discard and not self.track.replaying:
+                self.track.replay(self.next_sync)
             try:
                 index = next(self.sampler_iter)
             except StopIteration:
+                self.track.finished = True
                 self.close()
                 self.failures.end_of_epoch()
                 raise
-            index, data = self._fetch(index)
+            index, data = self.track.consumed_on_error(self._fetch, index)
             if data is EXHAUSTED:
+                self.track.finished = True
                 self.close()
                 self.failures.end_of_epoch()
                 raise StopIteration
@@ -633,6 +682,7 @@ class _InlineCore(_CoreBase):
                 raise
             if data is not NOTHING:
                 return self._deliver(data)
+            self._consumed_nothing()
 
     async def anext(self) -> Any:
         while True:
@@ -643,6 +693,8 @@ class _InlineCore(_CoreBase):
     async def _anext_raw(self) -> Any:
         if self.closed:
             raise StopAsyncIteration
+        if self.track.discard and not self.track.replaying:
+            await self.track.areplay(self.anext)
         call = self.pending
         if call is None:
             policy = self.policy
@@ -657,11 +709,12 @@ class _InlineCore(_CoreBase):
             try:
                 index = next(self.sampler_iter)
             except StopIteration:
+                self.track.finished = True
                 await self.aclose()
                 self.failures.end_of_epoch()
                 raise StopAsyncIteration from None
             if policy.inline:
-                data, took = _timed(self._fetch, index)
+                data, took = self.track.consumed_on_error(_timed, self._fetch, index)
                 policy.record(took)
                 return await self._finish(data)
             if self.runner is None:
@@ -670,13 +723,14 @@ class _InlineCore(_CoreBase):
         assert self.runner is not None
         await call.wait(self.runner)  # cancelled: `pending` keeps the batch for the next call
         self.pending = None
-        data, took = call.result()
+        data, took = self.track.consumed_on_error(call.result)
         self.policy.record(took)
         return await self._finish(data)
 
     async def _finish(self, fetched: tuple[Any, Any]) -> Any:
         index, data = fetched
         if data is EXHAUSTED:
+            self.track.finished = True
             await self.aclose()
             self.failures.end_of_epoch()
             raise StopAsyncIteration
@@ -686,6 +740,7 @@ class _InlineCore(_CoreBase):
             await self.aclose()
             raise
         if data is NOTHING:
+            self._consumed_nothing()
             return NOTHING
         return self._deliver(data)
 
@@ -774,7 +829,8 @@ def _resolve_context(loader: DataLoaderCore[Any]) -> multiprocessing.context.Bas
     return ctx
 
 
-def _start_pool(loader: DataLoaderCore[Any], base_seed: int) -> WorkerPool:
+def _start_pool(loader: DataLoaderCore[Any], base_seed: int,
+                resume_states: dict[int, Any] | None = None) -> WorkerPool:
     ctx = _resolve_context(loader)
     configs = [
         WorkerConfig(
@@ -792,6 +848,7 @@ def _start_pool(loader: DataLoaderCore[Any], base_seed: int) -> WorkerPool:
             parent_pid=os.getpid(),
             close_fds=[],
             failure=loader._failure_policy if loader._failure_policy.guards_reads else None,
+            resume_state=(resume_states or {}).get(i),
         )
         for i in range(loader.num_workers)
     ]
@@ -836,13 +893,15 @@ class _LoopHandle:
 class _Slot:
     """One dispatched batch: where it went and, once arrived, what came back."""
 
-    __slots__ = ("data", "has_data", "index", "worker")
+    __slots__ = ("data", "has_data", "index", "logical", "worker", "wstate")
 
-    def __init__(self, worker: int, index: Any = None) -> None:
+    def __init__(self, worker: int, index: Any = None, logical: int = -1) -> None:
         self.worker = worker
         self.index = index  # re-sent if its worker dies and is respawned
         self.has_data = False
         self.data: Any = None
+        self.logical = logical  # the batch's number in the epoch (aioloader._state)
+        self.wstate: Any = None  # an iterable dataset's state sent with the batch
 
 
 _ERROR = object()  # marks an in-process fetch that raised
@@ -878,7 +937,7 @@ class _PipelineCore(_CoreBase):
         # Async datasets keep enough batches in flight to use the fetch limit, plus one
         # (docs/async_datasets.md): with num_workers=0 this is the documented prefetch.
         async_depth = math.ceil(loader.fetch_concurrency / bs) + 1
-        self.sampler_iter = iter(loader._index_sampler)
+        self.sampler_iter = self.track.sampler_iter(loader._index_sampler)
         # torch draws the base seed at iter() for every fresh iterator; persistent
         # workers keep theirs, so later epochs draw nothing.
         self.lease: _PoolLease | None = None
@@ -891,8 +950,9 @@ class _PipelineCore(_CoreBase):
             if lease is not None and lease.closed:  # shut down by _shutdown_workers()
                 lease = None
             if lease is None:
-                base_seed = _draw_base_seed(loader.generator)
-                lease = _PoolLease(_start_pool(loader, base_seed), base_seed)
+                base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
+                lease = _PoolLease(_start_pool(loader, base_seed, self.track.worker_states),
+                                   base_seed)
                 if self.persistent:
                     loader._pool_lease = lease
                     # The workers belong to the loader: they stop when it is collected (or,
@@ -910,19 +970,23 @@ class _PipelineCore(_CoreBase):
                 self.after = previous.stopped
             lease.holder = weakref.ref(self)
             self.lease = lease
+            self.track.seed = lease.base_seed
             self.epoch = lease.epoch
             per_worker = loader.prefetch_factor or 0
             if self.kind.is_async:
                 per_worker = max(per_worker, async_depth)
             self.window = per_worker * self.num_workers
         else:
-            self.base_seed = _draw_base_seed(loader.generator)
+            self.base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
+            self.track.seed = self.base_seed
             self.fresh_epoch = False
             self.epoch = 0
             self.window = async_depth  # only async datasets use the pipeline without workers
         self.worker_active = [True] * self.num_workers
         self.worker_tasks = [0] * self.num_workers
         self.worker_cycle = itertools.cycle(range(self.num_workers))
+        for _ in range(self.track.cycle_skip()):  # a resume continues the round robin
+            next(self.worker_cycle)
         self.send_idx = 0
         self.rcvd_idx = 0
         self.outstanding = 0
@@ -983,7 +1047,7 @@ class _PipelineCore(_CoreBase):
                 return
             self.worker_tasks[worker] += 1
         seq = self.send_idx
-        self.slots[seq] = _Slot(worker, index)
+        self.slots[seq] = _Slot(worker, index, self.track.last_drawn)
         self.outstanding += 1
         self.send_idx += 1
         self.pending_cmds.append((worker, ("fetch", self.epoch, seq, index)))
@@ -1161,6 +1225,8 @@ class _PipelineCore(_CoreBase):
         slot = self.slots.get(seq)
         if slot is None:
             return
+        if (tag == "data" and len(msg) > 4) or (tag == "exhausted" and len(msg) > 3):
+            slot.wstate = msg[-1]  # the dataset's state after this batch (aioloader._state)
         if tag == "data":
             data = msg[3]
             if self.pin.enabled:
@@ -1255,6 +1321,7 @@ class _PipelineCore(_CoreBase):
             if self.num_workers > 0:
                 self.worker_tasks[slot.worker] -= 1
                 if data is EXHAUSTED:
+                    self.track.commit(slot.logical, slot.worker, slot.wstate, yielded=False)
                     self._mark_worker_unavailable(slot.worker)
                     self._try_put_index()
                     continue
@@ -1264,13 +1331,18 @@ class _PipelineCore(_CoreBase):
                 self.rcvd_idx = self.send_idx
                 raise StopAsyncIteration
             self._try_put_index()
+            worker = slot.worker if self.num_workers else None
+            failed = isinstance(data, (RemoteError, _ErrorBox))
+            if not failed:
+                data = self._absorb(slot.index, data)
+                if data is NOTHING:  # every sample of the batch failed (on_error="skip")
+                    self.track.commit(slot.logical, worker, slot.wstate, yielded=False)
+                    continue
+            self.track.taken(slot.logical, worker, slot.wstate, failed=failed)
             if isinstance(data, RemoteError):
                 data.reraise()
             if isinstance(data, _ErrorBox):
                 data.raise_it()
-            data = self._absorb(slot.index, data)
-            if data is NOTHING:  # every sample of the batch failed (on_error="skip")
-                continue
             return data
 
     def _pick_ready(self) -> tuple[int, _Slot | None]:
@@ -1306,12 +1378,15 @@ class _PipelineCore(_CoreBase):
                     "this iterator was superseded: a new epoch was started on the same "
                     "loader with persistent_workers=True")
             raise StopAsyncIteration
+        if self.track.discard and not self.track.replaying:
+            await self.track.areplay(self.anext)
         try:
             if self.device is None:
                 data = await self._next_host()
             else:
                 data = await self._next_device()
         except StopAsyncIteration:
+            self.track.finished = True
             await self.aclose()
             self.failures.end_of_epoch()
             raise
@@ -1325,6 +1400,7 @@ class _PipelineCore(_CoreBase):
             self.fatal = None
             raise
         self._count_yield()
+        self.track.delivered()
         return data
 
     async def _next_device(self) -> Any:

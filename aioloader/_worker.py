@@ -22,6 +22,9 @@ With the failure policy's skip or retries (``WorkerConfig.failure``), a
 batch, or ``NOTHING``, plus the samples skipped). The pool itself adds
 ``("respawned", worker_id)`` to the parent's stream when it replaced a dead
 worker (``respawn_workers``).
+An iterable dataset that implements ``state_dict``/``load_state_dict`` (torchdata's
+``Stateful``) adds its state after the batch as a last element of ``data`` and
+``exhausted`` replies (:mod:`aioloader._state`).
 
 Sync datasets are served one command at a time, in order. Async datasets run
 one event loop for the worker's life and keep several fetches in flight;
@@ -49,6 +52,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from . import _state
 from ._errors import RemoteError
 from ._failure import FailurePolicy, guard_fetcher
 from ._fetch import DatasetKind, IterFetcher, MapFetcher, make_fetcher
@@ -87,6 +91,8 @@ class WorkerConfig:
             worker drops the ``atexit`` handlers it inherited from the parent.
         failure: the loader's failure policy (``on_error``/``retries``), or
             ``None`` for torch's behaviour (see :mod:`aioloader._failure`).
+        resume_state: this worker's saved iterable-dataset state (``loader.load_state_dict``),
+            loaded into its first epoch (:mod:`aioloader._state`).
     """
 
     worker_id: int
@@ -104,6 +110,7 @@ class WorkerConfig:
     close_fds: list[int] = field(default_factory=list)
     start_method: str = ""
     failure: FailurePolicy | None = None
+    resume_state: Any = None
 
 
 def generate_numpy_seed(base_seed: int, worker_id: int) -> list[int]:
@@ -254,18 +261,25 @@ def _encode_reply(cfg: WorkerConfig, reply: tuple[Any, ...]) -> tuple[bytes, lis
 class _SyncEpoch:
     """The fetcher of one epoch and what it already knows."""
 
-    __slots__ = ("error", "exhausted", "fetcher")
+    __slots__ = ("error", "exhausted", "fetcher", "raw", "stateful")
 
     def __init__(self, cfg: WorkerConfig, init_error: RemoteError | None) -> None:
         self.fetcher: MapFetcher | IterFetcher | Any = None
+        self.raw: MapFetcher | IterFetcher | None = None
         self.error = init_error
         self.exhausted = False
+        self.stateful = False
         if init_error is None:
+            resume, cfg.resume_state = cfg.resume_state, None  # the first epoch's only
             try:
-                self.fetcher = guard_fetcher(
-                    make_fetcher(cfg.kind, cfg.dataset, cfg.auto_collation, cfg.collate_fn,
-                                 cfg.drop_last, cfg.fetch_threads),
-                    cfg.failure, cfg.worker_id)
+                _state.load_dataset_state(cfg.dataset, resume)
+                raw = make_fetcher(cfg.kind, cfg.dataset, cfg.auto_collation, cfg.collate_fn,
+                                   cfg.drop_last, cfg.fetch_threads)
+                _state.load_fetcher_state(raw, resume)
+                self.stateful = cfg.kind.iterable and _state.is_stateful_iterable(
+                    cfg.dataset, raw)
+                self.raw = raw  # the state is read from the unguarded fetcher
+                self.fetcher = guard_fetcher(raw, cfg.failure, cfg.worker_id)
             except Exception:
                 self.error = RemoteError.from_current(_where(cfg))
 
@@ -276,10 +290,18 @@ class _SyncEpoch:
             return ("exhausted", epoch, seq)
         assert self.fetcher is not None
         try:
+            if self.stateful:  # the dataset's position goes with each batch (_state)
+                batch = self.fetcher.fetch(index)
+                return ("data", epoch, seq, batch,
+                        _state.worker_state(cfg.worker_id, cfg.dataset, self.raw))
             return ("data", epoch, seq, self.fetcher.fetch(index))
         except StopIteration:
             if cfg.kind.iterable:
                 self.exhausted = True
+                if self.stateful:
+                    self.raw._ended = True  # type: ignore[union-attr]
+                    return ("exhausted", epoch, seq,
+                            _state.worker_state(cfg.worker_id, cfg.dataset, self.raw))
                 return ("exhausted", epoch, seq)
             return _error_reply(cfg, epoch, seq)
         except Exception:

@@ -174,7 +174,12 @@ class AsyncCrashOnce(CrashOnce):
 
 
 class Gated:
-    """Every key but the first batch's waits for ``gate`` (a multiprocessing Event)."""
+    """Every key but the first batch's waits for ``gate`` (a multiprocessing Semaphore(0)).
+
+    A semaphore, not an Event: ``Event.set`` waits for every sleeper to wake, and a
+    worker killed while it sleeps never does (``set`` would hang). Each waiter passes
+    the token on, so one ``release()`` opens the gate for all.
+    """
 
     def __init__(self, n: int, first: int, gate: Any) -> None:
         self.n, self.first, self.gate = n, first, gate
@@ -183,8 +188,10 @@ class Gated:
         return self.n
 
     def __getitem__(self, i: int) -> int:
-        if i >= self.first and not self.gate.wait(30):
-            raise TimeoutError("the test never opened the gate")
+        if i >= self.first:
+            if not self.gate.acquire(timeout=30):
+                raise TimeoutError("the test never opened the gate")
+            self.gate.release()
         return i
 
 

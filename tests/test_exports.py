@@ -17,7 +17,7 @@ LAYERS: dict[str, int] = {
     "_errors": 0, "_worker_info": 0,
     "dataset": 1, "sampler": 1, "distributed": 1, "collate": 1, "_fetch": 1, "_pin": 1,
     "_transport": 1, "_failure": 1,
-    "_afetch": 2, "_device": 2, "_threads": 2,
+    "_afetch": 2, "_device": 2, "_threads": 2, "_state": 2,
     "_worker": 3,
     "_pool": 4,
     "_loader": 5,

@@ -302,14 +302,14 @@ def test_respawn_after_a_worker_dies_delivers_every_index_once_in_order(
 
 
 def test_respawn_after_kill_9_from_outside_mid_epoch_no_leak() -> None:
-    gate = multiprocessing.get_context("fork").Event()
+    gate = multiprocessing.get_context("fork").Semaphore(0)
     loader = DataLoader(Gated(30, 3, gate), batch_size=3, num_workers=2,
                         respawn_workers=True, multiprocessing_context="fork")
     it = iter(loader)
     out = next(it).tolist()  # batch 0, from worker 0; worker 1 waits at the gate on batch 1
     victim = it._workers[1].pid
     os.kill(victim, signal.SIGKILL)
-    gate.set()
+    gate.release()
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         out += _flat(list(it))
