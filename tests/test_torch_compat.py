@@ -269,3 +269,63 @@ def test_worker_info_assignment_raises_both_torch_exception_types() -> None:
     loader = DataLoader(list(range(4)), batch_size=2, num_workers=2,
                         worker_init_fn=_assign_worker_info, **FORK)
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+
+
+# -- differential sweep: same seed, same batches and RNG as torch ------------------------
+
+
+class _IndexAndDraw(aioloader.Dataset[Any]):
+    """Map-style; each sample carries a draw from the (worker's) global torch RNG."""
+
+    def __len__(self) -> int:
+        return 13
+
+    def __getitem__(self, i: int) -> Any:
+        return i, torch.rand(1)
+
+
+class _ShardedIndexAndDraw(aioloader.IterableDataset[Any]):
+    """Shards by get_worker_info(); each sample carries a draw from the global torch RNG."""
+
+    def __iter__(self) -> Iterator[Any]:
+        info = tud.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(wid, 13, nw):
+            yield i, torch.rand(1)
+
+
+def _two_epochs(mod: Any, make: Any, kw: dict[str, Any], gen: bool, unordered: bool) -> list[Any]:
+    """Two epochs of one loader, with torch.initial_seed() and the RNG state after each."""
+    torch.manual_seed(11)
+    loader = mod.DataLoader(make(), generator=torch.Generator().manual_seed(5) if gen else None,
+                            **kw)
+    out: list[Any] = []
+    for _ in range(2):
+        samples = []
+        for idx, draw in loader:
+            if kw.get("batch_size", 1) is None:
+                idx, draw = [idx], [draw]
+            samples += [(int(i), d.tolist()) for i, d in zip(idx, draw)]
+        # Unordered: which worker (so which RNG stream) serves an index depends on timing,
+        # in torch as well; the indices delivered and the parent's RNG use must not.
+        out.append(sorted(i for i, _ in samples) if unordered else samples)
+        out.append((torch.initial_seed(), torch.get_rng_state().tolist()))
+    return out
+
+
+@pytest.mark.parametrize(("make", "gen", "kw"), [
+    (_IndexAndDraw, True, {"batch_size": 4, "shuffle": True, "persistent_workers": True}),
+    (_IndexAndDraw, False, {"batch_size": None, "shuffle": True, "in_order": False}),
+    (_IndexAndDraw, False, {"batch_size": 3, "shuffle": True, "drop_last": True,
+                            "in_order": False, "persistent_workers": True}),
+    (_ShardedIndexAndDraw, False, {"batch_size": 2, "persistent_workers": True}),
+    (_ShardedIndexAndDraw, True, {"batch_size": None}),
+])
+def test_two_epochs_same_batches_and_rng_as_torch(make: Any, gen: bool,
+                                                  kw: dict[str, Any]) -> None:
+    """Persistent workers, in_order=False, sharded iterables: per epoch the samples (as a set
+    when unordered), torch.initial_seed() and the global RNG state equal torch's."""
+    kw = {**kw, "num_workers": 2, **FORK}
+    unordered = kw.get("in_order") is False
+    assert _two_epochs(aioloader, make, kw, gen, unordered) == _two_epochs(tud, make, kw, gen,
+                                                                            unordered)
