@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 from _loader_datasets import ShardedRange
+from torch.utils.data import get_worker_info as torch_get_worker_info  # captured at import
 
 import aioloader
 from aioloader import DataLoader, LoaderTimeoutError, TensorDataset
@@ -59,6 +60,7 @@ class Identity(aioloader.Dataset[Any]):
         ours = aioloader.get_worker_info()
         theirs = tud.get_worker_info()
         assert ours is not None and theirs is not None
+        assert torch_get_worker_info() is theirs  # a reference taken before threads existed
         return (i, threading.current_thread().name, threading.get_ident(), ours.id,
                 ours.num_workers, ours.worker_method, ours.rng is not None, theirs.id,
                 theirs.seed == ours.seed)
