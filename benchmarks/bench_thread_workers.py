@@ -7,9 +7,9 @@ it sorts), so N worker threads run in parallel like N processes. Two cases:
 (b) the whole sorted array is the sample (2 MiB): process workers hand it over
     through shared memory, threads hand over the object itself.
 
-Rows: torch's DataLoader (processes), aioloader with worker processes, and
-aioloader with worker threads; samples/s medians of interleaved repeats and
-the ratio to torch. ``--workers`` sets num_workers (default 2).
+Rows: torch's DataLoader (processes), aioloader with no workers (the serial
+reference), with worker processes and with worker threads; samples/s medians
+of interleaved repeats and the ratio to torch. ``--workers`` sets num_workers (default 2).
 
     python benchmarks/bench_thread_workers.py [--repeats 5] [--quick]
 """
@@ -78,6 +78,7 @@ def main() -> None:
         ds = Sorting(n, full)
         cases = {
             "torch DataLoader, processes": case(tud.DataLoader, ds, num_workers=w),
+            "aioloader, num_workers=0 (serial)": case(aioloader.DataLoader, ds),
             "aioloader, processes": case(
                 aioloader.DataLoader, ds, num_workers=w),
             "aioloader, worker_method='thread'": case(
