@@ -236,14 +236,19 @@ def test_worker_init_fn_error_reaches_the_consumer() -> None:
                         worker_init_fn=init))
 
 
-def test_timeout_raises_and_the_busy_thread_is_joined_after_it_finishes() -> None:
+def test_timeout_raises_and_close_does_not_hang_on_a_busy_thread(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A thread stuck in the dataset cannot be killed: close gives up after its grace."""
     ds = Gate()
     it = iter(DataLoader(ds, batch_size=None, num_workers=1, timeout=0.2,
                          worker_method="thread"))
     with pytest.raises(LoaderTimeoutError, match=r"timed out after 0\.2 seconds"):
         next(it)
-    ds.release.set()
-    it.close()  # type: ignore[attr-defined]
+    with caplog.at_level("WARNING", logger="aioloader._thread_pool"):
+        it.close()  # type: ignore[attr-defined]  # returns although index 0 still waits
+    assert "abandoning" in caplog.text
+    assert [t.name for t in worker_threads()] == [f"{THREAD_PREFIX}0"]
+    ds.release.set()  # the fetch ends; the thread sees the pool closed and leaves
     for t in worker_threads():
         t.join(5)
     assert not worker_threads()
@@ -333,4 +338,17 @@ async def test_async_close_of_persistent_loader_joins_threads() -> None:
     async with loader:
         assert [int(b) async for b in loader] == list(range(10))
         assert len(worker_threads()) == 2
+    assert not worker_threads()
+
+
+def test_async_for_under_trio_equals_asyncio() -> None:
+    import anyio
+
+    async def epoch() -> list[Any]:
+        torch.manual_seed(0)
+        loader = DataLoader(Drawing(), batch_size=4, shuffle=True, num_workers=2,
+                            worker_method="thread")
+        return flat([b async for b in loader])
+
+    assert anyio.run(epoch, backend="trio") == anyio.run(epoch, backend="asyncio")
     assert not worker_threads()
