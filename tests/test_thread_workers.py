@@ -227,6 +227,30 @@ def test_errors_have_the_types_and_messages_of_process_workers() -> None:
     assert "sample 5 missing" in str(threads[0])
 
 
+class ExitsAt(aioloader.Dataset[int]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        if i == 3:
+            raise SystemExit(3)
+        return i
+
+
+def test_system_exit_in_the_dataset_ends_the_thread_as_a_worker_death() -> None:
+    got = []
+    with pytest.raises(aioloader.WorkerDiedError,
+                       match="worker thread 1 exited unexpectedly: SystemExit: 3"):
+        for b in DataLoader(ExitsAt(), batch_size=None, num_workers=2, worker_method="thread"):
+            got.append(int(b))
+    # In order up to the death (when it is seen depends on timing, as with a process).
+    assert got == list(range(len(got))) and len(got) <= 3
+    gc.collect()
+    for t in worker_threads():
+        t.join(5)
+    assert not worker_threads()
+
+
 def test_worker_init_fn_error_reaches_the_consumer() -> None:
     def init(worker_id: int) -> None:
         raise RuntimeError(f"cannot init {worker_id}")
