@@ -24,6 +24,13 @@ def worker_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
 
 
+def assert_threads_gone() -> None:
+    """Every worker thread ends (joins are event-driven and bounded)."""
+    for t in worker_threads():
+        t.join(5)
+    assert not worker_threads()
+
+
 def flat(batches: list[Any]) -> list[Any]:
     out = []
     for b in batches:
@@ -246,9 +253,7 @@ def test_system_exit_in_the_dataset_ends_the_thread_as_a_worker_death() -> None:
     # In order up to the death (when it is seen depends on timing, as with a process).
     assert got == list(range(len(got))) and len(got) <= 3
     gc.collect()
-    for t in worker_threads():
-        t.join(5)
-    assert not worker_threads()
+    assert_threads_gone()
 
 
 def test_worker_init_fn_error_reaches_the_consumer() -> None:
@@ -273,9 +278,7 @@ def test_timeout_raises_and_close_does_not_hang_on_a_busy_thread(
     assert "abandoning" in caplog.text
     assert [t.name for t in worker_threads()] == [f"{THREAD_PREFIX}0"]
     ds.release.set()  # the fetch ends; the thread sees the pool closed and leaves
-    for t in worker_threads():
-        t.join(5)
-    assert not worker_threads()
+    assert_threads_gone()
 
 
 def test_pin_memory_without_accelerator_gives_same_batches() -> None:
@@ -292,9 +295,7 @@ def test_break_in_sync_for_leaves_no_thread() -> None:
     for i, _ in enumerate(DataLoader(range(100), num_workers=2, worker_method="thread")):
         if i == 2:
             break
-    for t in worker_threads():  # event-driven, bounded: GC of the iterator stops them
-        t.join(5)
-    assert not worker_threads()
+    assert_threads_gone()  # the iterator's garbage collection stopped them
 
 
 async def test_break_in_async_for_then_aclose_leaves_no_thread() -> None:
@@ -316,9 +317,7 @@ def test_close_and_gc_of_half_consumed_iterators_leave_no_thread() -> None:
     next(it)
     del it
     gc.collect()
-    for t in worker_threads():
-        t.join(5)
-    assert not worker_threads()
+    assert_threads_gone()
 
 
 def test_exception_in_the_loop_body_leaves_no_thread() -> None:
@@ -326,9 +325,7 @@ def test_exception_in_the_loop_body_leaves_no_thread() -> None:
         for _ in DataLoader(range(100), num_workers=2, worker_method="thread"):
             1 / 0  # noqa: B018
     gc.collect()
-    for t in worker_threads():
-        t.join(5)
-    assert not worker_threads()
+    assert_threads_gone()
 
 
 def test_persistent_threads_serve_every_epoch_and_stop_at_close() -> None:
