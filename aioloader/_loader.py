@@ -59,6 +59,7 @@ from ._failure import (
 )
 from ._fetch import EXHAUSTED, DatasetKind, dataset_kind, fetch_or_exhausted, make_fetcher
 from ._pool import WorkerPool
+from ._thread_pool import ThreadWorkerPool
 from ._threads import ThreadRunner, _noop
 from ._worker import WorkerConfig
 from .collate import default_collate, default_convert
@@ -70,6 +71,9 @@ _LG = logging.getLogger(__name__)
 
 T_co = TypeVar("T_co", covariant=True)
 _LoaderT = TypeVar("_LoaderT", bound="DataLoaderCore[Any]")
+
+#: The values of ``worker_method``: torch's spelling (its thread workers, PR #161044).
+WORKER_METHODS = ("multiprocessing", "thread")
 
 #: Default number of ``await dataset[i]`` in flight per process for async datasets.
 DEFAULT_FETCH_CONCURRENCY = 64
@@ -131,6 +135,7 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        worker_method: str = "multiprocessing",
         fetch_concurrency: int = DEFAULT_FETCH_CONCURRENCY,
         fetch_threads: int = 0,
         device: str | torch.device | None = None,
@@ -173,6 +178,11 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
             raise ValueError("prefetch_factor option should be non-negative")
         if persistent_workers and num_workers == 0:
             raise ValueError("persistent_workers option needs num_workers > 0")
+        if worker_method not in WORKER_METHODS:
+            raise ValueError(
+                f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, "
+                f"but got worker_method={worker_method!r}"
+            )
         if not isinstance(fetch_concurrency, int) or fetch_concurrency < 1:
             raise ValueError(
                 f"fetch_concurrency should be a positive integer (the most fetches of an async "
@@ -198,6 +208,7 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = multiprocessing_context
         self.in_order = in_order
+        self.worker_method = worker_method
         self.fetch_concurrency = fetch_concurrency
         self.fetch_threads = fetch_threads
         self.device = torch.device(device) if device is not None else None
@@ -219,6 +230,12 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         self.retry_delay = retry_delay
         self.respawn_workers = respawn_workers
         self._failure_report: FailureReport | None = None
+        if worker_method == "thread" and num_workers > 0 and self._kind.is_async:
+            raise ValueError(
+                "worker_method='thread' serves sync datasets; an async dataset already runs "
+                "its fetches concurrently in the main process: use num_workers=0 (and "
+                "fetch_concurrency=), or worker_method='multiprocessing'"
+            )
         if self._kind.iterable:
             if shuffle not in {False, None}:
                 raise ValueError(
@@ -777,7 +794,7 @@ class _PoolLease:
     interpreter and would stall the loop).
     """
 
-    def __init__(self, pool: WorkerPool, base_seed: int) -> None:
+    def __init__(self, pool: WorkerPool | ThreadWorkerPool, base_seed: int) -> None:
         self.pool = pool
         self.base_seed = base_seed
         self.epoch = 0
@@ -807,7 +824,7 @@ class _PoolLease:
     async def start(self, runner: ThreadRunner) -> None:
         if self.started:
             return
-        if self.pool.start_method == "fork":
+        if self.pool.start_method in ("fork", "thread"):  # fast: no new interpreter to wait on
             self.start_sync()
         else:
             await runner.run(self.start_sync)
@@ -830,8 +847,8 @@ def _resolve_context(loader: DataLoaderCore[Any]) -> multiprocessing.context.Bas
 
 
 def _start_pool(loader: DataLoaderCore[Any], base_seed: int,
-                resume_states: dict[int, Any] | None = None) -> WorkerPool:
-    ctx = _resolve_context(loader)
+                resume_states: dict[int, Any] | None = None) -> WorkerPool | ThreadWorkerPool:
+    """The pool factory: the one place that picks the kind of workers (``worker_method``)."""
     configs = [
         WorkerConfig(
             worker_id=i,
@@ -852,7 +869,9 @@ def _start_pool(loader: DataLoaderCore[Any], base_seed: int,
         )
         for i in range(loader.num_workers)
     ]
-    return WorkerPool(configs, ctx)
+    if loader.worker_method == "thread":
+        return ThreadWorkerPool(configs)
+    return WorkerPool(configs, _resolve_context(loader))
 
 
 # ----------------------------------------------------------------------------------------

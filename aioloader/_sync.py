@@ -65,6 +65,10 @@ class DataLoader(DataLoaderCore[T_co]):
     pin_memory_device, in_order), plus keyword-only extras:
 
     Args:
+        worker_method: ``"multiprocessing"`` (default: worker processes) or
+            ``"thread"`` (worker threads in this process, for datasets whose
+            work releases the GIL; torch's upstream spelling). Same worker
+            ids, seeds, sharding and batches; see docs/migration.md.
         fetch_concurrency: most ``await dataset[i]`` in flight per process
             for async datasets (default 64).
         fetch_threads: read the samples of a batch of a *sync* map-style

@@ -59,7 +59,7 @@ from ._fetch import DatasetKind, IterFetcher, MapFetcher, make_fetcher
 from ._transport import Frame, FrameReader, FrameWriter, close_fds, decode, encode, send_frame
 from ._worker_info import WorkerInfo, _set_worker_info
 
-__all__ = ["WorkerConfig", "generate_numpy_seed", "worker_main"]
+__all__ = ["WorkerConfig", "generate_numpy_seed", "serve_commands", "worker_main"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ class WorkerConfig:
             closes at once, so that EOF and parent death are seen (set by the pool).
         start_method: how the process was started (set by the pool); a forked
             worker drops the ``atexit`` handlers it inherited from the parent.
+            ``"thread"`` for a thread worker (:mod:`aioloader._thread_pool`).
         failure: the loader's failure policy (``on_error``/``retries``), or
             ``None`` for torch's behaviour (see :mod:`aioloader._failure`).
         resume_state: this worker's saved iterable-dataset state (``loader.load_state_dict``),
@@ -232,7 +233,9 @@ def _start_watchdog(sock: socket.socket, cfg: WorkerConfig, watch_ppid: bool,
 
 
 def _where(cfg: WorkerConfig) -> str:
-    return f"in DataLoader worker process {cfg.worker_id}"
+    # torch's words: "worker process N", and "worker thread N" for its thread workers.
+    kind = "thread" if cfg.start_method == "thread" else "process"
+    return f"in DataLoader worker {kind} {cfg.worker_id}"
 
 
 def _error_reply(cfg: WorkerConfig, epoch: Any, seq: Any) -> tuple[Any, ...]:
@@ -328,17 +331,20 @@ def _next_command(reader: FrameReader, poller: select.poll, cfg: WorkerConfig,
         reader.read_available()
 
 
-def _serve_sync(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError | None,
-                watch_ppid: bool) -> None:
-    """Serve commands one at a time on a blocking socket until exit/EOF."""
-    sock.setblocking(True)
-    reader = FrameReader(sock)
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
+def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
+                   next_command: Callable[[], Any],
+                   send_reply: Callable[[tuple[Any, ...]], None]) -> None:
+    """The command loop of a sync worker, whatever carries its commands and replies.
+
+    ``next_command()`` blocks until the next command and returns ``None`` when
+    the worker must leave (EOF, parent gone, pool closing); ``send_reply``
+    hands one reply tuple to the parent. Used by worker processes (a socket)
+    and by thread workers (in-process queues, :mod:`aioloader._thread_pool`).
+    """
     state = _SyncEpoch(cfg, init_error)
     try:
         while True:
-            cmd = _next_command(reader, poller, cfg, watch_ppid)
+            cmd = next_command()
             if cmd is None or cmd[0] == "exit":
                 break
             op = cmd[0]
@@ -347,16 +353,35 @@ def _serve_sync(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError 
                 del cmd
                 reply = state.fetch(cfg, epoch, seq, index)
                 del index
-                send_frame(sock, *_encode_reply(cfg, reply))
+                send_reply(reply)
                 del reply  # free the batch (and its shared memory) before waiting again
             elif op == "reset":
                 state.close()
                 state = _SyncEpoch(cfg, init_error)
-                send_frame(sock, *_encode_reply(cfg, ("reset", cmd[1])))
+                send_reply(("reset", cmd[1]))
             else:
                 raise RuntimeError(f"unknown command {cmd!r}")
     finally:
         state.close()  # the fetch threads (fetch_threads=) end with the worker's work
+
+
+def _serve_sync(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError | None,
+                watch_ppid: bool) -> None:
+    """Serve commands one at a time on a blocking socket until exit/EOF."""
+    sock.setblocking(True)
+    reader = FrameReader(sock)
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+
+    def next_command() -> Any:
+        return _next_command(reader, poller, cfg, watch_ppid)
+
+    def send_reply(reply: tuple[Any, ...]) -> None:
+        send_frame(sock, *_encode_reply(cfg, reply))
+
+    try:
+        serve_commands(cfg, init_error, next_command, send_reply)
+    finally:
         reader.close()
 
 

@@ -1,4 +1,8 @@
-"""Per-process worker identity: :class:`WorkerInfo` and :func:`get_worker_info`.
+"""Per-worker identity: :class:`WorkerInfo` and :func:`get_worker_info`.
+
+A worker process installs its info process-wide; a thread worker
+(``worker_method="thread"``) installs it for its own thread only, so the
+main thread (and every other thread) still sees ``None``.
 
 Low in the layering (stdlib only) so that collate code can ask "am I in a
 worker?" without importing the worker machinery.
@@ -7,6 +11,7 @@ worker?" without importing the worker machinery.
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import FrozenInstanceError
 from typing import Any
 
@@ -31,7 +36,13 @@ class WorkerInfo:
         num_workers: how many workers the loader started.
         seed: the seed this worker gave ``torch``, ``random`` and ``numpy``
             (``base_seed + id``).
-        dataset: this worker's own copy of the dataset.
+        dataset: this worker's own copy of the dataset (a thread worker shares
+            the main process's dataset object).
+        rng: thread workers only: the worker's own generators, seeded from
+            ``seed`` (``random_generator``, ``torch_generator``,
+            ``numpy_generator``), as torch's thread workers have; ``None`` in
+            worker processes, which seed the global generators instead.
+        worker_method: ``"multiprocessing"`` or ``"thread"``.
 
     Attributes cannot be changed once set, as in torch (assigning raises
     :class:`ReadOnlyAttributeError`, both a ``RuntimeError`` and a
@@ -42,6 +53,8 @@ class WorkerInfo:
     num_workers: int
     seed: int
     dataset: Any
+    rng: Any = None
+    worker_method: str = "multiprocessing"
     __initialized = False
 
     def __init__(self, **kwargs: Any) -> None:
@@ -63,6 +76,7 @@ class WorkerInfo:
 
 
 _worker_info: WorkerInfo | None = None
+_thread_local = threading.local()  # a thread worker's info (``_thread_local.info``)
 
 
 def get_worker_info() -> WorkerInfo | None:
@@ -80,6 +94,9 @@ def get_worker_info() -> WorkerInfo | None:
         >>> get_worker_info() is None  # we are in the main process
         True
     """
+    info: WorkerInfo | None = getattr(_thread_local, "info", None)
+    if info is not None:
+        return info
     if _worker_info is not None:
         return _worker_info
     tud = sys.modules.get("torch.utils.data")
@@ -90,3 +107,8 @@ def _set_worker_info(info: WorkerInfo | None) -> None:
     """Install ``info`` for this process (called once by the worker)."""
     global _worker_info
     _worker_info = info
+
+
+def _set_thread_worker_info(info: WorkerInfo | None) -> None:
+    """Install ``info`` for the calling thread only (a thread worker, or ``None`` as it ends)."""
+    _thread_local.info = info

@@ -1,0 +1,462 @@
+"""worker_method="thread": same batches as worker processes, per-thread identity, clean-up."""
+
+from __future__ import annotations
+
+import gc
+import random
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+from _loader_datasets import ShardedRange
+from torch.utils.data import get_worker_info as torch_get_worker_info  # captured at import
+
+import aioloader
+from aioloader import DataLoader, LoaderTimeoutError, TensorDataset
+
+THREAD_PREFIX = "aioloader-thread-worker-"
+
+
+def worker_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+def assert_threads_gone() -> None:
+    """Every worker thread ends (joins are event-driven and bounded)."""
+    for t in worker_threads():
+        t.join(5)
+    assert not worker_threads()
+
+
+def flat(batches: list[Any]) -> list[Any]:
+    out = []
+    for b in batches:
+        if isinstance(b, (list, tuple)):
+            out.append(tuple(x.tolist() if isinstance(x, torch.Tensor) else x for x in b))
+        else:
+            out.append(b.tolist() if isinstance(b, torch.Tensor) else b)
+    return out
+
+
+class Drawing(aioloader.Dataset[Any]):
+    """Draws from the worker's generator: torch.thread_safe_generator() (None in processes)."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        info = aioloader.get_worker_info()
+        assert info is not None
+        gen = torch.thread_safe_generator()
+        return torch.rand(2, generator=gen) + i, info.id, info.seed
+
+
+class Identity(aioloader.Dataset[Any]):
+    """Reports who fetched each sample: thread, aioloader's and torch's worker info."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> Any:
+        ours = aioloader.get_worker_info()
+        theirs = tud.get_worker_info()
+        assert ours is not None and theirs is not None
+        assert torch_get_worker_info() is theirs  # a reference taken before threads existed
+        return (i, threading.current_thread().name, threading.get_ident(), ours.id,
+                ours.num_workers, ours.worker_method, ours.rng is not None, theirs.id,
+                theirs.seed == ours.seed)
+
+
+class RaisesAt(aioloader.Dataset[int]):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> int:
+        if i == 5:
+            raise KeyError(f"sample {i} missing")
+        if i == 9:
+            raise ValueError(f"broken sample {i}")
+        return i
+
+
+class Gate(aioloader.Dataset[int]):
+    """Index 0 waits for an event (bounded): a batch that takes long, then finishes."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        if i == 0:
+            self.release.wait(30)
+        return i
+
+
+def run(method: str, make: Any, seed: int = 0, **kw: Any) -> list[Any]:
+    torch.manual_seed(seed)
+    return flat(list(DataLoader(make(), worker_method=method, **kw)))
+
+
+# ------------------------------------------------------------------------------ differential
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_same_batches_as_process_workers_shuffled_map(in_order: bool) -> None:
+    """Same seed -> same indices, worker ids, worker seeds and generator draws as processes."""
+    kw = {"batch_size": 3, "shuffle": True, "num_workers": 2, "in_order": in_order}
+    procs = run("multiprocessing", Drawing, **kw)
+    threads = run("thread", Drawing, **kw)
+    if in_order:
+        assert threads == procs
+    else:  # which worker gets which batch depends on timing, as between two process runs
+        def samples(batches: list[Any]) -> list[int]:
+            return sorted(int(row[0]) for b in batches for row in b[0])
+
+        assert samples(threads) == samples(procs) == list(range(40))
+    assert run("thread", Drawing, seed=1, **kw) != threads  # the seed matters
+
+
+def test_same_batches_with_generator_and_tensor_dataset() -> None:
+    ds = TensorDataset(torch.arange(50.0), torch.arange(50) % 7)
+
+    def make() -> Any:
+        return ds
+
+    def kw() -> dict[str, Any]:
+        return {"batch_size": 4, "shuffle": True, "num_workers": 2, "drop_last": True,
+                    "generator": torch.Generator().manual_seed(123)}
+
+    assert run("thread", make, **kw()) == run("multiprocessing", make, **kw())
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_iterable_sharding_equals_process_workers(num_workers: int) -> None:
+    """Each thread shards the iterable with its own get_worker_info(): nothing lost or doubled."""
+    def make() -> Any:
+        return ShardedRange(0, 23)
+
+    kw = {"batch_size": 4, "num_workers": num_workers}
+    threads = run("thread", make, **kw)
+    assert threads == run("multiprocessing", make, **kw)
+    assert sorted(x for b in threads for x in b) == list(range(23))
+
+
+async def test_async_for_equals_sync_for_and_processes() -> None:
+    torch.manual_seed(0)
+    got = flat([b async for b in DataLoader(Drawing(), batch_size=4, shuffle=True,
+                                            num_workers=2, worker_method="thread")])
+    assert got == run("thread", Drawing, batch_size=4, shuffle=True, num_workers=2)
+    assert not worker_threads()
+
+
+def test_global_rngs_of_the_process_are_not_reseeded() -> None:
+    """Thread workers seed their own generators: random/numpy global state is left alone."""
+    random.seed(5)
+    np.random.seed(5)
+    py_state, np_state = random.getstate(), np.random.get_state()
+    run("thread", Drawing, batch_size=4, num_workers=2)
+    assert random.getstate() == py_state
+    after = np.random.get_state()
+    assert after[0] == np_state[0] and (after[1] == np_state[1]).all()
+
+
+# ------------------------------------------------------------------------------ identity
+
+
+def test_get_worker_info_per_thread_and_none_in_main_thread() -> None:
+    loader = DataLoader(Identity(), batch_size=None, num_workers=2, worker_method="thread")
+    assert aioloader.get_worker_info() is None and tud.get_worker_info() is None
+    rows = []
+    for row in loader:
+        # The consumer (main thread) sees no worker info while the workers run.
+        assert aioloader.get_worker_info() is None and tud.get_worker_info() is None
+        rows.append(row)
+    assert aioloader.get_worker_info() is None and tud.get_worker_info() is None
+    by_worker: dict[int, set[Any]] = {}
+    for (i, name, ident, wid, nw, method, has_rng, torch_id, same_seed) in rows:
+        assert wid == i % 2 and torch_id == wid and nw == 2  # round robin, as processes
+        assert name == f"{THREAD_PREFIX}{wid}" and ident != threading.get_ident()
+        assert method == "thread" and has_rng and same_seed
+        by_worker.setdefault(wid, set()).add(ident)
+    assert all(len(ids) == 1 for ids in by_worker.values())  # one thread per worker id
+    assert len({next(iter(ids)) for ids in by_worker.values()}) == 2
+
+
+def test_worker_init_fn_runs_once_in_each_thread() -> None:
+    calls: list[tuple[int, str, int | None]] = []
+    lock = threading.Lock()
+
+    def init(worker_id: int) -> None:
+        info = tud.get_worker_info()
+        with lock:
+            calls.append((worker_id, threading.current_thread().name,
+                          info.id if info is not None else None))
+
+    assert len(list(DataLoader(range(10), num_workers=2, worker_method="thread",
+                               worker_init_fn=init))) == 10
+    assert sorted(calls) == [(w, f"{THREAD_PREFIX}{w}", w) for w in range(2)]
+
+
+def test_unknown_worker_method_is_a_value_error_naming_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"'multiprocessing', 'thread'.*'threads'"):
+        DataLoader(range(4), num_workers=2, worker_method="threads")
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_errors_have_the_types_and_messages_of_process_workers() -> None:
+    caught: dict[str, list[BaseException]] = {}
+    for method in ("multiprocessing", "thread"):
+        errs = caught[method] = []
+        it = iter(DataLoader(RaisesAt(), batch_size=None, num_workers=2,
+                             worker_method=method))
+        for _ in range(12):
+            try:
+                next(it)
+            except (KeyError, ValueError) as exc:
+                errs.append(exc)
+        it.close()  # type: ignore[attr-defined]
+    procs, threads = caught["multiprocessing"], caught["thread"]
+    assert [type(e) for e in threads] == [type(e) for e in procs] == [KeyError, ValueError]
+    for p, t in zip(procs, threads):
+        # torch's words, with "thread" where a process worker says "process".
+        assert str(t) == str(p).replace("worker process", "worker thread")
+    assert "Caught KeyError in DataLoader worker thread 1" in str(threads[0])
+    assert "sample 5 missing" in str(threads[0])
+
+
+class ExitsAt(aioloader.Dataset[int]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        if i == 3:
+            raise SystemExit(3)
+        return i
+
+
+def test_system_exit_in_the_dataset_ends_the_thread_as_a_worker_death() -> None:
+    got = []
+    with pytest.raises(aioloader.WorkerDiedError,
+                       match="worker thread 1 exited unexpectedly: SystemExit: 3"):
+        for b in DataLoader(ExitsAt(), batch_size=None, num_workers=2, worker_method="thread"):
+            got.append(int(b))
+    # In order up to the death (when it is seen depends on timing, as with a process).
+    assert got == list(range(len(got))) and len(got) <= 3
+    gc.collect()
+    assert_threads_gone()
+
+
+def test_worker_init_fn_error_reaches_the_consumer() -> None:
+    def init(worker_id: int) -> None:
+        raise RuntimeError(f"cannot init {worker_id}")
+
+    with pytest.raises(RuntimeError, match="in DataLoader worker thread 0"):
+        list(DataLoader(range(4), num_workers=2, worker_method="thread",
+                        worker_init_fn=init))
+
+
+def test_timeout_raises_and_close_does_not_hang_on_a_busy_thread(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A thread stuck in the dataset cannot be killed: close gives up after its grace."""
+    ds = Gate()
+    it = iter(DataLoader(ds, batch_size=None, num_workers=1, timeout=0.2,
+                         worker_method="thread"))
+    with pytest.raises(LoaderTimeoutError, match=r"timed out after 0\.2 seconds"):
+        next(it)
+    with caplog.at_level("WARNING", logger="aioloader._thread_pool"):
+        it.close()  # type: ignore[attr-defined]  # returns although index 0 still waits
+    assert "abandoning" in caplog.text
+    assert [t.name for t in worker_threads()] == [f"{THREAD_PREFIX}0"]
+    ds.release.set()  # the fetch ends; the thread sees the pool closed and leaves
+    assert_threads_gone()
+
+
+def test_pin_memory_without_accelerator_gives_same_batches() -> None:
+    kw = {"batch_size": 4, "num_workers": 2}
+    with pytest.warns(UserWarning, match="pin"):
+        pinned = run("thread", Drawing, pin_memory=True, **kw)
+    assert pinned == run("thread", Drawing, **kw)
+
+
+# ------------------------------------------------------------------------------ clean-up
+
+
+def test_break_in_sync_for_leaves_no_thread() -> None:
+    for i, _ in enumerate(DataLoader(range(100), num_workers=2, worker_method="thread")):
+        if i == 2:
+            break
+    assert_threads_gone()  # the iterator's garbage collection stopped them
+
+
+async def test_break_in_async_for_then_aclose_leaves_no_thread() -> None:
+    loader = DataLoader(range(100), num_workers=2, worker_method="thread")
+    it = aiter(loader)
+    async for _ in it:
+        assert len(worker_threads()) == 2
+        break
+    await it.aclose()
+    assert not worker_threads()  # aclose joined them
+
+
+def test_close_and_gc_of_half_consumed_iterators_leave_no_thread() -> None:
+    it = iter(DataLoader(range(100), batch_size=2, num_workers=2, worker_method="thread"))
+    next(it)
+    it.close()  # type: ignore[attr-defined]
+    assert not worker_threads()
+    it = iter(DataLoader(range(100), batch_size=2, num_workers=2, worker_method="thread"))
+    next(it)
+    del it
+    gc.collect()
+    assert_threads_gone()
+
+
+def test_exception_in_the_loop_body_leaves_no_thread() -> None:
+    with pytest.raises(ZeroDivisionError):
+        for _ in DataLoader(range(100), num_workers=2, worker_method="thread"):
+            1 / 0  # noqa: B018
+    gc.collect()
+    assert_threads_gone()
+
+
+def test_persistent_threads_serve_every_epoch_and_stop_at_close() -> None:
+    loader = DataLoader(Identity(), batch_size=None, num_workers=2, worker_method="thread",
+                        persistent_workers=True)
+    epochs = [list(loader) for _ in range(3)]
+    idents = [{row[2] for row in rows} for rows in epochs]
+    assert idents[0] == idents[1] == idents[2] and len(idents[0]) == 2  # same threads
+    assert [[row[0] for row in rows] for rows in epochs] == [list(range(12))] * 3
+    assert len(worker_threads()) == 2  # kept between epochs
+    loader.close()
+    assert not worker_threads()
+
+
+def test_persistent_threads_same_batches_as_persistent_processes() -> None:
+    def epochs(method: str) -> list[Any]:
+        torch.manual_seed(3)
+        loader = DataLoader(Drawing(), batch_size=4, shuffle=True, num_workers=2,
+                            persistent_workers=True, worker_method=method)
+        try:
+            return [flat(list(loader)) for _ in range(2)]
+        finally:
+            loader.close()
+
+    assert epochs("thread") == epochs("multiprocessing")
+
+
+async def test_async_close_of_persistent_loader_joins_threads() -> None:
+    loader = DataLoader(range(10), num_workers=2, worker_method="thread",
+                        persistent_workers=True)
+    async with loader:
+        assert [int(b) async for b in loader] == list(range(10))
+        assert len(worker_threads()) == 2
+    assert not worker_threads()
+
+
+def test_async_for_under_trio_equals_asyncio() -> None:
+    import anyio
+
+    async def epoch() -> list[Any]:
+        torch.manual_seed(0)
+        loader = DataLoader(Drawing(), batch_size=4, shuffle=True, num_workers=2,
+                            worker_method="thread")
+        return flat([b async for b in loader])
+
+    assert anyio.run(epoch, backend="trio") == anyio.run(epoch, backend="asyncio")
+    assert not worker_threads()
+
+
+# ----------------------------------------------------------------- failure policy, resume
+
+
+class ExitsOnceAt(aioloader.Dataset[int]):
+    """Ends its worker thread (SystemExit) the first time it reads ``bad``; fine after."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n, self.bad = n, bad
+        self.tripped = threading.Event()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.bad and not self.tripped.is_set():
+            self.tripped.set()
+            raise SystemExit(7)
+        return i
+
+
+class BadEvery(aioloader.Dataset[int]):
+    def __len__(self) -> int:
+        return 30
+
+    def __getitem__(self, i: int) -> int:
+        if i % 7 == 3:
+            raise OSError(f"corrupt sample {i}")
+        return i
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_respawn_replaces_an_ended_thread_and_delivers_every_index_once(in_order: bool) -> None:
+    data = ExitsOnceAt(40, bad=13)
+    loader = DataLoader(data, batch_size=4, num_workers=2, worker_method="thread",
+                        respawn_workers=True, in_order=in_order)
+    with pytest.warns(aioloader.SkippedSamplesWarning, match="respawn"):
+        got = [int(x) for b in loader for x in b]
+    assert data.tripped.is_set()
+    assert sorted(got) == list(range(40))
+    if in_order:
+        assert got == list(range(40))
+    assert loader.failures is not None and loader.failures.respawns == 1
+    gc.collect()
+    assert_threads_gone()
+
+
+def test_on_error_skip_with_thread_workers_counts_every_skipped_sample() -> None:
+    loader = DataLoader(BadEvery(), batch_size=5, num_workers=2, worker_method="thread",
+                        on_error="skip")
+    with pytest.warns(aioloader.SkippedSamplesWarning):
+        got = [int(x) for b in loader for x in b]
+    bad = [i for i in range(30) if i % 7 == 3]
+    assert got == [i for i in range(30) if i not in bad]
+    assert loader.failures is not None and loader.failures.failed == len(bad)
+    assert_threads_gone()
+
+
+class WhoFetched(aioloader.Dataset[Any]):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> Any:
+        info = aioloader.get_worker_info()
+        assert info is not None
+        return i, info.id, info.seed
+
+
+@pytest.mark.parametrize("k", [0, 3, 7])
+def test_resume_with_thread_workers_equals_an_uninterrupted_run(k: int) -> None:
+    def make() -> DataLoader[Any]:
+        # Draws in workers do not resume (docs/resume.md); ids and seeds do.
+        return DataLoader(WhoFetched(), batch_size=3, shuffle=True, num_workers=2,
+                          worker_method="thread", generator=torch.Generator().manual_seed(5))
+
+    full = flat(list(make()))
+    first = make()
+    it = iter(first)
+    head = [next(it) for _ in range(k)]
+    state = first.state_dict()
+    it.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert flat(head) + flat(list(resumed)) == full
+    gc.collect()
+    assert_threads_gone()
