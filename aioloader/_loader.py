@@ -50,6 +50,7 @@ from ._errors import (
 )
 from ._fetch import EXHAUSTED, DatasetKind, dataset_kind, fetch_or_exhausted, make_fetcher
 from ._pool import WorkerPool
+from ._ray_pool import RayWorkerPool, check_ray_options
 from ._threads import ThreadRunner, _noop
 from ._worker import WorkerConfig
 from .collate import default_collate, default_convert
@@ -64,6 +65,9 @@ _LoaderT = TypeVar("_LoaderT", bound="DataLoaderCore[Any]")
 
 #: Default number of ``await dataset[i]`` in flight per process for async datasets.
 DEFAULT_FETCH_CONCURRENCY = 64
+
+#: Values of ``worker_method``: where the ``num_workers`` workers run.
+WORKER_METHODS = ("process", "ray")
 
 #: Longest wait, at a persistent loader's new epoch, for the superseded epoch's pipeline to
 #: let go of the shared worker pool (it stops within milliseconds unless something is wrong).
@@ -123,6 +127,8 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         fetch_threads: int = 0,
         device: str | torch.device | None = None,
         device_prefetch: int = 2,
+        worker_method: str = "process",
+        ray_options: dict[str, Any] | None = None,
     ) -> None:
         # torch fails on a non-int num_workers/prefetch_factor with TypeError (at the
         # constructor's comparison, or at iter() for a float): same type, raised here.
@@ -170,6 +176,27 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
                 f"device_prefetch should be a positive integer, but got "
                 f"device_prefetch={device_prefetch!r}"
             )
+
+        if worker_method not in WORKER_METHODS:
+            raise ValueError(
+                f"worker_method should be one of {list(WORKER_METHODS)}, but got "
+                f"worker_method={worker_method!r}"
+            )
+        if ray_options is not None and worker_method != "ray":
+            raise ValueError("ray_options is used only with worker_method='ray'")
+        self._ray_address: str | None = None
+        self._ray_actor_options: dict[str, Any] = {}
+        if worker_method == "ray":
+            # Ray is imported here: without it, say `pip install aioloader[ray]` now.
+            self._ray_address, self._ray_actor_options = check_ray_options(ray_options)
+            if dataset_kind(dataset).is_async:
+                raise ValueError(
+                    "worker_method='ray' serves sync datasets only: an async dataset "
+                    "(async __getitem__/__getitems__/__aiter__) needs worker_method='process' "
+                    "or num_workers=0"
+                )
+        self.worker_method = worker_method
+        self.ray_options = ray_options
 
         self.dataset = dataset
         self.num_workers = num_workers
@@ -644,7 +671,7 @@ class _PoolLease:
     interpreter and would stall the loop).
     """
 
-    def __init__(self, pool: WorkerPool, base_seed: int) -> None:
+    def __init__(self, pool: WorkerPool | RayWorkerPool, base_seed: int) -> None:
         self.pool = pool
         self.base_seed = base_seed
         self.epoch = 0
@@ -696,8 +723,7 @@ def _resolve_context(loader: DataLoaderCore[Any]) -> multiprocessing.context.Bas
     return ctx
 
 
-def _start_pool(loader: DataLoaderCore[Any], base_seed: int) -> WorkerPool:
-    ctx = _resolve_context(loader)
+def _start_pool(loader: DataLoaderCore[Any], base_seed: int) -> WorkerPool | RayWorkerPool:
     configs = [
         WorkerConfig(
             worker_id=i,
@@ -716,7 +742,9 @@ def _start_pool(loader: DataLoaderCore[Any], base_seed: int) -> WorkerPool:
         )
         for i in range(loader.num_workers)
     ]
-    return WorkerPool(configs, ctx)
+    if loader.worker_method == "ray":
+        return RayWorkerPool(configs, loader._ray_address, loader._ray_actor_options)
+    return WorkerPool(configs, _resolve_context(loader))
 
 
 # ----------------------------------------------------------------------------------------
