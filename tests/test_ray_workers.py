@@ -1,0 +1,233 @@
+"""worker_method="ray": the workers run as Ray actors, with local workers' semantics.
+
+Skipped where Ray is not installed (``pip install aioloader[ray]``), except the checks
+of the argument itself. One local Ray instance (2 CPUs) serves the whole module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from aioloader import DataLoader, Dataset, IterableDataset, get_worker_info
+from aioloader._errors import LoaderTimeoutError, WorkerDiedError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+class RandomAugmented(Dataset):
+    """Each sample draws from random, numpy and torch and reports its worker info."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        ours = get_worker_info()
+        theirs = torch.utils.data.get_worker_info()
+        assert ours is not None and theirs is not None
+        return torch.tensor([
+            i, ours.id, ours.num_workers, ours.seed % 2**31, theirs.id, theirs.seed % 2**31,
+            random.randrange(10**6), int(np.random.randint(10**6)),
+            int(torch.randint(10**6, ())),
+        ])
+
+
+class Sharded(IterableDataset):
+    """An iterable dataset split between the workers by id."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        assert info is not None
+        return iter(range(info.id, self.n, info.num_workers))
+
+
+class Counting(Dataset):
+    def __init__(self, n: int, stall_at: int | None = None) -> None:
+        self.n = n
+        self.stall_at = stall_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.stall_at:
+            time.sleep(60)  # stuck user code: the actor is killed at close
+        return i
+
+
+def _init_seed(worker_id: int) -> None:
+    # worker_init_fn runs after seeding, in the actor: its draws follow the worker seed.
+    random.random()
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def test_unknown_worker_method_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"worker_method should be one of .*'process'.*'ray'"):
+        DataLoader(Counting(4), num_workers=1, worker_method="procs")
+
+
+def test_ray_options_without_ray_method_is_an_error() -> None:
+    with pytest.raises(ValueError, match="only with worker_method='ray'"):
+        DataLoader(Counting(4), num_workers=1, ray_options={"num_cpus": 1})
+
+
+def test_missing_ray_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if absent
+    with pytest.raises(ModuleNotFoundError, match=r"pip install aioloader\[ray\]"):
+        DataLoader(Counting(4), num_workers=1, worker_method="ray")
+
+
+# --------------------------------------------------------------------------- with Ray
+
+
+@pytest.fixture(scope="module")
+def ray() -> Any:
+    ray = pytest.importorskip("ray")
+    # The actors unpickle this module's datasets: send them by value (this test module is
+    # not importable in Ray's worker processes); aioloader itself comes from PYTHONPATH.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    # Ray's driver starts its own threads and sockets on first use: not the tests'.
+    list(DataLoader(Counting(2), num_workers=1, worker_method="ray"))
+    yield ray
+    ray.shutdown()
+
+
+def _actor_names(it: Any) -> list[str]:
+    return list(it._core.lease.pool.actor_names)
+
+
+def _assert_actors_dead(ray: Any, handles: list[Any]) -> None:
+    """Each actor is dead: a call on it fails (a bounded wait on Ray, not a sleep)."""
+    for handle in handles:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(handle.info.remote(), timeout=30)
+
+
+
+
+def test_same_batches_and_worker_info_as_process_workers(ray: Any) -> None:
+    """Same seeds, same worker ids, same batches, two epochs of persistent workers."""
+    def epochs(method: str) -> list[list[torch.Tensor]]:
+        # forkserver, not fork: forking a process whose Ray client threads (gRPC) run can
+        # leave the child stuck in their fork handlers.
+        context = "forkserver" if method == "process" else None
+        loader = DataLoader(RandomAugmented(), batch_size=3, shuffle=True, num_workers=2,
+                            worker_init_fn=_init_seed, persistent_workers=True,
+                            generator=torch.Generator().manual_seed(7), worker_method=method,
+                            multiprocessing_context=context)
+        try:
+            return [list(loader), list(loader)]
+        finally:
+            loader.close()
+
+    ray_batches, local = epochs("ray"), epochs("process")
+    for got, want in zip(ray_batches, local):
+        assert len(got) == len(want) == 8
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    first = torch.cat(ray_batches[0])
+    assert sorted(first[:, 0].tolist()) == list(range(24))  # exactly once
+    assert set(first[:, 1].tolist()) == {0, 1}
+    assert (first[:, 2] == 2).all()
+    assert torch.equal(first[:, 1], first[:, 4]) and torch.equal(first[:, 3], first[:, 5])
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_iterable_sharding_async_for(ray: Any, backend: str) -> None:
+    """Each actor yields its own shard; together every element once, in torch's order."""
+    async def main() -> list[list[int]]:
+        loader = DataLoader(Sharded(11), batch_size=2, num_workers=2, worker_method="ray")
+        async with aiter(loader) as it:
+            return [b.tolist() async for b in it]
+
+    got = pytest.importorskip("trio").run(main) if backend == "trio" else asyncio.run(main())
+    # torch's order: round robin over the workers, a worker whose shard ended drops out.
+    assert got == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9]]
+
+
+def test_actor_killed_mid_epoch_is_named(ray: Any) -> None:
+    loader = DataLoader(Counting(200), batch_size=2, num_workers=2, worker_method="ray")
+    it = iter(loader)
+    seen = [next(it).tolist()]
+    name = _actor_names(it)[1]
+    handles = [ray.get_actor(n) for n in _actor_names(it)]
+    ray.kill(ray.get_actor(name))
+    with pytest.raises(WorkerDiedError) as info:
+        for batch in it:
+            seen.append(batch.tolist())
+    assert info.value.worker_id == 1
+    assert name in str(info.value) and "exited unexpectedly" in str(info.value)
+    flat = [x for b in seen for x in b]
+    assert flat == list(range(len(flat)))  # in order, nothing twice, up to the death
+    _assert_actors_dead(ray, handles)
+
+
+def test_break_then_gc_kills_the_actors(ray: Any) -> None:
+    loader = DataLoader(Counting(100), batch_size=2, num_workers=1, worker_method="ray")
+    it = iter(loader)
+    for _ in it:
+        break
+    handles = [ray.get_actor(n) for n in _actor_names(it)]
+    del it
+    _assert_actors_dead(ray, handles)
+
+
+def test_close_and_error_exit_kill_the_actors(ray: Any) -> None:
+    class Boom(Exception):
+        pass
+
+    async def main() -> None:
+        loader = DataLoader(Counting(100), batch_size=2, num_workers=1, worker_method="ray")
+        it = aiter(loader)
+        assert (await anext(it)).tolist() == [0, 1]
+        handles = [ray.get_actor(n) for n in _actor_names(it)]
+        await it.aclose()
+        _assert_actors_dead(ray, handles)
+
+        with pytest.raises(Boom):
+            async with aiter(loader) as it:
+                async for _ in it:
+                    handles = [ray.get_actor(n) for n in _actor_names(it)]
+                    raise Boom
+        _assert_actors_dead(ray, handles)
+
+    asyncio.run(main())
+
+
+def test_timeout_then_close_kills_a_stuck_actor(ray: Any) -> None:
+    loader = DataLoader(Counting(8, stall_at=0), batch_size=2, num_workers=1, timeout=3,
+                        worker_method="ray")
+    it = iter(loader)
+    with pytest.raises(LoaderTimeoutError, match="timed out after 3"):
+        next(it)
+    handles = [ray.get_actor(n) for n in _actor_names(it)]
+    it._shutdown_workers()
+    _assert_actors_dead(ray, handles)
+
+
+def test_reserved_and_bad_ray_options(ray: Any) -> None:
+    with pytest.raises(ValueError, match="max_restarts"):
+        DataLoader(Counting(4), num_workers=1, worker_method="ray",
+                   ray_options={"max_restarts": 3})
+    with pytest.raises(ValueError):  # Ray's own validation, at construction
+        DataLoader(Counting(4), num_workers=1, worker_method="ray",
+                   ray_options={"no_such_option": 1})
