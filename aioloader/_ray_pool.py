@@ -380,9 +380,12 @@ class RayWorkerPool:
                future: concurrent.futures.Future[Any]) -> tuple[Any, ...]:
         """The worker message of a completed call; raises WorkerDiedError for a dead actor."""
         ray = _import_ray()
+        # ActorUnavailableError (Ray >= 2.30): the actor is unreachable; it is not restarted.
+        died = tuple(getattr(ray.exceptions, name) for name in
+                     ("RayActorError", "ActorUnavailableError") if hasattr(ray.exceptions, name))
         try:
             return future.result()  # type: ignore[no-any-return]
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+        except died as exc:
             actor.exited = True
             actor.pending.clear()
             raise self._death_error(actor, exc) from None

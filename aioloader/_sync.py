@@ -74,6 +74,12 @@ class DataLoader(DataLoaderCore[T_co]):
             with workers or an async dataset, inside each ``next()`` otherwise.
         device_prefetch: how many batches the device stage keeps in flight
             (with workers or an async dataset).
+        worker_method: where the ``num_workers`` workers run: ``"process"``
+            (default, local processes) or ``"ray"`` (Ray actors; needs
+            ``pip install aioloader[ray]``, see docs/ray.md).
+        ray_options: with ``worker_method="ray"``: ``"address"`` for
+            ``ray.init`` (used only if Ray is not initialised yet), every other
+            key goes to each actor's ``.options()`` (``num_cpus``, ``memory``, ...).
 
     Example:
         >>> import torch

@@ -106,9 +106,26 @@ def ray() -> Any:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     # Ray's driver starts its own threads and sockets on first use: not the tests'.
-    list(DataLoader(Counting(2), num_workers=1, worker_method="ray"))
+    list(DataLoader(Counting(2), num_workers=1, worker_method="ray", timeout=60))
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_actor_left(request: pytest.FixtureRequest) -> Any:
+    """After each test that used Ray, none of the loader's actors is alive."""
+    yield
+    if "ray" not in request.fixturenames:
+        return
+    ray = request.getfixturevalue("ray")
+    handles = []
+    for name in ray.util.list_named_actors():
+        if name.startswith("aioloader-"):
+            try:
+                handles.append(ray.get_actor(name))
+            except ValueError:  # gone since it was listed
+                pass
+    _assert_actors_dead(ray, handles)
 
 
 def _actor_names(it: Any) -> list[str]:
@@ -133,7 +150,7 @@ def test_same_batches_and_worker_info_as_process_workers(ray: Any) -> None:
         loader = DataLoader(RandomAugmented(), batch_size=3, shuffle=True, num_workers=2,
                             worker_init_fn=_init_seed, persistent_workers=True,
                             generator=torch.Generator().manual_seed(7), worker_method=method,
-                            multiprocessing_context=context)
+                            multiprocessing_context=context, timeout=60)
         try:
             return [list(loader), list(loader)]
         finally:
@@ -155,7 +172,8 @@ def test_same_batches_and_worker_info_as_process_workers(ray: Any) -> None:
 def test_iterable_sharding_async_for(ray: Any, backend: str) -> None:
     """Each actor yields its own shard; together every element once, in torch's order."""
     async def main() -> list[list[int]]:
-        loader = DataLoader(Sharded(11), batch_size=2, num_workers=2, worker_method="ray")
+        loader = DataLoader(Sharded(11), batch_size=2, num_workers=2, worker_method="ray",
+                            timeout=60)
         async with aiter(loader) as it:
             return [b.tolist() async for b in it]
 
@@ -165,7 +183,8 @@ def test_iterable_sharding_async_for(ray: Any, backend: str) -> None:
 
 
 def test_actor_killed_mid_epoch_is_named(ray: Any) -> None:
-    loader = DataLoader(Counting(200), batch_size=2, num_workers=2, worker_method="ray")
+    loader = DataLoader(Counting(200), batch_size=2, num_workers=2, worker_method="ray",
+                        timeout=60)
     it = iter(loader)
     seen = [next(it).tolist()]
     name = _actor_names(it)[1]
@@ -182,7 +201,8 @@ def test_actor_killed_mid_epoch_is_named(ray: Any) -> None:
 
 
 def test_break_then_gc_kills_the_actors(ray: Any) -> None:
-    loader = DataLoader(Counting(100), batch_size=2, num_workers=1, worker_method="ray")
+    loader = DataLoader(Counting(100), batch_size=2, num_workers=1, worker_method="ray",
+                        timeout=60)
     it = iter(loader)
     for _ in it:
         break
@@ -196,7 +216,8 @@ def test_close_and_error_exit_kill_the_actors(ray: Any) -> None:
         pass
 
     async def main() -> None:
-        loader = DataLoader(Counting(100), batch_size=2, num_workers=1, worker_method="ray")
+        loader = DataLoader(Counting(100), batch_size=2, num_workers=1, worker_method="ray",
+                            timeout=60)
         it = aiter(loader)
         assert (await anext(it)).tolist() == [0, 1]
         handles = [ray.get_actor(n) for n in _actor_names(it)]
