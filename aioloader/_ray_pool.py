@@ -268,7 +268,14 @@ class RayWorkerPool:
                                             start_method="ray")
                 handle = cls.options(name=name, max_restarts=0, max_task_retries=0,
                                      **self._actor_options).remote(light, dataset_ref)
-                self._actors.append(_Actor(worker_id, name, handle, handle.info.remote()))
+                actor = _Actor(worker_id, name, handle, handle.info.remote())
+                with self._close_lock:  # a close() from another thread meanwhile kills it
+                    closing = self._closing
+                    if not closing:
+                        self._actors.append(actor)
+                if closing:
+                    self._kill(actor)
+                    raise LoaderClosedError("the worker pool was closed while it started")
             del dataset_ref
         except BaseException:
             self._closing = True
@@ -415,22 +422,27 @@ class RayWorkerPool:
     # ------------------------------------------------------------------ stop
 
     async def aclose(self, grace: float = 0.0) -> None:
-        """Kill every actor and drop every call in flight; idempotent."""
+        """Stop :meth:`serve`, kill every actor and drop every call in flight; idempotent.
+
+        ``grace`` is accepted for :class:`~aioloader._pool.WorkerPool`'s interface: an
+        actor has nothing to flush, so it is killed at once.
+        """
+        for scope in list(self._serve_scopes):  # on the loop that runs serve()
+            scope.cancel()
         self.close(grace)
 
     def close(self, grace: float = 0.0) -> None:
-        """Sync :meth:`aclose`: safe from finalizers, ``atexit`` and any thread."""
+        """Sync :meth:`aclose`: safe from finalizers, ``atexit`` and any thread.
+
+        A :meth:`serve` running on a loop is woken (thread-safely) and returns: its
+        calls fail once their actors are killed, and it sees the pool closing.
+        """
         if os.getpid() != self._owner_pid:
             return
         with self._close_lock:
             if self._closing:
                 return
             self._closing = True
-        for scope in list(self._serve_scopes):
-            try:
-                scope.cancel()
-            except RuntimeError:  # another thread's scope; its tasks see _closing
-                pass
         for actor in self._actors:
             wake = actor.wake
             if wake is not None:

@@ -7,8 +7,11 @@ of the argument itself. One local Ray instance (2 CPUs) serves the whole module.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import random
+import re
+import subprocess
 import sys
 import time
 from typing import Any
@@ -21,6 +24,7 @@ from aioloader import DataLoader, Dataset, IterableDataset, get_worker_info
 from aioloader._errors import LoaderTimeoutError, WorkerDiedError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "ray_workers.py")
 
 
 # --------------------------------------------------------------------------- datasets
@@ -252,3 +256,32 @@ def test_reserved_and_bad_ray_options(ray: Any) -> None:
     with pytest.raises(ValueError):  # Ray's own validation, at construction
         DataLoader(Counting(4), num_workers=1, worker_method="ray",
                    ray_options={"no_such_option": 1})
+
+
+def test_example_goes_from_local_workers_to_ray_by_one_argument(
+        ray: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/ray_workers.py: same checksum with local processes and with Ray actors."""
+    args = ["--n", "64", "--work", "2", "--batch-size", "8", "--epochs", "1"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    local = subprocess.run([sys.executable, "-W", "error", EXAMPLE, *args], env=env,
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "workers: 2 on local processes" in local
+    # With Ray: in this process, which already runs Ray ("local" then means "use it").
+    spec = importlib.util.spec_from_file_location("ray_workers_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        ray.cloudpickle.register_pickle_by_value(module)
+        module.main([*args, "--ray-address", "local"])
+    finally:
+        del sys.modules[spec.name]
+    on_ray = capsys.readouterr().out
+    assert "workers: 2 on Ray (local)" in on_ray
+
+    def checksum(out: str) -> str:
+        return re.search(r"^checksum of epoch 0: (\S+)$", out, re.M).group(1)  # type: ignore[union-attr]
+
+    assert checksum(on_ray) == checksum(local)
