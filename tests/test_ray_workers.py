@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import wait_until
 
 from aioloader import DataLoader, Dataset, IterableDataset, get_worker_info
 from aioloader._errors import LoaderTimeoutError, WorkerDiedError
@@ -119,28 +120,28 @@ def ray() -> Any:
 def _no_actor_left(request: pytest.FixtureRequest) -> Any:
     """After each test that used Ray, none of the loader's actors is alive."""
     yield
-    if "ray" not in request.fixturenames:
-        return
-    ray = request.getfixturevalue("ray")
-    handles = []
-    for name in ray.util.list_named_actors():
-        if name.startswith("aioloader-"):
-            try:
-                handles.append(ray.get_actor(name))
-            except ValueError:  # gone since it was listed
-                pass
-    _assert_actors_dead(ray, handles)
+    if "ray" in request.fixturenames:
+        ray = request.getfixturevalue("ray")
+        _assert_actors_dead(ray, [n for n in ray.util.list_named_actors()
+                                  if n.startswith("aioloader-")])
+
+
+def _alive(ray: Any, name: str) -> bool:
+    try:
+        ray.get_actor(name)  # a dead actor's name is released by Ray's control store
+    except ValueError:
+        return False
+    return True
 
 
 def _actor_names(it: Any) -> list[str]:
     return list(it._core.lease.pool.actor_names)
 
 
-def _assert_actors_dead(ray: Any, handles: list[Any]) -> None:
-    """Each actor is dead: a call on it fails (a bounded wait on Ray, not a sleep)."""
-    for handle in handles:
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(handle.info.remote(), timeout=30)
+def _assert_actors_dead(ray: Any, names: list[str]) -> None:
+    """Each actor is dead. ray.kill() is asynchronous: Ray's state is checked with a
+    bounded wait (conftest.wait_until)."""
+    assert wait_until(lambda: not any(_alive(ray, n) for n in names), 30), names
 
 
 
@@ -192,7 +193,7 @@ def test_actor_killed_mid_epoch_is_named(ray: Any) -> None:
     it = iter(loader)
     seen = [next(it).tolist()]
     name = _actor_names(it)[1]
-    handles = [ray.get_actor(n) for n in _actor_names(it)]
+    names = _actor_names(it)
     ray.kill(ray.get_actor(name))
     with pytest.raises(WorkerDiedError) as info:
         for batch in it:
@@ -201,7 +202,7 @@ def test_actor_killed_mid_epoch_is_named(ray: Any) -> None:
     assert name in str(info.value) and "exited unexpectedly" in str(info.value)
     flat = [x for b in seen for x in b]
     assert flat == list(range(len(flat)))  # in order, nothing twice, up to the death
-    _assert_actors_dead(ray, handles)
+    _assert_actors_dead(ray, names)
 
 
 def test_break_then_gc_kills_the_actors(ray: Any) -> None:
@@ -210,9 +211,9 @@ def test_break_then_gc_kills_the_actors(ray: Any) -> None:
     it = iter(loader)
     for _ in it:
         break
-    handles = [ray.get_actor(n) for n in _actor_names(it)]
+    names = _actor_names(it)
     del it
-    _assert_actors_dead(ray, handles)
+    _assert_actors_dead(ray, names)
 
 
 def test_close_and_error_exit_kill_the_actors(ray: Any) -> None:
@@ -224,16 +225,16 @@ def test_close_and_error_exit_kill_the_actors(ray: Any) -> None:
                             timeout=60)
         it = aiter(loader)
         assert (await anext(it)).tolist() == [0, 1]
-        handles = [ray.get_actor(n) for n in _actor_names(it)]
+        names = _actor_names(it)
         await it.aclose()
-        _assert_actors_dead(ray, handles)
+        _assert_actors_dead(ray, names)
 
         with pytest.raises(Boom):
             async with aiter(loader) as it:
                 async for _ in it:
-                    handles = [ray.get_actor(n) for n in _actor_names(it)]
+                    names = _actor_names(it)
                     raise Boom
-        _assert_actors_dead(ray, handles)
+        _assert_actors_dead(ray, names)
 
     asyncio.run(main())
 
@@ -244,9 +245,9 @@ def test_timeout_then_close_kills_a_stuck_actor(ray: Any) -> None:
     it = iter(loader)
     with pytest.raises(LoaderTimeoutError, match="timed out after 3"):
         next(it)
-    handles = [ray.get_actor(n) for n in _actor_names(it)]
+    names = _actor_names(it)
     it._shutdown_workers()
-    _assert_actors_dead(ray, handles)
+    _assert_actors_dead(ray, names)
 
 
 def test_reserved_and_bad_ray_options(ray: Any) -> None:
