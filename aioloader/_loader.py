@@ -59,6 +59,7 @@ from ._failure import (
 )
 from ._fetch import EXHAUSTED, DatasetKind, dataset_kind, fetch_or_exhausted, make_fetcher
 from ._pool import WorkerPool
+from ._ray_pool import RayWorkerPool, check_ray_options
 from ._thread_pool import ThreadWorkerPool
 from ._threads import ThreadRunner, _noop
 from ._worker import WorkerConfig
@@ -72,11 +73,15 @@ _LG = logging.getLogger(__name__)
 T_co = TypeVar("T_co", covariant=True)
 _LoaderT = TypeVar("_LoaderT", bound="DataLoaderCore[Any]")
 
-#: The values of ``worker_method``: torch's spelling (its thread workers, PR #161044).
-WORKER_METHODS = ("multiprocessing", "thread")
+#: The values of ``worker_method``: where the ``num_workers`` workers run. Local
+#: processes and threads use torch's spelling (its thread workers, PR #161044).
+WORKER_METHODS = ("multiprocessing", "thread", "ray")
 
 #: Default number of ``await dataset[i]`` in flight per process for async datasets.
 DEFAULT_FETCH_CONCURRENCY = 64
+
+#: Every kind of worker pool (one interface: start, send, serve, aclose/close).
+AnyPool = WorkerPool | ThreadWorkerPool | RayWorkerPool
 
 #: Longest wait, at a persistent loader's new epoch, for the superseded epoch's pipeline to
 #: let go of the shared worker pool (it stops within milliseconds unless something is wrong).
@@ -146,6 +151,7 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         retry_delay: float = DEFAULT_RETRY_DELAY,
         respawn_workers: bool | int = False,
         snapshot_every_n_steps: int = 1,
+        ray_options: dict[str, Any] | None = None,
     ) -> None:
         # torch fails on a non-int num_workers/prefetch_factor with TypeError (at the
         # constructor's comparison, or at iter() for a float): same type, raised here.
@@ -198,6 +204,21 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
                 f"device_prefetch should be a positive integer, but got "
                 f"device_prefetch={device_prefetch!r}"
             )
+
+        if ray_options is not None and worker_method != "ray":
+            raise ValueError("ray_options is used only with worker_method='ray'")
+        self._ray_address: str | None = None
+        self._ray_actor_options: dict[str, Any] = {}
+        if worker_method == "ray":
+            # Ray is imported here: without it, say `pip install aioloader[ray]` now.
+            self._ray_address, self._ray_actor_options = check_ray_options(ray_options)
+            if dataset_kind(dataset).is_async:
+                raise ValueError(
+                    "worker_method='ray' serves sync datasets only: an async dataset "
+                    "(async __getitem__/__getitems__/__aiter__) needs "
+                    "worker_method='multiprocessing' or num_workers=0"
+                )
+        self.ray_options = ray_options
 
         self.dataset = dataset
         self.num_workers = num_workers
@@ -794,7 +815,7 @@ class _PoolLease:
     interpreter and would stall the loop).
     """
 
-    def __init__(self, pool: WorkerPool | ThreadWorkerPool, base_seed: int) -> None:
+    def __init__(self, pool: AnyPool, base_seed: int) -> None:
         self.pool = pool
         self.base_seed = base_seed
         self.epoch = 0
@@ -847,7 +868,7 @@ def _resolve_context(loader: DataLoaderCore[Any]) -> multiprocessing.context.Bas
 
 
 def _start_pool(loader: DataLoaderCore[Any], base_seed: int,
-                resume_states: dict[int, Any] | None = None) -> WorkerPool | ThreadWorkerPool:
+                resume_states: dict[int, Any] | None = None) -> AnyPool:
     """The pool factory: the one place that picks the kind of workers (``worker_method``)."""
     configs = [
         WorkerConfig(
@@ -871,6 +892,8 @@ def _start_pool(loader: DataLoaderCore[Any], base_seed: int,
     ]
     if loader.worker_method == "thread":
         return ThreadWorkerPool(configs)
+    if loader.worker_method == "ray":
+        return RayWorkerPool(configs, loader._ray_address, loader._ray_actor_options)
     return WorkerPool(configs, _resolve_context(loader))
 
 

@@ -65,10 +65,12 @@ class DataLoader(DataLoaderCore[T_co]):
     pin_memory_device, in_order), plus keyword-only extras:
 
     Args:
-        worker_method: ``"multiprocessing"`` (default: worker processes) or
+        worker_method: ``"multiprocessing"`` (default: worker processes),
             ``"thread"`` (worker threads in this process, for datasets whose
-            work releases the GIL; torch's upstream spelling). Same worker
-            ids, seeds, sharding and batches; see docs/migration.md.
+            work releases the GIL; torch's upstream spelling; see
+            docs/migration.md) or ``"ray"`` (Ray actors, local or on a
+            cluster; needs ``pip install aioloader[ray]``; see docs/ray.md).
+            Same worker ids, seeds, sharding and batches.
         fetch_concurrency: most ``await dataset[i]`` in flight per process
             for async datasets (default 64).
         fetch_threads: read the samples of a batch of a *sync* map-style
@@ -83,6 +85,9 @@ class DataLoader(DataLoaderCore[T_co]):
             opt-in failure policy (skip and count bad samples, retry async
             reads with backoff, replace dead workers); off by default. See
             ``docs/failure_policy.md``; the epoch's report is ``loader.failures``.
+        ray_options: with ``worker_method="ray"``: ``"address"`` for
+            ``ray.init`` (used only if Ray is not initialised yet), every other
+            key goes to each actor's ``.options()`` (``num_cpus``, ``memory``, ...).
 
     Example:
         >>> import torch

@@ -59,7 +59,7 @@ from ._fetch import DatasetKind, IterFetcher, MapFetcher, make_fetcher
 from ._transport import Frame, FrameReader, FrameWriter, close_fds, decode, encode, send_frame
 from ._worker_info import WorkerInfo, _set_worker_info
 
-__all__ = ["WorkerConfig", "generate_numpy_seed", "serve_commands", "worker_main"]
+__all__ = ["WorkerConfig", "generate_numpy_seed", "seed_worker", "serve_commands", "worker_main"]
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,16 @@ def _setup_process(cfg: WorkerConfig) -> int:
         except Exception:  # cosmetic only
             pass
     torch.set_num_threads(1)
+    return seed_worker(cfg)
 
+
+def seed_worker(cfg: WorkerConfig) -> int:
+    """Seed ``random``, torch and numpy and install the worker info, as torch's workers do.
+
+    The part of a worker's set-up that is about torch semantics, not about the
+    process: also used by workers that are not processes of this pool (Ray actors).
+    Returns the worker's seed (``base_seed + worker_id``).
+    """
     seed = cfg.base_seed + cfg.worker_id
     random.seed(seed)
     torch.manual_seed(seed)

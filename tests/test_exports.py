@@ -19,7 +19,7 @@ LAYERS: dict[str, int] = {
     "_transport": 1, "_failure": 1,
     "_afetch": 2, "_device": 2, "_threads": 2, "_state": 2,
     "_worker": 3,
-    "_pool": 4, "_thread_pool": 4,
+    "_pool": 4, "_thread_pool": 4, "_ray_pool": 4,
     "_loader": 5,
     "_sync": 6,
     "dataloader": 7, "__init__": 7,
