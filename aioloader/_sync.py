@@ -331,10 +331,21 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
 
     def __next__(self) -> T_co:
         driver = self._driver
-        if driver is None:
-            return self._core.next_sync()  # type: ignore[union-attr,no-any-return]
+        core = self._core
         del self  # a traceback must not keep the iterator alive
-        return driver.next()  # type: ignore[no-any-return]
+        rec = core.rec
+        if rec is None:
+            if driver is None:
+                return core.next_sync()  # type: ignore[union-attr,no-any-return]
+            return driver.next()  # type: ignore[no-any-return]
+        t0 = rec.begin_wait()  # statistics: the consumer's wait (docs/stats.md)
+        try:
+            batch = core.next_sync() if driver is None else driver.next()  # type: ignore[union-attr]
+        except BaseException:
+            rec.end_wait(t0, False)
+            raise
+        rec.end_wait(t0, True)
+        return batch  # type: ignore[no-any-return]
 
     def __len__(self) -> int:
         return len(self._core.index_sampler)
