@@ -650,14 +650,18 @@ class _InlineCore(_CoreBase):
                 data = apply_to_batch(self._stage, data)
         return index, data
 
-    def _fetch_timed(self, rec: Recorder, index: Any) -> Any:
+    def _fetch_timed(self, rec: Recorder, index: Any, t0: int = 0) -> Any:
         """:meth:`_fetch`, adding each stage's time to the epoch's statistics."""
-        collated = rec.ns[COLLATE]
-        t0 = _ns()
+        ns = rec.ns
+        collated = ns[COLLATE]
+        if not t0:
+            t0 = _ns()
         data = fetch_or_exhausted(self.fetcher, index)
         t1 = _ns()
         if data is not EXHAUSTED:
-            rec.add(FETCH, max(0, t1 - t0 - (rec.ns[COLLATE] - collated)))
+            took = t1 - t0 - (ns[COLLATE] - collated)
+            ns[FETCH] += took if took > 0 else 0
+            rec.count[FETCH] += 1
             if self.pin.enabled:
                 data = apply_to_batch(self.pin.apply, data)
                 t0, t1 = t1, _ns()
@@ -677,21 +681,31 @@ class _InlineCore(_CoreBase):
             return _device.finish_on_device(data)
         return data
 
-    def next_sync(self) -> Any:
-        """One batch, fetched in the calling thread (the sync facade's fast path)."""
+    def next_sync(self, t0: int = 0) -> Any:
+        """One batch, fetched in the calling thread (the sync facade's fast path).
+
+        ``t0``: when the consumer asked (statistics; saves a clock read).
+        """
+        rec = self.rec
         while True:
             if self.closed:
                 raise StopIteration
-            t0 = _ns()
+            if rec is not None and not t0:
+                t0 = _ns()
             try:
                 index = next(self.sampler_iter)
             except StopIteration:
                 self.close()
                 self.failures.end_of_epoch()
                 raise
-            if self.rec is not None:
-                self.rec.add(SAMPLING, _ns() - t0)
-            index, data = self._fetch(index)
+            if rec is not None:
+                t1 = _ns()
+                rec.ns[SAMPLING] += t1 - t0
+                rec.count[SAMPLING] += 1
+                t0 = 0
+                index, data = self._fetch_timed(rec, index, t1)
+            else:
+                index, data = self._fetch(index)
             if data is EXHAUSTED:
                 self.close()
                 self.failures.end_of_epoch()

@@ -200,21 +200,25 @@ class Recorder:
 
 
 class TimedCollate:
-    """``collate_fn`` wrapped to add its time to a counter (main process or worker)."""
+    """``collate_fn`` wrapped to add its time to the collate counter of ``sink``.
 
-    __slots__ = ("fn", "sink", "stage")
+    ``sink`` is a :class:`Recorder` (main process) or a :class:`WorkerClock`; both
+    keep ``count``/``ns`` lists indexed by stage. A call that raises is not counted.
+    """
 
-    def __init__(self, fn: Callable[[Any], Any], sink: Any, stage: int = COLLATE) -> None:
+    __slots__ = ("count", "fn", "ns")
+
+    def __init__(self, fn: Callable[[Any], Any], sink: Recorder | WorkerClock) -> None:
         self.fn = fn
-        self.sink = sink  # a Recorder (main process) or a WorkerClock
-        self.stage = stage
+        self.count = sink.count
+        self.ns = sink.ns
 
     def __call__(self, data: Any) -> Any:
         t0 = _now()
-        try:
-            return self.fn(data)
-        finally:
-            self.sink.add(self.stage, _now() - t0)
+        batch = self.fn(data)
+        self.ns[COLLATE] += _now() - t0
+        self.count[COLLATE] += 1
+        return batch
 
 
 class WorkerClock:
@@ -224,23 +228,21 @@ class WorkerClock:
     Async workers: the time with no fetch in flight.
     """
 
-    __slots__ = ("collate_ns", "idle_ns", "idle_since", "in_flight")
+    __slots__ = ("count", "idle_ns", "idle_since", "in_flight", "ns")
 
     def __init__(self) -> None:
-        self.collate_ns = 0
+        self.count = [0] * len(STAGES)  # only COLLATE is used (TimedCollate's sink)
+        self.ns = [0] * len(STAGES)
         self.idle_ns = 0
         self.in_flight = 0
         self.idle_since = _now()
-
-    def add(self, stage: int, ns: int) -> None:  # TimedCollate's sink
-        self.collate_ns += ns
 
     def wrap(self, collate_fn: Callable[[Any], Any]) -> TimedCollate:
         return TimedCollate(collate_fn, self)
 
     def reset(self) -> None:
         """A new epoch: idle time between epochs is not this epoch's."""
-        self.collate_ns = 0
+        self.ns[COLLATE] = 0
         self.idle_ns = 0
         self.idle_since = _now()
 
@@ -265,8 +267,8 @@ class WorkerClock:
     def stamp(self, t0: int) -> tuple[int, int, int, int]:
         """The 4 ints appended to a reply for a batch whose fetch started at ``t0``."""
         t = _now()
-        collate, idle = self.collate_ns, self.idle_ns
-        self.collate_ns = 0
+        collate, idle = self.ns[COLLATE], self.idle_ns
+        self.ns[COLLATE] = 0
         self.idle_ns = 0
         return (t - t0, collate, idle, t)
 

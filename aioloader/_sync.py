@@ -340,7 +340,8 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
             return driver.next()  # type: ignore[no-any-return]
         t0 = rec.begin_wait()  # statistics: the consumer's wait (docs/stats.md)
         try:
-            batch = core.next_sync() if driver is None else driver.next()  # type: ignore[union-attr]
+            batch = (core.next_sync(t0) if driver is None  # type: ignore[union-attr]
+                     else driver.next())
         except BaseException:
             rec.end_wait(t0, False)
             raise
