@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -207,3 +211,18 @@ def test_table_and_periodic_log(caplog: pytest.LogCaptureFixture) -> None:
 def test_bad_stats_interval(bad: Any) -> None:
     with pytest.raises(ValueError, match="stats_interval"):
         DataLoader(Slow(4), stats_interval=bad)
+
+
+def test_example_script_prints_both_hints() -> None:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", str(root / "examples" / "stats_report.py"),
+         "--n", "64", "--batch-size", "4", "--workers", "1", "--sample-ms", "5",
+         "--step-ms", "80"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    fast, slow = out.split("== slow training step")
+    assert "consumer_wait" in fast and "raise num_workers" in fast, out
+    assert "hint: workers idle" in slow and "training step is the bottleneck" in slow, out
