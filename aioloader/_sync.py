@@ -79,6 +79,10 @@ class DataLoader(DataLoaderCore[T_co]):
             opt-in failure policy (skip and count bad samples, retry async
             reads with backoff, replace dead workers); off by default. See
             ``docs/failure_policy.md``; the epoch's report is ``loader.failures``.
+        collect_stats: keep per-stage statistics for :meth:`stats` (default
+            ``True``; a few clock reads per batch). See ``docs/stats.md``.
+        stats_interval: also log a stats line every this many seconds on the
+            ``aioloader`` logger (INFO); ``None`` (default): no logging.
 
     Example:
         >>> import torch

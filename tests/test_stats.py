@@ -226,3 +226,22 @@ def test_example_script_prints_both_hints() -> None:
     fast, slow = out.split("== slow training step")
     assert "consumer_wait" in fast and "raise num_workers" in fast, out
     assert "hint: workers idle" in slow and "training step is the bottleneck" in slow, out
+
+
+def test_options_survive_re_instantiation_from_attributes() -> None:
+    """Lightning re-creates a loader from the attributes named like __init__'s arguments."""
+    import inspect
+
+    loader = DataLoader(Slow(8, 0.0), batch_size=4, collect_stats=False, stats_interval=5.0)
+    params = inspect.signature(DataLoader.__init__).parameters
+    kwargs = {name: getattr(loader, name) for name in ("collect_stats", "stats_interval")}
+    assert set(kwargs) <= set(params)
+    again = DataLoader(loader.dataset, batch_size=4, **kwargs)
+    assert (again.collect_stats, again.stats_interval) == (False, 5.0)
+
+
+def test_device_stage_is_counted() -> None:
+    for workers in (0, 1):
+        loader = DataLoader(Slow(8, 0.0), batch_size=2, num_workers=workers, device="cpu")
+        assert _consume(loader, use_async=False) == 4
+        assert loader.stats().stages["device"].count == 4
