@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,7 +110,8 @@ class Recorder:
         self.occ_staged = 0
         self.log_every_ns = int(log_every_s * 1e9) if log_every_s else 0
         self.next_log_ns = 0
-        self.book = book
+        # Weak: the book holds its current recorder (no cycle to leave to the cyclic GC).
+        self.book = weakref.ref(book) if book is not None else None
         self.epoch = epoch
 
     # -- consumer side -----------------------------------------------------------------
@@ -190,7 +192,7 @@ class Recorder:
             self.w_idle[worker] += idle
 
     def _log(self) -> None:
-        book = self.book
+        book = self.book() if self.book is not None else None
         if book is None:
             return
         try:
