@@ -19,6 +19,7 @@ from ._failure import (
     SkippedSamplesWarning,
     TooManyFailuresError,
 )
+from ._stats import LoaderStats, StageStats, WorkerStats
 from ._sync import DataLoader
 from ._worker_info import WorkerInfo, get_worker_info
 from .collate import default_collate, default_convert
@@ -56,6 +57,7 @@ __all__ = [
     "FailureReport",
     "IterableDataset",
     "LoaderClosedError",
+    "LoaderStats",
     "LoaderTimeoutError",
     "RandomSampler",
     "SampleFailure",
@@ -63,6 +65,7 @@ __all__ = [
     "SequentialSampler",
     "SkippedSamplesWarning",
     "StackDataset",
+    "StageStats",
     "Subset",
     "SubsetRandomSampler",
     "TensorDataset",
@@ -70,6 +73,7 @@ __all__ = [
     "WeightedRandomSampler",
     "WorkerDiedError",
     "WorkerInfo",
+    "WorkerStats",
     "default_collate",
     "default_convert",
     "get_worker_info",
@@ -79,9 +83,10 @@ __all__ = [
 
 def _fix_module_names() -> None:
     """Show public objects as ``aioloader.X`` in reprs, tracebacks and docs."""
-    for name in ("DataLoader", "FailureReport", "LoaderClosedError", "LoaderTimeoutError",
-                 "SampleFailure", "SkippedSamplesWarning", "TooManyFailuresError",
-                 "WorkerDiedError", "WorkerInfo", "get_worker_info"):
+    for name in ("DataLoader", "FailureReport", "LoaderClosedError", "LoaderStats",
+                 "LoaderTimeoutError", "SampleFailure", "SkippedSamplesWarning", "StageStats",
+                 "TooManyFailuresError", "WorkerDiedError", "WorkerInfo", "WorkerStats",
+                 "get_worker_info"):
         obj = globals()[name]
         try:
             obj.__module__ = __name__

@@ -60,6 +60,18 @@ from ._failure import (
 from ._fetch import EXHAUSTED, DatasetKind, dataset_kind, fetch_or_exhausted, make_fetcher
 from ._pool import WorkerPool
 from ._ray_pool import RayWorkerPool, check_ray_options
+from ._stats import (
+    COLLATE,
+    DEVICE,
+    DISPATCH,
+    FETCH,
+    PIN,
+    SAMPLING,
+    LoaderStats,
+    Recorder,
+    StatsBook,
+    TimedCollate,
+)
 from ._thread_pool import ThreadWorkerPool
 from ._threads import ThreadRunner, _noop
 from ._worker import WorkerConfig
@@ -69,6 +81,7 @@ from .sampler import BatchSampler, RandomSampler, Sampler, SequentialSampler
 __all__ = ["AsyncLoaderIter", "DataLoaderCore"]
 
 _LG = logging.getLogger(__name__)
+_ns = time.perf_counter_ns
 
 T_co = TypeVar("T_co", covariant=True)
 _LoaderT = TypeVar("_LoaderT", bound="DataLoaderCore[Any]")
@@ -152,6 +165,8 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         respawn_workers: bool | int = False,
         snapshot_every_n_steps: int = 1,
         ray_options: dict[str, Any] | None = None,
+        collect_stats: bool = True,
+        stats_interval: float | None = None,
     ) -> None:
         # torch fails on a non-int num_workers/prefetch_factor with TypeError (at the
         # constructor's comparison, or at iter() for a float): same type, raised here.
@@ -257,6 +272,17 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
                 "its fetches concurrently in the main process: use num_workers=0 (and "
                 "fetch_concurrency=), or worker_method='multiprocessing'"
             )
+        # Per-stage statistics (docs/stats.md): loader.stats(); logged every stats_interval s.
+        if stats_interval is not None and (
+                isinstance(stats_interval, bool) or not isinstance(stats_interval, (int, float))
+                or not stats_interval > 0):
+            raise ValueError(
+                f"stats_interval should be a positive number of seconds between stats log "
+                f"lines (or None for no logging), but got stats_interval={stats_interval!r}")
+        self.collect_stats = bool(collect_stats)
+        self.stats_interval = stats_interval
+        self._stats_book = StatsBook(num_workers, self._kind.is_async,
+                                     stats_interval if collect_stats else None)
         if self._kind.iterable:
             if shuffle not in {False, None}:
                 raise ValueError(
@@ -419,6 +445,21 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         """
         return self._failure_report
 
+    def stats(self, cumulative: bool = False) -> LoaderStats:
+        """Per-stage statistics and a bottleneck hint; see docs/stats.md.
+
+        Args:
+            cumulative: ``False`` (default): the current epoch (or the latest one, once
+                it ended); ``True``: every epoch of this loader so far, added up.
+
+        All zeros (and a hint saying so) with ``collect_stats=False``.
+        """
+        stats = self._stats_book.snapshot(cumulative)
+        if not self.collect_stats:
+            return LoaderStats(**{**stats.__dict__, "hint": "statistics are off "
+                                  "(collect_stats=False)"})
+        return stats
+
     # -- iteration -----------------------------------------------------------------------
 
     @property
@@ -518,12 +559,18 @@ class _CoreBase:
         loader._failure_report = self.failures
         self.track = _state.EpochTracker(loader, _state.take_pending(loader))
         loader._resume_tracker = self.track
+        self.rec: Recorder | None = loader._stats_book.new_epoch() if loader.collect_stats \
+            else None
+        if self.rec is not None:
+            self.collate_fn = TimedCollate(loader.collate_fn, self.rec)
 
     def _absorb(self, index: Any, data: Any) -> Any:
         """Count a delivered batch for the failure report; NOTHING: every sample failed.
 
         Raises TooManyFailuresError past ``max_failures``.
         """
+        if self.rec is not None:
+            self.rec.delivered(index, self.auto_collation)
         if not self.failure_policy.active:  # torch's behaviour: nothing to count
             return data
         self.failures.count_requested(len(index) if self.auto_collation else 1)
@@ -665,6 +712,9 @@ class _InlineCore(_CoreBase):
         self.pending: _ThreadCall | None = None  # a drawn batch whose waiter was cancelled
 
     def _fetch(self, index: Any) -> Any:
+        rec = self.rec
+        if rec is not None:
+            return self._fetch_timed(rec, index)
         data = fetch_or_exhausted(self.fetcher, index)
         if data is not EXHAUSTED:
             if self.pin.enabled:
@@ -681,6 +731,26 @@ class _InlineCore(_CoreBase):
                               yielded=False)
         else:
             self.track.commit(self.track.last_drawn, yielded=False)
+    def _fetch_timed(self, rec: Recorder, index: Any, t0: int = 0) -> Any:
+        """:meth:`_fetch`, adding each stage's time to the epoch's statistics."""
+        ns = rec.ns
+        collated = ns[COLLATE]
+        if not t0:
+            t0 = _ns()
+        data = fetch_or_exhausted(self.fetcher, index)
+        t1 = _ns()
+        if data is not EXHAUSTED:
+            took = t1 - t0 - (ns[COLLATE] - collated)
+            ns[FETCH] += took if took > 0 else 0
+            rec.count[FETCH] += 1
+            if self.pin.enabled:
+                data = apply_to_batch(self.pin.apply, data)
+                t0, t1 = t1, _ns()
+                rec.add(PIN, t1 - t0)
+            if self.device is not None:
+                data = apply_to_batch(self._stage, data)
+                rec.add(DEVICE, _ns() - t1)
+        return index, data
 
     def _stage(self, data: Any) -> Any:
         assert self.device is not None
@@ -693,13 +763,19 @@ class _InlineCore(_CoreBase):
             return _device.finish_on_device(data)
         return data
 
-    def next_sync(self) -> Any:
-        """One batch, fetched in the calling thread (the sync facade's fast path)."""
+    def next_sync(self, t0: int = 0) -> Any:
+        """One batch, fetched in the calling thread (the sync facade's fast path).
+
+        ``t0``: when the consumer asked (statistics; saves a clock read).
+        """
+        rec = self.rec
         while True:
             if self.closed:
                 raise StopIteration
             if self.track.discard and not self.track.replaying:
                 self.track.replay(self.next_sync)
+            if rec is not None and not t0:
+                t0 = _ns()
             try:
                 index = next(self.sampler_iter)
             except StopIteration:
@@ -707,7 +783,14 @@ class _InlineCore(_CoreBase):
                 self.close()
                 self.failures.end_of_epoch()
                 raise
-            index, data = self.track.consumed_on_error(self._fetch, index)
+            if rec is not None:
+                t1 = _ns()
+                rec.ns[SAMPLING] += t1 - t0
+                rec.count[SAMPLING] += 1
+                t0 = 0
+                index, data = self.track.consumed_on_error(self._fetch_timed, rec, index, t1)
+            else:
+                index, data = self.track.consumed_on_error(self._fetch, index)
             if data is EXHAUSTED:
                 self.track.finished = True
                 self.close()
@@ -744,6 +827,7 @@ class _InlineCore(_CoreBase):
                 if now - self.last_yield > _InlinePolicy.YIELD_EVERY_S:
                     await anyio.lowlevel.checkpoint()
                     self.last_yield = time.perf_counter()
+            t0 = _ns()
             try:
                 index = next(self.sampler_iter)
             except StopIteration:
@@ -751,6 +835,8 @@ class _InlineCore(_CoreBase):
                 await self.aclose()
                 self.failures.end_of_epoch()
                 raise StopAsyncIteration from None
+            if self.rec is not None:
+                self.rec.add(SAMPLING, _ns() - t0)
             if policy.inline:
                 data, took = self.track.consumed_on_error(_timed, self._fetch, index)
                 policy.record(took)
@@ -887,6 +973,7 @@ def _start_pool(loader: DataLoaderCore[Any], base_seed: int,
             close_fds=[],
             failure=loader._failure_policy if loader._failure_policy.guards_reads else None,
             resume_state=(resume_states or {}).get(i),
+            stats=loader.collect_stats,
         )
         for i in range(loader.num_workers)
     ]
@@ -1069,11 +1156,14 @@ class _PipelineCore(_CoreBase):
     def _try_put_index(self) -> None:
         if self.sampler_done:
             return
+        t0 = _ns()
         try:
             index = next(self.sampler_iter)
         except StopIteration:
             self.sampler_done = True
             return
+        if self.rec is not None:
+            self.rec.add(SAMPLING, _ns() - t0)
         worker = 0
         if self.num_workers > 0:
             max_tasks = self.window
@@ -1192,9 +1282,13 @@ class _PipelineCore(_CoreBase):
             self.fresh_epoch = False
             for w in range(self.num_workers):
                 pool.send_nowait(w, ("reset", self.epoch))
+        rec = self.rec
         while self.pending_cmds:
             worker, cmd = self.pending_cmds.popleft()
+            t0 = _ns()
             pool.send_nowait(worker, cmd)
+            if rec is not None:
+                rec.add(DISPATCH, _ns() - t0)
 
     async def _sender(self, tg: anyio.abc.TaskGroup) -> None:
         assert self.cmd_ready is not None
@@ -1206,7 +1300,10 @@ class _PipelineCore(_CoreBase):
             while self.pending_cmds:
                 worker, cmd = self.pending_cmds.popleft()
                 if self.lease is not None:
+                    t0 = _ns()
                     await self.lease.pool.send(worker, cmd)
+                    if self.rec is not None:
+                        self.rec.add(DISPATCH, _ns() - t0)
                 else:
                     tg.start_soon(self._fetch_in_process, cmd[2], cmd[3], name="aioloader-batch")
             self.cmd_ready = anyio.Event()
@@ -1216,6 +1313,8 @@ class _PipelineCore(_CoreBase):
 
     async def _serve_workers(self) -> None:
         assert self.lease is not None
+        if self.rec is not None:
+            self.rec.reading_ns = _ns()
         send, recv = anyio.create_memory_object_stream[tuple[int, Any]](self.window + 1)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._serve_pool, send)
@@ -1267,12 +1366,21 @@ class _PipelineCore(_CoreBase):
         slot = self.slots.get(seq)
         if slot is None:
             return
-        if (tag == "data" and len(msg) > 4) or (tag == "exhausted" and len(msg) > 3):
-            slot.wstate = msg[-1]  # the dataset's state after this batch (aioloader._state)
+        # Extras after the payload (_worker.serve_commands): a dict is the dataset's state
+        # after this batch (aioloader._state), a tuple the worker's timings (_stats).
+        for extra in msg[4 if tag == "data" else 3:] if tag in ("data", "exhausted") else ():
+            if isinstance(extra, dict):
+                slot.wstate = extra
+            elif isinstance(extra, tuple) and self.rec is not None:
+                self.rec.worker_batch(worker, extra)
         if tag == "data":
             data = msg[3]
+            rec = self.rec
             if self.pin.enabled:
+                t0 = _ns()
                 data = await self.runner.run(apply_to_batch, self.pin.apply, data)
+                if rec is not None:
+                    rec.add(PIN, _ns() - t0)
         elif tag == "error":
             data = msg[3]
         elif tag == "exhausted":
@@ -1311,11 +1419,20 @@ class _PipelineCore(_CoreBase):
         slot = self.slots.get(seq)
         if slot is None:
             return
+        rec = self.rec
         try:
             assert self.afetch is not None
+            t0 = _ns()
+            collated = rec.ns[COLLATE] if rec is not None else 0
             data = await self.afetch.fetch(index)
+            if rec is not None and data is not EXHAUSTED:
+                t1 = _ns()  # overlapping fetches: others' collate time is subtracted too
+                rec.add(FETCH, max(0, t1 - t0 - (rec.ns[COLLATE] - collated)))
             if data is not EXHAUSTED and self.pin.enabled:
+                t0 = _ns()
                 data = await self.runner.run(apply_to_batch, self.pin.apply, data)
+                if rec is not None:
+                    rec.add(PIN, _ns() - t0)
         except Exception as exc:
             data = _ErrorBox(exc)
         slot.data = data
@@ -1326,6 +1443,10 @@ class _PipelineCore(_CoreBase):
 
     def _mark_worker_unavailable(self, worker: int) -> None:
         self.worker_active[worker] = False
+
+    def _record_occupancy(self, rec: Recorder) -> None:
+        ready = sum(1 for s in self.slots.values() if s.has_data)
+        rec.occupancy(len(self.slots) - ready, ready, len(self.staged))
 
     async def _next_host(self) -> Any:
         """Next batch in order (or as it comes with in_order=False), before the device stage."""
@@ -1422,6 +1543,8 @@ class _PipelineCore(_CoreBase):
             raise StopAsyncIteration
         if self.track.discard and not self.track.replaying:
             await self.track.areplay(self.anext)
+        if self.rec is not None:
+            self._record_occupancy(self.rec)
         try:
             if self.device is None:
                 data = await self._next_host()
@@ -1459,7 +1582,10 @@ class _PipelineCore(_CoreBase):
                     self.staged.append(_ErrorBox(exc))
                     break
                 call = self.staging = _ThreadCall(_device.stage_to_device, batch, self.device)
+            t0 = _ns()
             await call.wait(self.runner)  # cancelled: `staging` keeps the batch
+            if self.rec is not None:
+                self.rec.add(DEVICE, _ns() - t0)
             self.staging = None
             try:
                 self.staged.append(call.result())
@@ -1593,7 +1719,17 @@ class AsyncLoaderIter(Generic[T_co]):
     async def __anext__(self) -> T_co:
         core = self._core
         del self  # tracebacks must not keep the iterator (and its workers) alive
-        return await core.anext()  # type: ignore[no-any-return]
+        rec = core.rec
+        if rec is None:
+            return await core.anext()  # type: ignore[no-any-return]
+        t0 = rec.begin_wait()
+        try:
+            batch = await core.anext()
+        except BaseException:
+            rec.end_wait(t0, False)
+            raise
+        rec.end_wait(t0, True)
+        return batch  # type: ignore[no-any-return]
 
     async def aclose(self) -> None:
         """Stop the epoch and release everything it holds. Idempotent."""

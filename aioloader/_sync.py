@@ -88,6 +88,10 @@ class DataLoader(DataLoaderCore[T_co]):
         ray_options: with ``worker_method="ray"``: ``"address"`` for
             ``ray.init`` (used only if Ray is not initialised yet), every other
             key goes to each actor's ``.options()`` (``num_cpus``, ``memory``, ...).
+        collect_stats: keep per-stage statistics for :meth:`stats` (default
+            ``True``; a few clock reads per batch). See ``docs/stats.md``.
+        stats_interval: also log a stats line every this many seconds on the
+            ``aioloader`` logger (INFO); ``None`` (default): no logging.
 
     Example:
         >>> import torch
@@ -340,10 +344,22 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
 
     def __next__(self) -> T_co:
         driver = self._driver
-        if driver is None:
-            return self._core.next_sync()  # type: ignore[union-attr,no-any-return]
+        core = self._core
         del self  # a traceback must not keep the iterator alive
-        return driver.next()  # type: ignore[no-any-return]
+        rec = core.rec
+        if rec is None:
+            if driver is None:
+                return core.next_sync()  # type: ignore[union-attr,no-any-return]
+            return driver.next()  # type: ignore[no-any-return]
+        t0 = rec.begin_wait()  # statistics: the consumer's wait (docs/stats.md)
+        try:
+            batch = (core.next_sync(t0) if driver is None  # type: ignore[union-attr]
+                     else driver.next())
+        except BaseException:
+            rec.end_wait(t0, False)
+            raise
+        rec.end_wait(t0, True)
+        return batch  # type: ignore[no-any-return]
 
     def __len__(self) -> int:
         return len(self._core.index_sampler)

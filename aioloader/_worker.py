@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextvars
+import dataclasses
 import logging
 import multiprocessing.util
 import os
@@ -56,6 +57,7 @@ from . import _state
 from ._errors import RemoteError
 from ._failure import FailurePolicy, guard_fetcher
 from ._fetch import DatasetKind, IterFetcher, MapFetcher, make_fetcher
+from ._stats import WorkerClock
 from ._transport import Frame, FrameReader, FrameWriter, close_fds, decode, encode, send_frame
 from ._worker_info import WorkerInfo, _set_worker_info
 
@@ -94,6 +96,8 @@ class WorkerConfig:
             ``None`` for torch's behaviour (see :mod:`aioloader._failure`).
         resume_state: this worker's saved iterable-dataset state (``loader.load_state_dict``),
             loaded into its first epoch (:mod:`aioloader._state`).
+        stats: stamp each ``"data"`` reply with this worker's timings (a 4-int
+            tuple appended to the message; see :class:`aioloader._stats.WorkerClock`).
     """
 
     worker_id: int
@@ -112,6 +116,7 @@ class WorkerConfig:
     start_method: str = ""
     failure: FailurePolicy | None = None
     resume_state: Any = None
+    stats: bool = False
 
 
 def generate_numpy_seed(base_seed: int, worker_id: int) -> list[int]:
@@ -349,10 +354,18 @@ def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
     the worker must leave (EOF, parent gone, pool closing); ``send_reply``
     hands one reply tuple to the parent. Used by worker processes (a socket)
     and by thread workers (in-process queues, :mod:`aioloader._thread_pool`).
+
+    A ``"data"`` reply is ``("data", epoch, seq, batch, *extras)``: an extra is a
+    dict (an iterable dataset's state, :mod:`aioloader._state`) or a 4-int tuple
+    (this worker's timings, ``cfg.stats``; :class:`aioloader._stats.WorkerClock`).
     """
+    clock = WorkerClock() if cfg.stats else None
+    if clock is not None:  # a copy: the config may be shared (threads, respawns)
+        cfg = dataclasses.replace(cfg, collate_fn=clock.wrap(cfg.collate_fn))
     state = _SyncEpoch(cfg, init_error)
     try:
         while True:
+            t_wait = time.perf_counter_ns() if clock is not None else 0
             cmd = next_command()
             if cmd is None or cmd[0] == "exit":
                 break
@@ -360,13 +373,22 @@ def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
             if op == "fetch":
                 _, epoch, seq, index = cmd
                 del cmd
-                reply = state.fetch(cfg, epoch, seq, index)
+                if clock is None:
+                    reply = state.fetch(cfg, epoch, seq, index)
+                else:
+                    t0 = time.perf_counter_ns()
+                    clock.waited(t_wait, t0)
+                    reply = state.fetch(cfg, epoch, seq, index)
+                    if reply[0] == "data":
+                        reply = (*reply, clock.stamp(t0))
                 del index
                 send_reply(reply)
                 del reply  # free the batch (and its shared memory) before waiting again
             elif op == "reset":
                 state.close()
                 state = _SyncEpoch(cfg, init_error)
+                if clock is not None:
+                    clock.reset()
                 send_reply(("reset", cmd[1]))
             else:
                 raise RuntimeError(f"unknown command {cmd!r}")
@@ -400,9 +422,14 @@ def _serve_sync(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError 
 class _AsyncEpoch:
     """One epoch of an async dataset: its fetcher and the task group of its fetches."""
 
-    def __init__(self, cfg: WorkerConfig, init_error: RemoteError | None) -> None:
+    def __init__(self, cfg: WorkerConfig, init_error: RemoteError | None,
+                 clock: WorkerClock | None = None) -> None:
         import anyio
 
+        if clock is not None:  # a copy: the config may be shared (threads, respawns)
+            clock.reset()
+            cfg = dataclasses.replace(cfg, collate_fn=clock.wrap(cfg.collate_fn))
+        self.clock = clock
         self.cfg = cfg
         self.error = init_error
         self.fetch: Callable[[Any], Awaitable[Any]] | None = None
@@ -455,6 +482,8 @@ class _AsyncEpoch:
             reply = ("error", epoch, seq, self.error)
         else:
             assert self.fetch is not None
+            clock = self.clock
+            t0 = clock.begin() if clock is not None else 0
             try:
                 batch = await self.fetch(index)
             except Exception:
@@ -462,7 +491,12 @@ class _AsyncEpoch:
             else:
                 reply = (("exhausted", epoch, seq) if batch is EXHAUSTED
                          else ("data", epoch, seq, batch))
+                if clock is not None and batch is not EXHAUSTED:
+                    reply = (*reply, clock.stamp(t0))
                 del batch
+            finally:
+                if clock is not None:
+                    clock.end()
         out(_encode_reply(self.cfg, reply))
 
     async def stop(self) -> None:
@@ -513,7 +547,8 @@ async def _serve_async_main(sock: socket.socket, cfg: WorkerConfig,
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_async_writer, sock, recv, tg.cancel_scope.cancel)
-            epoch = _AsyncEpoch(cfg, init_error)
+            clock = WorkerClock() if cfg.stats else None
+            epoch = _AsyncEpoch(cfg, init_error, clock)
             await tg.start(epoch.run)
             while True:
                 frame = reader.pop()
@@ -533,7 +568,7 @@ async def _serve_async_main(sock: socket.socket, cfg: WorkerConfig,
                                         send.send_nowait, name="aioloader-batch")
                 elif op == "reset":
                     await epoch.stop()
-                    epoch = _AsyncEpoch(cfg, init_error)
+                    epoch = _AsyncEpoch(cfg, init_error, clock)
                     await tg.start(epoch.run)
                     send.send_nowait(_encode_reply(cfg, ("reset", cmd[1])))
                 else:

@@ -5,7 +5,10 @@ what is measured is the loader's own cost per batch: sampling, fetching,
 collating and, for ``async for``, the event loop. Prints median samples/s over
 interleaved repeats and the ratio to torch.utils.data.DataLoader.
 
-    python benchmarks/bench_overhead.py [--samples 65536] [--repeats 7]
+    python benchmarks/bench_overhead.py [--samples 65536] [--repeats 7] [--stats-off]
+
+``--stats-off`` adds the aioloader cases again with ``collect_stats=False``, to
+measure what the per-stage statistics (``loader.stats()``, on by default) cost.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=65536)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--stats-off", action="store_true",
+                   help="also run the aioloader cases with collect_stats=False")
     args = p.parse_args()
     ds = Tiny(args.samples)
     bs = args.batch_size
@@ -50,12 +55,14 @@ def main() -> None:
         def run_torch(shuffle: bool = shuffle) -> int:
             return sum(len(b[1]) for b in tud.DataLoader(ds, batch_size=bs, shuffle=shuffle))
 
-        def run_sync(shuffle: bool = shuffle) -> int:
-            return sum(len(b[1]) for b in aioloader.DataLoader(ds, batch_size=bs, shuffle=shuffle))
+        def run_sync(shuffle: bool = shuffle, stats: bool = True) -> int:
+            return sum(len(b[1]) for b in aioloader.DataLoader(
+                ds, batch_size=bs, shuffle=shuffle, collect_stats=stats))
 
-        async def consume(shuffle: bool = shuffle) -> int:
+        async def consume(shuffle: bool = shuffle, stats: bool = True) -> int:
             n = 0
-            async for b in aioloader.DataLoader(ds, batch_size=bs, shuffle=shuffle):
+            async for b in aioloader.DataLoader(ds, batch_size=bs, shuffle=shuffle,
+                                                collect_stats=stats):
                 n += len(b[1])
             return n
 
@@ -66,6 +73,10 @@ def main() -> None:
                  "aioloader async for (asyncio)": run_async}
         if uvloop is not None:
             cases["aioloader async for (uvloop)"] = lambda: uvloop.run(consume())
+        if args.stats_off:
+            cases["aioloader for, stats off"] = lambda: run_sync(stats=False)
+            cases["aioloader async for, stats off"] = lambda: asyncio.run(
+                consume(stats=False))
         med = interleaved(cases, args.repeats)
         results[shuffle] = med
         print(table(f"num_workers=0, batch_size={bs}, shuffle={shuffle}, "

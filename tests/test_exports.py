@@ -14,7 +14,7 @@ PKG = pathlib.Path(aioloader.__file__).parent
 # Lower number = lower layer. A module may import only from layers <= its own
 # (same-layer imports allowed where listed below), never the package itself.
 LAYERS: dict[str, int] = {
-    "_errors": 0, "_worker_info": 0,
+    "_errors": 0, "_worker_info": 0, "_stats": 0,
     "dataset": 1, "sampler": 1, "distributed": 1, "collate": 1, "_fetch": 1, "_pin": 1,
     "_transport": 1, "_failure": 1,
     "_afetch": 2, "_device": 2, "_threads": 2, "_state": 2,

@@ -1,0 +1,548 @@
+"""Per-stage statistics of a loader and a one-line bottleneck hint (``loader.stats()``).
+
+The hot path only does ``time.perf_counter_ns()`` reads and plain integer adds on
+a :class:`Recorder` (no locks, no allocation beyond the ints themselves); every
+ratio, mean and the hint are computed lazily by :meth:`StatsBook.snapshot`.
+
+Where each stage is measured (all times are sums over batches):
+
+* ``sampling``: ``next()`` on the batch sampler (consumer's side).
+* ``dispatch``: writing a fetch command to a worker's socket (workers only).
+* ``fetch``: reading the samples of a batch (``__getitem__``/``__getitems__``/the
+  iterator), collate excluded; in the worker process with workers (sent back with
+  the batch), in the main process otherwise. For async datasets it is the sum of
+  per-batch latencies, which overlap.
+* ``collate``: ``collate_fn``.
+* ``transport``: from a worker's reply being ready (before pickling) to the
+  batch being decoded in the main process (workers only; one monotonic clock).
+* ``pin``: ``pin_memory``; ``device``: the copy to ``device=``.
+* ``consumer_wait``: inside ``next()``/``__anext__``: the time the training loop
+  waited for the loader. Its complement, the time between batches, is ``step``.
+
+Worker processes stamp each ``"data"`` reply with a 4-int tuple
+``(fetch_total_ns, collate_ns, idle_ns, sent_ns)`` appended to the message; see
+:class:`WorkerClock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "STAGES",
+    "LoaderStats",
+    "Recorder",
+    "StageStats",
+    "StatsBook",
+    "TimedCollate",
+    "WorkerClock",
+    "WorkerStats",
+]
+
+_LOG = logging.getLogger("aioloader")
+_now = time.perf_counter_ns
+
+#: Stage names, in pipeline order (the keys of :attr:`LoaderStats.stages`).
+STAGES = ("sampling", "dispatch", "fetch", "collate", "transport", "pin", "device",
+          "consumer_wait")
+SAMPLING, DISPATCH, FETCH, COLLATE, TRANSPORT, PIN, DEVICE, WAIT = range(len(STAGES))
+
+
+# ------------------------------------------------------------------------- hot-path recorders
+
+
+class Recorder:
+    """Raw counters of one epoch. Written from the consumer's thread, the loop and
+    (for in-process fetches) one fetch thread; integer adds only.
+    """
+
+    __slots__ = (
+        "batches",
+        "book",
+        "count",
+        "epoch",
+        "first_done_ns",
+        "first_wait_ns",
+        "last_ns",
+        "log_every_ns",
+        "next_log_ns",
+        "ns",
+        "num_workers",
+        "occ_flight",
+        "occ_n",
+        "occ_ready",
+        "occ_staged",
+        "reading_ns",
+        "samples",
+        "start_ns",
+        "step_ns",
+        "w_batches",
+        "w_collate",
+        "w_fetch",
+        "w_idle",
+    )
+
+    def __init__(self, num_workers: int, log_every_s: float | None = None,
+                 book: StatsBook | None = None, epoch: int = 0) -> None:
+        self.count = [0] * len(STAGES)
+        self.ns = [0] * len(STAGES)
+        self.batches = 0
+        self.samples = 0
+        self.step_ns = 0
+        self.first_wait_ns = -1  # the first batch's wait (worker start-up), -1: none yet
+        self.first_done_ns = 0  # when the first batch was delivered (0: not yet)
+        self.reading_ns = 0  # when the main process started reading worker replies
+        self.start_ns = 0
+        self.last_ns = 0  # when the latest batch was handed to the consumer
+        self.num_workers = num_workers
+        self.w_batches = [0] * num_workers
+        self.w_fetch = [0] * num_workers
+        self.w_collate = [0] * num_workers
+        self.w_idle = [0] * num_workers
+        self.occ_n = 0
+        self.occ_ready = 0
+        self.occ_flight = 0
+        self.occ_staged = 0
+        self.log_every_ns = int(log_every_s * 1e9) if log_every_s else 0
+        self.next_log_ns = 0
+        # Weak: the book holds its current recorder (no cycle to leave to the cyclic GC).
+        self.book = weakref.ref(book) if book is not None else None
+        self.epoch = epoch
+
+    # -- consumer side -----------------------------------------------------------------
+
+    def begin_wait(self) -> int:
+        """The consumer asks for a batch; returns the start time for :meth:`end_wait`."""
+        t = _now()
+        if self.last_ns:
+            self.step_ns += t - self.last_ns
+        elif not self.start_ns:
+            self.start_ns = t
+        return t
+
+    def end_wait(self, t0: int, delivered: bool) -> None:
+        """The consumer's call returned (a batch when ``delivered``) or raised."""
+        t = _now()
+        took = t - t0
+        self.ns[WAIT] += took
+        self.last_ns = t if delivered else 0
+        if delivered:
+            self.count[WAIT] += 1
+            if self.first_wait_ns < 0:
+                self.first_wait_ns = took
+                self.first_done_ns = t
+            if self.log_every_ns and t >= self.next_log_ns:
+                if self.next_log_ns:
+                    self._log()
+                self.next_log_ns = t + self.log_every_ns
+
+    def occupancy(self, in_flight: int, ready: int, staged: int) -> None:
+        """Queue depths seen when the consumer asked for a batch (pipeline only)."""
+        self.occ_n += 1
+        self.occ_flight += in_flight
+        self.occ_ready += ready
+        self.occ_staged += staged
+
+    def delivered(self, index: Any, auto_collation: bool) -> None:
+        """A batch leaves the loader: count it and its sampled indices."""
+        self.batches += 1
+        if auto_collation:
+            try:
+                self.samples += len(index)
+            except TypeError:  # a batch sampler yielding something without len()
+                self.samples += 1
+        else:
+            self.samples += 1
+
+    def add(self, stage: int, ns: int) -> None:
+        self.count[stage] += 1
+        self.ns[stage] += ns
+
+    def worker_batch(self, worker: int, stamp: tuple[int, int, int, int]) -> None:
+        """A worker's reply arrived (just decoded) with its :class:`WorkerClock` stamp.
+
+        Start-up is left out (it is ``startup_s``): transport counts from when the main
+        process started reading replies, and idle time only after the first delivery
+        (before it, workers wait for the consumer's pipeline to come up).
+        """
+        total, collate, idle, sent = stamp
+        fetch = total - collate if total > collate else 0
+        self.count[FETCH] += 1
+        self.ns[FETCH] += fetch
+        self.count[COLLATE] += 1
+        self.ns[COLLATE] += collate
+        self.count[TRANSPORT] += 1
+        took = _now() - (sent if sent > self.reading_ns else self.reading_ns)
+        self.ns[TRANSPORT] += took if took > 0 else 0
+        began = sent - total  # the fetch started here, after `idle` ns of waiting
+        first = self.first_done_ns
+        if not first:
+            idle = 0
+        elif began - idle < first:
+            idle = began - first if began > first else 0
+        if 0 <= worker < self.num_workers:
+            self.w_batches[worker] += 1
+            self.w_fetch[worker] += fetch
+            self.w_collate[worker] += collate
+            self.w_idle[worker] += idle
+
+    def _log(self) -> None:
+        book = self.book() if self.book is not None else None
+        if book is None:
+            return
+        try:
+            _LOG.info("%s", book.snapshot_of(self).line())
+        except Exception:  # statistics must never break loading
+            _LOG.debug("stats logging failed", exc_info=True)
+
+
+class TimedCollate:
+    """``collate_fn`` wrapped to add its time to the collate counter of ``sink``.
+
+    ``sink`` is a :class:`Recorder` (main process) or a :class:`WorkerClock`; both
+    keep ``count``/``ns`` lists indexed by stage. A call that raises is not counted.
+    """
+
+    __slots__ = ("count", "fn", "ns")
+
+    def __init__(self, fn: Callable[[Any], Any], sink: Recorder | WorkerClock) -> None:
+        self.fn = fn
+        self.count = sink.count
+        self.ns = sink.ns
+
+    def __call__(self, data: Any) -> Any:
+        t0 = _now()
+        batch = self.fn(data)
+        self.ns[COLLATE] += _now() - t0
+        self.count[COLLATE] += 1
+        return batch
+
+
+class WorkerClock:
+    """A worker process's timings, stamped onto each ``"data"`` reply.
+
+    Sync workers: ``idle`` is the time spent waiting for the next command.
+    Async workers: the time with no fetch in flight.
+    """
+
+    __slots__ = ("count", "idle_ns", "idle_since", "in_flight", "ns")
+
+    def __init__(self) -> None:
+        self.count = [0] * len(STAGES)  # only COLLATE is used (TimedCollate's sink)
+        self.ns = [0] * len(STAGES)
+        self.idle_ns = 0
+        self.in_flight = 0
+        self.idle_since = _now()
+
+    def wrap(self, collate_fn: Callable[[Any], Any]) -> TimedCollate:
+        return TimedCollate(collate_fn, self)
+
+    def reset(self) -> None:
+        """A new epoch: idle time between epochs is not this epoch's."""
+        self.ns[COLLATE] = 0
+        self.idle_ns = 0
+        self.idle_since = _now()
+
+    def waited(self, t0: int, t1: int) -> None:
+        """Sync worker: it waited for a command from ``t0`` to ``t1``."""
+        self.idle_ns += t1 - t0
+
+    def begin(self) -> int:
+        """Async worker: a fetch starts."""
+        t = _now()
+        if self.in_flight == 0:
+            self.idle_ns += t - self.idle_since
+        self.in_flight += 1
+        return t
+
+    def end(self) -> None:
+        """Async worker: a fetch ended."""
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle_since = _now()
+
+    def stamp(self, t0: int) -> tuple[int, int, int, int]:
+        """The 4 ints appended to a reply for a batch whose fetch started at ``t0``."""
+        t = _now()
+        collate, idle = self.ns[COLLATE], self.idle_ns
+        self.ns[COLLATE] = 0
+        self.idle_ns = 0
+        return (t - t0, collate, idle, t)
+
+
+# ------------------------------------------------------------------------- public results
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """One stage of the pipeline over the period :class:`LoaderStats` covers.
+
+    Attributes:
+        name: the stage (see ``aioloader.STAGES``... the keys of ``LoaderStats.stages``).
+        count: how many batches (or commands, for ``dispatch``) went through it.
+        seconds: total time spent in it (summed over batches; overlapping work such
+            as several workers or concurrent async fetches adds up).
+        per_s: ``count / seconds``: the rate one lane of this stage sustains
+            (``0.0`` when nothing was measured).
+        occupancy: mean batches queued in front of the consumer at its requests:
+            for ``fetch`` the batches in flight in workers/fetches, for
+            ``consumer_wait`` the batches ready in the reorder buffer, for
+            ``device`` the batches staged on the device; ``None`` elsewhere.
+    """
+
+    name: str
+    count: int
+    seconds: float
+    per_s: float
+    occupancy: float | None = None
+
+    @property
+    def mean_ms(self) -> float:
+        """Mean milliseconds per item (``0.0`` when the count is 0)."""
+        return 1e3 * self.seconds / self.count if self.count else 0.0
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """One worker process over the period covered.
+
+    Attributes:
+        worker_id: the worker's id (``get_worker_info().id``).
+        batches: batches it delivered.
+        fetch_s: time reading samples; collate_s: time in ``collate_fn``;
+        idle_s: time waiting for work (sync datasets: for the next command; async:
+            with no fetch in flight).
+    """
+
+    worker_id: int
+    batches: int
+    fetch_s: float
+    collate_s: float
+    idle_s: float
+
+    @property
+    def idle_fraction(self) -> float:
+        """``idle_s / (idle_s + fetch_s + collate_s)``; 0.0 before any batch."""
+        total = self.idle_s + self.fetch_s + self.collate_s
+        return self.idle_s / total if total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """What :meth:`aioloader.DataLoader.stats` returns; ``str()`` is a readable table.
+
+    Attributes:
+        epochs: how many epochs it covers (1 for the latest epoch; 0 before any).
+        batches, samples: delivered to the consumer (``samples`` counts the sampled
+            indices of delivered batches; one per batch without auto-collation).
+        wall_s: from the consumer's first request to its latest batch (summed over
+            epochs when cumulative).
+        step_s: the consumer's time between batches (its training step).
+        startup_s: the wait for each epoch's first batch (worker start-up, priming),
+            summed; left out of the hint's ratios.
+        stages: :class:`StageStats` by name, in pipeline order.
+        workers: :class:`WorkerStats` per worker (empty with ``num_workers=0``).
+        hint: one line naming the bottleneck.
+    """
+
+    epochs: int
+    batches: int
+    samples: int
+    wall_s: float
+    step_s: float
+    startup_s: float
+    stages: dict[str, StageStats]
+    workers: list[WorkerStats] = field(default_factory=list)
+    hint: str = ""
+
+    @property
+    def batches_per_s(self) -> float:
+        return self.batches / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def wait_fraction(self) -> float:
+        """Share of the consumer's time spent waiting on the loader (start-up excluded)."""
+        wait = self.stages["consumer_wait"].seconds - self.startup_s
+        total = wait + self.step_s
+        return max(0.0, wait) / total if total > 0 else 0.0
+
+    def line(self) -> str:
+        """One log line: throughput and the hint."""
+        return (f"aioloader: {self.batches} batches, {self.samples} samples in "
+                f"{self.wall_s:.2f}s ({self.batches_per_s:.1f} batches/s, "
+                f"{self.samples_per_s:.0f} samples/s); {self.hint}")
+
+    def __str__(self) -> str:
+        head = (f"aioloader stats ({self.epochs} epoch{'s' if self.epochs != 1 else ''}): "
+                f"{self.batches} batches, {self.samples} samples, {self.wall_s:.3f}s wall "
+                f"({self.startup_s:.3f}s to the first batch), {self.batches_per_s:.1f} "
+                f"batches/s, {self.samples_per_s:.0f} samples/s")
+        rows = [f"{'stage':<14}{'count':>8}{'total s':>10}{'mean ms':>10}{'items/s':>11}"
+                f"{'queue':>7}"]
+        for s in self.stages.values():
+            occ = f"{s.occupancy:7.1f}" if s.occupancy is not None else f"{'-':>7}"
+            rows.append(f"{s.name:<14}{s.count:>8}{s.seconds:>10.3f}{s.mean_ms:>10.3f}"
+                        f"{s.per_s:>11.1f}{occ}")
+        rows.append(f"{'step':<14}{'':>8}{self.step_s:>10.3f}")
+        lines = [head, *rows]
+        if self.workers:
+            lines.append(f"{'worker':<8}{'batches':>8}{'fetch s':>10}{'collate s':>11}"
+                         f"{'idle s':>9}{'idle':>7}")
+            for w in self.workers:
+                lines.append(f"{w.worker_id:<8}{w.batches:>8}{w.fetch_s:>10.3f}"
+                             f"{w.collate_s:>11.3f}{w.idle_s:>9.3f}{w.idle_fraction:>7.0%}")
+        lines.append(f"hint: {self.hint}")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------- aggregation
+
+
+class _Totals:
+    """Counters of finished epochs, folded together (cumulative statistics)."""
+
+    def __init__(self) -> None:
+        self.epochs = 0
+        self.count = [0] * len(STAGES)
+        self.ns = [0] * len(STAGES)
+        self.batches = 0
+        self.samples = 0
+        self.step_ns = 0
+        self.wall_ns = 0
+        self.startup_ns = 0
+        self.occ = [0, 0, 0, 0]
+        self.workers: list[list[int]] = []
+
+    def fold(self, r: Recorder) -> None:
+        self.epochs += 1
+        for i in range(len(STAGES)):
+            self.count[i] += r.count[i]
+            self.ns[i] += r.ns[i]
+        self.batches += r.batches
+        self.samples += r.samples
+        self.step_ns += r.step_ns
+        self.wall_ns += _wall_ns(r)
+        self.startup_ns += max(r.first_wait_ns, 0)
+        self.occ[0] += r.occ_n
+        self.occ[1] += r.occ_flight
+        self.occ[2] += r.occ_ready
+        self.occ[3] += r.occ_staged
+        while len(self.workers) < r.num_workers:
+            self.workers.append([0, 0, 0, 0])
+        for w in range(r.num_workers):
+            acc = self.workers[w]
+            acc[0] += r.w_batches[w]
+            acc[1] += r.w_fetch[w]
+            acc[2] += r.w_collate[w]
+            acc[3] += r.w_idle[w]
+
+
+def _wall_ns(r: Recorder) -> int:
+    return r.last_ns - r.start_ns if r.start_ns and r.last_ns > r.start_ns else (
+        r.ns[WAIT] + r.step_ns)
+
+
+class StatsBook:
+    """A loader's statistics: the current epoch's :class:`Recorder` and earlier totals."""
+
+    def __init__(self, num_workers: int, is_async: bool, log_every_s: float | None) -> None:
+        self.num_workers = num_workers
+        self.is_async = is_async
+        self.log_every_s = log_every_s
+        self.current: Recorder | None = None
+        self.done = _Totals()
+
+    def new_epoch(self) -> Recorder:
+        if self.current is not None:
+            self.done.fold(self.current)
+        rec = Recorder(self.num_workers, self.log_every_s, self, self.done.epochs + 1)
+        self.current = rec
+        return rec
+
+    def snapshot(self, cumulative: bool = False) -> LoaderStats:
+        """Statistics of the latest epoch, or of every epoch so far (``cumulative``)."""
+        if cumulative:
+            totals = _Totals()
+            totals.__dict__.update({k: (list(v) if isinstance(v, list) else v)
+                                    for k, v in self.done.__dict__.items()})
+            totals.workers = [list(w) for w in self.done.workers]
+            if self.current is not None:
+                totals.fold(self.current)
+            return self._build(totals)
+        totals = _Totals()
+        if self.current is not None:
+            totals.fold(self.current)
+        return self._build(totals)
+
+    def snapshot_of(self, rec: Recorder) -> LoaderStats:
+        totals = _Totals()
+        totals.fold(rec)
+        return self._build(totals)
+
+    def _build(self, t: _Totals) -> LoaderStats:
+        occ_n = t.occ[0]
+
+        def occ(i: int) -> float | None:
+            return t.occ[i] / occ_n if occ_n else None
+
+        occupancy = {FETCH: occ(1), WAIT: occ(2), DEVICE: occ(3) if t.count[DEVICE] else None}
+        stages = {}
+        for i, name in enumerate(STAGES):
+            sec = t.ns[i] / 1e9
+            stages[name] = StageStats(name, t.count[i], sec,
+                                      t.count[i] / sec if sec > 0 else 0.0, occupancy.get(i))
+        workers = [WorkerStats(w, acc[0], acc[1] / 1e9, acc[2] / 1e9, acc[3] / 1e9)
+                   for w, acc in enumerate(t.workers)]
+        stats = LoaderStats(t.epochs, t.batches, t.samples, t.wall_ns / 1e9, t.step_ns / 1e9,
+                            t.startup_ns / 1e9, stages, workers)
+        return LoaderStats(**{**stats.__dict__, "hint": _hint(stats, self.is_async)})
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _hint(s: LoaderStats, is_async: bool) -> str:
+    """One line naming the bottleneck (see docs/stats.md for the rules)."""
+    if s.batches < 2:
+        return "not enough batches yet to tell"
+    wait = s.wait_fraction
+    st = s.stages
+    if s.workers:
+        busy = sum(w.fetch_s + w.collate_s for w in s.workers)
+        idle = sum(w.idle_s for w in s.workers)
+        idle_frac = idle / (idle + busy) if idle + busy > 0 else 0.0
+        if wait >= 0.5:
+            if idle_frac < 0.5:
+                what = ("collate_fn" if st["collate"].seconds > st["fetch"].seconds
+                        else "reading samples")
+                return (f"consumer waited {_pct(wait)} of the time on workers (busy "
+                        f"{_pct(1 - idle_frac)}, mostly {what}): raise num_workers")
+            main = max(("transport", "pin", "device"), key=lambda n: st[n].seconds)
+            return (f"consumer waited {_pct(wait)} of the time while workers were idle "
+                    f"{_pct(idle_frac)}: the main process is the bottleneck (most in "
+                    f"{main}); raise prefetch_factor or make batches cheaper to move")
+        if idle_frac >= 0.5:
+            return f"workers idle {_pct(idle_frac)}: the training step is the bottleneck"
+        if wait < 0.2:
+            return (f"consumer waited {_pct(wait)} of the time: the training step is the "
+                    f"bottleneck")
+        return (f"balanced: consumer waited {_pct(wait)} of the time, workers idle "
+                f"{_pct(idle_frac)}")
+    if wait >= 0.5:
+        fix = ("raise fetch_concurrency or use num_workers > 0" if is_async
+               else "use num_workers > 0")
+        return (f"consumer waited {_pct(wait)} of the time on loading in the main process: "
+                f"{fix}")
+    if wait < 0.2:
+        return f"loading took {_pct(wait)} of the time: the training step is the bottleneck"
+    return f"balanced: loading took {_pct(wait)} of the consumer's time"
