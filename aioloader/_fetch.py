@@ -175,6 +175,21 @@ class MapFetcher:
             data = [ds[i] for i in index]
         return self.collate_fn(data)
 
+    def fetch_split(self, index: Any, now: Callable[[], int]) -> tuple[Any, int]:
+        """:meth:`fetch`, also returning ``now()`` read between reading and collating
+        (statistics: the split costs one clock read, not a wrapped ``collate_fn``)."""
+        if not self.auto_collation:
+            data = self.dataset[index]
+        elif self._getitems is not None:
+            data = self._getitems(index)
+        elif self._pool is not None:
+            data = list(self._pool.map(self.dataset.__getitem__, index))
+        else:
+            ds = self.dataset
+            data = [ds[i] for i in index]
+        read = now()
+        return self.collate_fn(data), read
+
     def close(self, wait: bool = True) -> None:
         """Stop the fetch threads, if any; ``wait``: join them (after running reads end)."""
         if self._pool is not None:

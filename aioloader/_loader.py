@@ -125,7 +125,6 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
     or overridden.
     """
 
-    __initialized = False
     #: torch's persistent-workers iterator slot: the latest ``for`` iterator of a loader with
     #: persistent workers (frameworks call its ``_shutdown_workers()`` at teardown).
     _iterator: Any = None
@@ -342,8 +341,9 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         self._pool_lease: _PoolLease | None = None
         self._iterator = None
         self._dataset_kind = 1 if self._kind.iterable else 0  # torch: _DatasetKind.Map/Iterable
-        self.__initialized = True
-        self._DataLoader__initialized = True  # torch's own __setattr__ guard, same attributes
+        # torch's own __setattr__ then refuses to change batch_size, sampler, dataset, ...
+        # (same ValueError and message as torch).
+        self._DataLoader__initialized = True
         self.check_worker_number_rationality()
 
     # -- torch-compatible attributes ------------------------------------------------------
@@ -378,17 +378,6 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
                     f"(num_workers > 0), but got num_workers={self.num_workers}"
                 )
         self.__multiprocessing_context = ctx
-
-    def __setattr__(self, attr: str, val: Any) -> None:
-        if self.__initialized and attr in (
-            "batch_size", "batch_sampler", "sampler", "drop_last", "dataset",
-            "persistent_workers",
-        ):
-            raise ValueError(
-                f"{attr} attribute should not be set after {self.__class__.__name__} is "
-                "initialized"
-            )
-        super().__setattr__(attr, val)
 
     @property
     def _auto_collation(self) -> bool:
@@ -563,6 +552,9 @@ class _CoreBase:
             else None
         if self.rec is not None:
             self.collate_fn = TimedCollate(loader.collate_fn, self.rec)
+        # Read once per batch on the hot path: plain attributes, not properties.
+        self.policy_active = self.failure_policy.active
+        self.check_len = self.kind.iterable and self.len_called is not None
 
     def _absorb(self, index: Any, data: Any) -> Any:
         """Count a delivered batch for the failure report; NOTHING: every sample failed.
@@ -571,15 +563,14 @@ class _CoreBase:
         """
         if self.rec is not None:
             self.rec.delivered(index, self.auto_collation)
-        if not self.failure_policy.active:  # torch's behaviour: nothing to count
+        if not self.policy_active:  # torch's behaviour: nothing to count
             return data
         self.failures.count_requested(len(index) if self.auto_collation else 1)
         return self.failures.absorb(data)
 
     def _count_yield(self) -> None:
         self.num_yielded += 1
-        if (self.kind.iterable and self.len_called is not None
-                and self.num_yielded > self.len_called):
+        if self.check_len and self.num_yielded > (self.len_called or 0):
             msg = (f"Length of IterableDataset {self.dataset} was reported to be "
                    f"{self.len_called} (when accessing len(dataloader)), but "
                    f"{self.num_yielded} samples have been fetched. ")
@@ -607,6 +598,7 @@ class _InlinePolicy:
     SLOW_S = 2e-3
     WARMUP = 4
     YIELD_EVERY_S = 500e-6
+    YIELD_EVERY_NS = int(YIELD_EVERY_S * 1e9)
 
     __slots__ = ("fast_streak", "inline", "warmup")
 
@@ -700,15 +692,21 @@ class _InlineCore(_CoreBase):
         self.track.seed = self.base_seed
         wstate = self.track.worker_states.get(0) if self.kind.iterable else None
         _state.load_dataset_state(self.dataset, wstate)
+        # The per-batch fast path of next_sync(): nothing but fetch, collate, count. Its
+        # statistics time reading and collating with MapFetcher.fetch_split.
+        self.plain = self.kind is DatasetKind.MAP and not (
+            self.policy_active or self.pin.enabled or loader.device is not None)
+        self.split = self.plain and self.rec is not None
         # The resume state is read from the plain fetcher; batches come through its guard.
         self.raw_fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
-                                        self.collate_fn, self.drop_last, loader.fetch_threads)
+                                        loader.collate_fn if self.split else self.collate_fn,
+                                        self.drop_last, loader.fetch_threads)
         _state.load_fetcher_state(self.raw_fetcher, wstate)
         self.fetcher = guard_fetcher(self.raw_fetcher, self.failure_policy, None)
         self.device = loader.device
         self.runner: ThreadRunner | None = None
         self.policy = _InlinePolicy()
-        self.last_yield = 0.0
+        self.last_yield = 0  # perf_counter_ns of the latest checkpoint (async for)
         self.pending: _ThreadCall | None = None  # a drawn batch whose waiter was cancelled
 
     def _fetch(self, index: Any) -> Any:
@@ -733,10 +731,18 @@ class _InlineCore(_CoreBase):
             self.track.commit(self.track.last_drawn, yielded=False)
     def _fetch_timed(self, rec: Recorder, index: Any, t0: int = 0) -> Any:
         """:meth:`_fetch`, adding each stage's time to the epoch's statistics."""
-        ns = rec.ns
-        collated = ns[COLLATE]
         if not t0:
             t0 = _ns()
+        if self.split:  # a plain map-style fetch: its collate_fn is not wrapped
+            try:
+                data, t_read = self.fetcher.fetch_split(index, _ns)
+            except StopIteration:
+                return index, EXHAUSTED
+            rec.add(FETCH, t_read - t0)
+            rec.add(COLLATE, _ns() - t_read)
+            return index, data
+        ns = rec.ns
+        collated = ns[COLLATE]
         data = fetch_or_exhausted(self.fetcher, index)
         t1 = _ns()
         if data is not EXHAUSTED:
@@ -763,47 +769,102 @@ class _InlineCore(_CoreBase):
             return _device.finish_on_device(data)
         return data
 
-    def next_sync(self, t0: int = 0) -> Any:
-        """One batch, fetched in the calling thread (the sync facade's fast path).
-
-        ``t0``: when the consumer asked (statistics; saves a clock read).
-        """
+    def next_sync(self) -> Any:
+        """One batch, fetched in the calling thread (the sync facade's fast path)."""
         rec = self.rec
+        if rec is None:
+            return self._next_sync(None, 0)
+        # Sampled statistics read the clock only for the batches they time.
+        t0 = _ns() if not self.split or rec.countdown <= 1 else 0
+        try:
+            return self._next_sync(rec, t0)
+        except BaseException:
+            if self.split:  # sampled statistics: the wall time ends here
+                rec.inline_end(_ns())
+            else:
+                rec.begin_at(t0)
+                rec.end_wait(t0, False)
+            raise
+
+    def _next_sync(self, rec: Recorder | None, t0: int) -> Any:
+        """:meth:`next_sync`; with statistics, ``t0`` is when the consumer asked.
+
+        The common case (a map-style dataset, no failure policy, no pinning or
+        device, nothing to resume) does its bookkeeping inline: it runs once per
+        batch, and ``benchmarks/bench_overhead.py`` measures it.
+        """
+        track = self.track
+        t_draw = t0  # when the current draw started (after a skipped batch: later than t0)
+        plain = self.plain
+        auto = self.auto_collation
         while True:
             if self.closed:
                 raise StopIteration
-            if self.track.discard and not self.track.replaying:
-                self.track.replay(self.next_sync)
-            if rec is not None and not t0:
-                t0 = _ns()
+            if track.discard and not track.replaying:
+                track.replay(self.next_sync)
             try:
                 index = next(self.sampler_iter)
             except StopIteration:
-                self.track.finished = True
+                track.finished = True
                 self.close()
                 self.failures.end_of_epoch()
                 raise
-            if rec is not None:
-                t1 = _ns()
-                rec.ns[SAMPLING] += t1 - t0
-                rec.count[SAMPLING] += 1
-                t0 = 0
-                index, data = self.track.consumed_on_error(self._fetch_timed, rec, index, t1)
-            else:
-                index, data = self.track.consumed_on_error(self._fetch, index)
+            try:
+                if plain:
+                    if rec is None:
+                        data = fetch_or_exhausted(self.fetcher, index)
+                    else:
+                        rec.countdown -= 1
+                        if rec.countdown > 0:  # counted, not timed (Recorder.TIME_EVERY)
+                            data = fetch_or_exhausted(self.fetcher, index)
+                            if data is not EXHAUSTED:
+                                rec.inline_untimed += 1
+                                if auto and type(index) is list:
+                                    rec.inline_samples += len(index)
+                                else:
+                                    rec.untimed_other(index, self.auto_collation)
+                        else:
+                            t1 = _ns()
+                            try:
+                                data, t_read = self.fetcher.fetch_split(index, _ns)
+                            except StopIteration:  # the dataset ended the epoch (torch)
+                                data = EXHAUSTED
+                            else:
+                                rec.inline_batch(index, self.auto_collation, t0, t_draw, t1,
+                                                 t_read, _ns())
+                elif rec is None:
+                    index, data = self._fetch(index)
+                else:
+                    t1 = _ns()
+                    rec.ns[SAMPLING] += t1 - t_draw
+                    rec.count[SAMPLING] += 1
+                    index, data = self._fetch_timed(rec, index, t1)
+            except Exception:
+                track.commit(track.last_drawn)  # consumed (as in torch, not retried)
+                raise
             if data is EXHAUSTED:
-                self.track.finished = True
+                track.finished = True
                 self.close()
                 self.failures.end_of_epoch()
                 raise StopIteration
+            if plain:  # its statistics were recorded with the fetch
+                self.num_yielded += 1
+                track.commit_next()
+                return data
             try:
                 data = self._absorb(index, data)
             except TooManyFailuresError:
                 self.close()
                 raise
             if data is not NOTHING:
-                return self._deliver(data)
+                data = self._deliver(data)
+                if rec is not None:
+                    rec.begin_at(t0)
+                    rec.end_wait(t0, True)
+                return data
             self._consumed_nothing()
+            if rec is not None:
+                t_draw = _ns()
 
     async def anext(self) -> Any:
         while True:
@@ -819,15 +880,13 @@ class _InlineCore(_CoreBase):
         call = self.pending
         if call is None:
             policy = self.policy
-            if policy.inline:
-                # Yield to the loop at least every YIELD_EVERY_S so other tasks keep
-                # running (and cancellation is seen) without paying a loop round-trip per
-                # tiny batch. Before the draw: a cancellation here loses nothing.
-                now = time.perf_counter()
-                if now - self.last_yield > _InlinePolicy.YIELD_EVERY_S:
-                    await anyio.lowlevel.checkpoint()
-                    self.last_yield = time.perf_counter()
             t0 = _ns()
+            # Inline, yield to the loop at least every YIELD_EVERY_S so other tasks keep
+            # running (and cancellation is seen) without paying a loop round-trip per
+            # tiny batch. Before the draw: a cancellation here loses nothing.
+            if policy.inline and t0 - self.last_yield > _InlinePolicy.YIELD_EVERY_NS:
+                await anyio.lowlevel.checkpoint()
+                self.last_yield = t0 = _ns()
             try:
                 index = next(self.sampler_iter)
             except StopIteration:
@@ -835,6 +894,11 @@ class _InlineCore(_CoreBase):
                 await self.aclose()
                 self.failures.end_of_epoch()
                 raise StopAsyncIteration from None
+            if policy.inline and self.plain:
+                data = self._fetch_plain(index, t0)
+                if data is EXHAUSTED:
+                    return await self._finish((index, data))
+                return data
             if self.rec is not None:
                 self.rec.add(SAMPLING, _ns() - t0)
             if policy.inline:
@@ -850,6 +914,43 @@ class _InlineCore(_CoreBase):
         data, took = self.track.consumed_on_error(call.result)
         self.policy.record(took)
         return await self._finish(data)
+
+    def _fetch_plain(self, index: Any, t0: int) -> Any:
+        """``async for``: a plain map-style batch (:attr:`plain`) fetched on the loop
+        (the policy found it tiny); the sampler was asked at ``t0``. Its bookkeeping is
+        written out: this runs once per batch (``benchmarks/bench_overhead.py``)."""
+        track = self.track
+        rec = self.rec
+        t1 = _ns()
+        try:
+            if rec is not None:
+                rec.countdown -= 1
+                timed = rec.countdown <= 0  # one batch in Recorder.TIME_EVERY
+            else:
+                timed = False
+            if timed:
+                data, t_read = self.fetcher.fetch_split(index, _ns)
+            else:
+                data = self.fetcher.fetch(index)
+        except StopIteration:  # the dataset ended the epoch (as in torch)
+            return EXHAUSTED
+        except Exception:
+            track.commit(track.last_drawn)  # consumed (as in torch, not retried)
+            raise
+        t2 = _ns()
+        self.policy.record((t2 - t1) * 1e-9)
+        if rec is not None:
+            if timed:
+                rec.inline_split(index, self.auto_collation, t0, t1, t_read, t2)
+            else:
+                rec.inline_untimed += 1
+                if self.auto_collation and type(index) is list:
+                    rec.inline_samples += len(index)
+                else:
+                    rec.untimed_other(index, self.auto_collation)
+        self.num_yielded += 1
+        track.commit_next()
+        return data
 
     async def _finish(self, fetched: tuple[Any, Any]) -> Any:
         index, data = fetched

@@ -72,7 +72,10 @@ class Stateful(Protocol):
 
 
 def _stateful(obj: object) -> bool:
-    return isinstance(obj, Stateful)
+    """``isinstance(obj, Stateful)``, without the protocol check's cost (once per epoch,
+    a runtime protocol check takes tens of microseconds)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None))
 
 
 # ------------------------------------------------------------------------------ worker side
@@ -129,7 +132,17 @@ def load_fetcher_state(fetcher: Any, state: dict[str, Any] | None) -> None:
 
 
 def _to_list(t: torch.Tensor) -> list[int]:
-    return [int(x) for x in t.tolist()]
+    return t.tolist()
+
+
+def _rng_lists(rng: dict[str, Any] | None) -> dict[str, Any] | None:
+    """RNG states as plain lists (JSON-able), whether captured as tensors or loaded."""
+    if rng is None:
+        return None
+    glob = rng.get("global")
+    return {"global": _to_list(glob) if isinstance(glob, torch.Tensor) else glob,
+            "generators": {p: _to_list(v) if isinstance(v, torch.Tensor) else v
+                           for p, v in (rng.get("generators") or {}).items()}}
 
 
 def _to_tensor(v: Any) -> torch.Tensor:
@@ -317,8 +330,10 @@ class EpochTracker:
         self.started = True
         if self.sampler_obj is not None:
             self.sampler_state = self.sampler_obj.state_dict()
-        self.rng = {"global": _to_list(torch.get_rng_state()),
-                    "generators": {p: _to_list(g.get_state()) for p, g in self.gens.items()}}
+        # Tensors now (a copy each: microseconds); lists only when a state is taken, since
+        # turning torch's 5 KB state into a list costs about a millisecond per epoch.
+        self.rng = {"global": torch.get_rng_state(),
+                    "generators": {p: g.get_state() for p, g in self.gens.items()}}
 
     def after_draw(self, logical: int) -> None:
         if self.sampler_obj is not None:
@@ -367,6 +382,16 @@ class EpochTracker:
         """The consumer received the oldest taken batch (after the device stage, if any)."""
         if self.fifo:
             self.commit(*self.fifo.popleft())
+
+    def commit_next(self) -> None:
+        """:meth:`commit_inline` for a map-style dataset (the per-batch fast path)."""
+        logical = self.last_drawn
+        if (logical == self.prefix and not self.extra and self.sampler_obj is None
+                and not self.replaying):
+            self.prefix = logical + 1
+            self.yielded += 1
+        else:
+            self.commit(logical)
 
     def commit_inline(self, dataset: Any, fetcher: Any) -> None:
         """``num_workers=0`` without a pipeline: the batch drawn last was handed out."""
@@ -419,7 +444,7 @@ class EpochTracker:
             "sampler_state": (self.sampler_state if self.started and not self.finished
                               else self.sampler_obj.state_dict() if self.sampler_obj is not None
                               else None),
-            "rng": self.rng if self.started else None,
+            "rng": _rng_lists(self.rng) if self.started else None,
             # Now: the epoch-start values when the sampler has not drawn yet, the final
             # ones once the epoch is over.
             "generators": {p: _to_list(g.get_state()) for p, g in self.gens.items()},

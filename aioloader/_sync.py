@@ -346,15 +346,14 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
         driver = self._driver
         core = self._core
         del self  # a traceback must not keep the iterator alive
+        if driver is None:  # statistics are kept by the in-process core itself
+            return core.next_sync()  # type: ignore[union-attr,no-any-return]
         rec = core.rec
         if rec is None:
-            if driver is None:
-                return core.next_sync()  # type: ignore[union-attr,no-any-return]
             return driver.next()  # type: ignore[no-any-return]
         t0 = rec.begin_wait()  # statistics: the consumer's wait (docs/stats.md)
         try:
-            batch = (core.next_sync(t0) if driver is None  # type: ignore[union-attr]
-                     else driver.next())
+            batch = driver.next()
         except BaseException:
             rec.end_wait(t0, False)
             raise
