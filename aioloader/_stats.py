@@ -87,6 +87,7 @@ class Recorder:
         "samples",
         "start_ns",
         "step_ns",
+        "time_every",
         "w_batches",
         "w_collate",
         "w_fetch",
@@ -123,6 +124,8 @@ class Recorder:
         # timed stage by stage; the others only counted. Sums of the timed ones, by
         # stage (SAMPLING, FETCH, COLLATE).
         self.countdown = 1  # batches until the next timed one (the first one is timed)
+        # Periodic logging (opt-in) checks the clock at every batch: time them all then.
+        self.time_every = 1 if self.log_every_ns else self.TIME_EVERY
         self.inline_ns = [0] * len(STAGES)
         self.inline_timed = 0
         self.inline_untimed = 0  # counted by the loader itself (two adds, no call)
@@ -166,7 +169,7 @@ class Recorder:
     #: are only counted, and their times estimated from the timed ones: a steady loop
     #: repeats itself). Reading the clock costs ~0.15 us here; a batch of tiny samples
     #: ~70 us, so timing each would cost a few percent.
-    TIME_EVERY = 8
+    TIME_EVERY = 16
 
     def inline_batch(self, index: Any, auto_collation: bool, t_ask: int, t_draw: int,
                      t_drawn: int, t_read: int, t_done: int) -> None:
@@ -196,7 +199,7 @@ class Recorder:
                      t_read: int, t_done: int) -> None:
         """:meth:`inline_batch` for ``async for``, whose iterator times the consumer's
         waits itself (:meth:`begin_wait`/:meth:`end_wait`)."""
-        self.countdown = self.TIME_EVERY
+        self.countdown = self.time_every
         acc = self.inline_ns
         acc[SAMPLING] += t_drawn - t_draw
         acc[FETCH] += t_read - t_drawn
