@@ -32,13 +32,9 @@ from anyio.from_thread import BlockingPortal
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
 from ._failure import FailureReport
-from ._loader import (
-    DataLoaderCore,
-    _InlineCore,
-    _PipelineCore,
-    _shutdown_persistent_pool,
-    _worker_processes,
-)
+from ._inline import _InlineCore
+from ._loader import DataLoaderCore, _shutdown_persistent_pool, _worker_processes
+from ._pipeline import _PipelineCore
 
 __all__ = ["DataLoader", "SyncLoaderIter"]
 

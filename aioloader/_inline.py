@@ -1,0 +1,342 @@
+"""The ``num_workers=0`` iterator for sync datasets: one batch fetched per ``next``.
+
+As torch does, in the iterator's own thread (the sync facade's :meth:`_InlineCore.next_sync`),
+or for ``async for`` in a helper thread or, for batches measured tiny, on the loop
+(:class:`aioloader._core._InlinePolicy`). No background task: nothing runs between calls.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from . import _device, _state
+from ._core import _CoreBase, _draw_base_seed, _InlinePolicy, _ThreadCall, _timed
+from ._failure import NOTHING, TooManyFailuresError, apply_to_batch, guard_fetcher
+from ._fetch import EXHAUSTED, DatasetKind, fetch_or_exhausted, make_fetcher
+from ._stats import COLLATE, DEVICE, FETCH, PIN, SAMPLING, Recorder
+from ._threads import ThreadRunner
+
+if TYPE_CHECKING:
+    from ._loader import DataLoaderCore
+
+_ns = time.perf_counter_ns
+
+
+class _InlineCore(_CoreBase):
+    """``num_workers=0`` with a sync dataset: fetch one batch per ``next``, as torch.
+
+    With ``device=`` the batch is also copied to the device inside the same
+    ``next`` (no lookahead: the dataset's ``__getitem__`` never runs between calls).
+    A cancelled ``__anext__`` keeps its drawn batch: the fetch finishes in the
+    thread and the next call delivers it without drawing from the sampler again.
+    """
+
+    def __init__(self, loader: DataLoaderCore[Any]) -> None:
+        super().__init__(loader)
+        if loader.timeout != 0:
+            raise AssertionError(
+                "timeout applies to multi-process loading only (as in torch): set "
+                "timeout=0 with num_workers=0, or use num_workers > 0"
+            )
+        self.sampler_iter = self.track.sampler_iter(loader._index_sampler)
+        self.base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
+        self.track.seed = self.base_seed
+        wstate = self.track.worker_states.get(0) if self.kind.iterable else None
+        _state.load_dataset_state(self.dataset, wstate)
+        # The per-batch fast path of next_sync(): nothing but fetch, collate, count. Its
+        # statistics time reading and collating with MapFetcher.fetch_split.
+        self.plain = self.kind is DatasetKind.MAP and not (
+            self.policy_active or self.pin.enabled or loader.device is not None)
+        self.split = self.plain and self.rec is not None
+        # The resume state is read from the plain fetcher; batches come through its guard.
+        self.raw_fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
+                                        loader.collate_fn if self.split else self.collate_fn,
+                                        self.drop_last, loader.fetch_threads)
+        _state.load_fetcher_state(self.raw_fetcher, wstate)
+        self.fetcher = guard_fetcher(self.raw_fetcher, self.failure_policy, None)
+        self.device = loader.device
+        self.runner: ThreadRunner | None = None
+        self.policy = _InlinePolicy()
+        self.last_yield = 0  # perf_counter_ns of the latest checkpoint (async for)
+        self.pending: _ThreadCall | None = None  # a drawn batch whose waiter was cancelled
+
+    def _fetch(self, index: Any) -> Any:
+        rec = self.rec
+        if rec is not None:
+            return self._fetch_timed(rec, index)
+        data = fetch_or_exhausted(self.fetcher, index)
+        if data is not EXHAUSTED:
+            if self.pin.enabled:
+                data = apply_to_batch(self.pin.apply, data)
+            if self.device is not None:
+                data = apply_to_batch(self._stage, data)
+        return index, data
+
+    def _consumed_nothing(self) -> None:
+        """Every sample of the batch drawn last failed (skipped): it counts as consumed."""
+        if self.kind.iterable:
+            self.track.commit(self.track.last_drawn, 0,
+                              _state.worker_state(0, self.dataset, self.raw_fetcher),
+                              yielded=False)
+        else:
+            self.track.commit(self.track.last_drawn, yielded=False)
+    def _fetch_timed(self, rec: Recorder, index: Any, t0: int = 0) -> Any:
+        """:meth:`_fetch`, adding each stage's time to the epoch's statistics."""
+        if not t0:
+            t0 = _ns()
+        if self.split:  # a plain map-style fetch: its collate_fn is not wrapped
+            try:
+                data, t_read = self.fetcher.fetch_split(index, _ns)
+            except StopIteration:
+                return index, EXHAUSTED
+            rec.add(FETCH, t_read - t0)
+            rec.add(COLLATE, _ns() - t_read)
+            return index, data
+        ns = rec.ns
+        collated = ns[COLLATE]
+        data = fetch_or_exhausted(self.fetcher, index)
+        t1 = _ns()
+        if data is not EXHAUSTED:
+            took = t1 - t0 - (ns[COLLATE] - collated)
+            ns[FETCH] += took if took > 0 else 0
+            rec.count[FETCH] += 1
+            if self.pin.enabled:
+                data = apply_to_batch(self.pin.apply, data)
+                t0, t1 = t1, _ns()
+                rec.add(PIN, t1 - t0)
+            if self.device is not None:
+                data = apply_to_batch(self._stage, data)
+                rec.add(DEVICE, _ns() - t1)
+        return index, data
+
+    def _stage(self, data: Any) -> Any:
+        assert self.device is not None
+        return _device.stage_to_device(data, self.device)
+
+    def _deliver(self, data: Any) -> Any:
+        self._count_yield()
+        self.track.commit_inline(self.dataset, self.raw_fetcher)
+        if self.device is not None:
+            return _device.finish_on_device(data)
+        return data
+
+    def next_sync(self) -> Any:
+        """One batch, fetched in the calling thread (the sync facade's fast path)."""
+        rec = self.rec
+        if rec is None:
+            return self._next_sync(None, 0)
+        # Sampled statistics read the clock only for the batches they time.
+        t0 = _ns() if not self.split or rec.countdown <= 1 else 0
+        try:
+            return self._next_sync(rec, t0)
+        except BaseException:
+            if self.split:  # sampled statistics: the wall time ends here
+                rec.inline_end(_ns())
+            else:
+                rec.begin_at(t0)
+                rec.end_wait(t0, False)
+            raise
+
+    def _next_sync(self, rec: Recorder | None, t0: int) -> Any:
+        """:meth:`next_sync`; with statistics, ``t0`` is when the consumer asked.
+
+        The common case (a map-style dataset, no failure policy, no pinning or
+        device, nothing to resume) does its bookkeeping inline: it runs once per
+        batch, and ``benchmarks/bench_overhead.py`` measures it.
+        """
+        track = self.track
+        t_draw = t0  # when the current draw started (after a skipped batch: later than t0)
+        plain = self.plain
+        auto = self.auto_collation
+        while True:
+            if self.closed:
+                raise StopIteration
+            if track.discard and not track.replaying:
+                track.replay(self.next_sync)
+            try:
+                index = next(self.sampler_iter)
+            except StopIteration:
+                track.finished = True
+                self.close()
+                self.failures.end_of_epoch()
+                raise
+            try:
+                if plain:
+                    if rec is None:
+                        data = fetch_or_exhausted(self.fetcher, index)
+                    else:
+                        rec.countdown -= 1
+                        if rec.countdown > 0:  # counted, not timed (Recorder.TIME_EVERY)
+                            data = fetch_or_exhausted(self.fetcher, index)
+                            if data is not EXHAUSTED:
+                                rec.inline_untimed += 1
+                                if auto and type(index) is list:
+                                    rec.inline_samples += len(index)
+                                else:
+                                    rec.untimed_other(index, self.auto_collation)
+                        else:
+                            t1 = _ns()
+                            try:
+                                data, t_read = self.fetcher.fetch_split(index, _ns)
+                            except StopIteration:  # the dataset ended the epoch (torch)
+                                data = EXHAUSTED
+                            else:
+                                rec.inline_batch(index, self.auto_collation, t0, t_draw, t1,
+                                                 t_read, _ns())
+                elif rec is None:
+                    index, data = self._fetch(index)
+                else:
+                    t1 = _ns()
+                    rec.ns[SAMPLING] += t1 - t_draw
+                    rec.count[SAMPLING] += 1
+                    index, data = self._fetch_timed(rec, index, t1)
+            except Exception:
+                track.commit(track.last_drawn)  # consumed (as in torch, not retried)
+                raise
+            if data is EXHAUSTED:
+                track.finished = True
+                self.close()
+                self.failures.end_of_epoch()
+                raise StopIteration
+            if plain:  # its statistics were recorded with the fetch
+                self.num_yielded += 1
+                track.commit_next()
+                return data
+            try:
+                data = self._absorb(index, data)
+            except TooManyFailuresError:
+                self.close()
+                raise
+            if data is not NOTHING:
+                data = self._deliver(data)
+                if rec is not None:
+                    rec.begin_at(t0)
+                    rec.end_wait(t0, True)
+                return data
+            self._consumed_nothing()
+            if rec is not None:
+                t_draw = _ns()
+
+    async def anext(self) -> Any:
+        while True:
+            data = await self._anext_raw()
+            if data is not NOTHING:
+                return data
+
+    async def _anext_raw(self) -> Any:
+        if self.closed:
+            raise StopAsyncIteration
+        if self.track.discard and not self.track.replaying:
+            await self.track.areplay(self.anext)
+        call = self.pending
+        if call is None:
+            policy = self.policy
+            t0 = _ns()
+            # Inline, yield to the loop at least every YIELD_EVERY_S so other tasks keep
+            # running (and cancellation is seen) without paying a loop round-trip per
+            # tiny batch. Before the draw: a cancellation here loses nothing.
+            if policy.inline and t0 - self.last_yield > _InlinePolicy.YIELD_EVERY_NS:
+                await anyio.lowlevel.checkpoint()
+                self.last_yield = t0 = _ns()
+            try:
+                index = next(self.sampler_iter)
+            except StopIteration:
+                self.track.finished = True
+                await self.aclose()
+                self.failures.end_of_epoch()
+                raise StopAsyncIteration from None
+            if policy.inline and self.plain:
+                data = self._fetch_plain(index, t0)
+                if data is EXHAUSTED:
+                    return await self._finish((index, data))
+                return data
+            if self.rec is not None:
+                self.rec.add(SAMPLING, _ns() - t0)
+            if policy.inline:
+                data, took = self.track.consumed_on_error(_timed, self._fetch, index)
+                policy.record(took)
+                return await self._finish(data)
+            if self.runner is None:
+                self.runner = ThreadRunner("aioloader-fetch")
+            call = self.pending = _ThreadCall(_timed, self._fetch, index)
+        assert self.runner is not None
+        await call.wait(self.runner)  # cancelled: `pending` keeps the batch for the next call
+        self.pending = None
+        data, took = self.track.consumed_on_error(call.result)
+        self.policy.record(took)
+        return await self._finish(data)
+
+    def _fetch_plain(self, index: Any, t0: int) -> Any:
+        """``async for``: a plain map-style batch (:attr:`plain`) fetched on the loop
+        (the policy found it tiny); the sampler was asked at ``t0``. Its bookkeeping is
+        written out: this runs once per batch (``benchmarks/bench_overhead.py``)."""
+        track = self.track
+        rec = self.rec
+        t1 = _ns()
+        try:
+            if rec is not None:
+                rec.countdown -= 1
+                timed = rec.countdown <= 0  # one batch in Recorder.TIME_EVERY
+            else:
+                timed = False
+            if timed:
+                data, t_read = self.fetcher.fetch_split(index, _ns)
+            else:
+                data = self.fetcher.fetch(index)
+        except StopIteration:  # the dataset ended the epoch (as in torch)
+            return EXHAUSTED
+        except Exception:
+            track.commit(track.last_drawn)  # consumed (as in torch, not retried)
+            raise
+        t2 = _ns()
+        self.policy.record((t2 - t1) * 1e-9)
+        if rec is not None:
+            if timed:
+                rec.inline_split(index, self.auto_collation, t0, t1, t_read, t2)
+            else:
+                rec.inline_untimed += 1
+                if self.auto_collation and type(index) is list:
+                    rec.inline_samples += len(index)
+                else:
+                    rec.untimed_other(index, self.auto_collation)
+        self.num_yielded += 1
+        track.commit_next()
+        return data
+
+    async def _finish(self, fetched: tuple[Any, Any]) -> Any:
+        index, data = fetched
+        if data is EXHAUSTED:
+            self.track.finished = True
+            await self.aclose()
+            self.failures.end_of_epoch()
+            raise StopAsyncIteration
+        try:
+            data = self._absorb(index, data)
+        except TooManyFailuresError:
+            await self.aclose()
+            raise
+        if data is NOTHING:
+            self._consumed_nothing()
+            return NOTHING
+        return self._deliver(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.fetcher.close()
+            if self.runner is not None:
+                self.runner.close()
+
+    async def aclose(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.runner is not None:
+                await self.runner.aclose()
+            self.fetcher.close()
+
+    def close_from_gc(self) -> None:
+        self.close()
+
