@@ -40,6 +40,7 @@ __all__ = [
     "TransportError",
     "WorkerDiedError",
     "add_note",
+    "batch_note",
 ]
 
 
@@ -108,6 +109,15 @@ class PrefetchFactorError(LoaderError, AssertionError, ValueError):
     one (so ``except AssertionError`` keeps working) and also a
     :class:`ValueError`, the type of every other bad-argument error.
     """
+
+
+def batch_note(position: int, keys: object, limit: int = 200) -> str:
+    """The note added to a worker's error: which batch of the epoch (from 0) and its
+    sampler keys (their repr cut at ``limit`` characters)."""
+    text = repr(keys)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return f"raised for batch {position} of the epoch, sampler keys {text}"
 
 
 def add_note(exc: BaseException, note: str) -> None:

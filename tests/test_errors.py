@@ -100,3 +100,11 @@ def test_remote_error_keeps_its_type_and_carries_the_batch_note() -> None:
     assert "Caught KeyError in DataLoader worker process 0" in str(info.value)
     assert getattr(info.value, "__notes__", None) == ["batch 3 of the epoch, keys [12, 13]"]
     assert not isinstance(info.value, LoaderError)  # the dataset's error, not ours
+
+
+def test_batch_note_names_position_and_keys_and_stays_short() -> None:
+    from aioloader._errors import batch_note
+
+    assert batch_note(3, [12, 13]) == "raised for batch 3 of the epoch, sampler keys [12, 13]"
+    long = batch_note(0, list(range(1000)))
+    assert len(long) < 300 and long.endswith("...")
