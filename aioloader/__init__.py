@@ -12,7 +12,16 @@ primary interface) or ``for``:
 
 from __future__ import annotations
 
-from ._errors import LoaderClosedError, LoaderTimeoutError, WorkerDiedError
+from ._errors import (
+    EpochSupersededError,
+    IteratorClosedError,
+    LoaderClosedError,
+    LoaderError,
+    LoaderTimeoutError,
+    PrefetchFactorError,
+    TransportError,
+    WorkerDiedError,
+)
 from ._failure import (
     FailureReport,
     SampleFailure,
@@ -54,11 +63,15 @@ __all__ = [
     "DataLoader",
     "Dataset",
     "DistributedSampler",
+    "EpochSupersededError",
     "FailureReport",
     "IterableDataset",
+    "IteratorClosedError",
     "LoaderClosedError",
+    "LoaderError",
     "LoaderStats",
     "LoaderTimeoutError",
+    "PrefetchFactorError",
     "RandomSampler",
     "SampleFailure",
     "Sampler",
@@ -70,6 +83,7 @@ __all__ = [
     "SubsetRandomSampler",
     "TensorDataset",
     "TooManyFailuresError",
+    "TransportError",
     "WeightedRandomSampler",
     "WorkerDiedError",
     "WorkerInfo",
@@ -83,9 +97,11 @@ __all__ = [
 
 def _fix_module_names() -> None:
     """Show public objects as ``aioloader.X`` in reprs, tracebacks and docs."""
-    for name in ("DataLoader", "FailureReport", "LoaderClosedError", "LoaderStats",
-                 "LoaderTimeoutError", "SampleFailure", "SkippedSamplesWarning", "StageStats",
-                 "TooManyFailuresError", "WorkerDiedError", "WorkerInfo", "WorkerStats",
+    for name in ("DataLoader", "EpochSupersededError", "FailureReport",
+                 "IteratorClosedError", "LoaderClosedError", "LoaderError", "LoaderStats",
+                 "LoaderTimeoutError", "PrefetchFactorError", "SampleFailure",
+                 "SkippedSamplesWarning", "StageStats", "TooManyFailuresError",
+                 "TransportError", "WorkerDiedError", "WorkerInfo", "WorkerStats",
                  "get_worker_info"):
         obj = globals()[name]
         try:

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ._errors import LoaderError
 from ._fetch import EXHAUSTED, IterFetcher, MapFetcher
 
 __all__ = [
@@ -66,7 +67,7 @@ KEEP_ERRORS = 20
 _ON_ERROR = ("raise", "skip")
 
 
-class TooManyFailuresError(RuntimeError):
+class TooManyFailuresError(LoaderError, RuntimeError):
     """More samples failed in one epoch than ``max_failures`` allows.
 
     Raised by the iterator at the batch whose failures crossed the bound; the

@@ -47,7 +47,7 @@ from typing import Any
 import anyio
 from anyio.abc import ObjectSendStream
 
-from ._errors import LoaderClosedError, WorkerDiedError
+from ._errors import IteratorClosedError, WorkerDiedError
 from ._threads import ThreadRunner
 from ._transport import LARGE_PAYLOAD, Frame, FrameReader, FrameWriter, decode
 from ._worker import WorkerConfig, worker_main
@@ -247,10 +247,10 @@ class WorkerPool:
         dropped (its death is reported by :meth:`serve`).
 
         Raises:
-            LoaderClosedError: the pool is closed.
+            IteratorClosedError: the pool is closed.
         """
         if self._closing:
-            raise LoaderClosedError("the worker pool is closed")
+            raise IteratorClosedError("the worker pool is closed")
         conn = self._conns[worker_id]
         if command and command[0] == "exit":
             conn.retiring = True
@@ -267,7 +267,7 @@ class WorkerPool:
         epoch to the workers as soon as they are started, as torch does.
         """
         if self._closing:
-            raise LoaderClosedError("the worker pool is closed")
+            raise IteratorClosedError("the worker pool is closed")
         conn = self._conns[worker_id]
         if conn.exited:
             return
@@ -324,10 +324,10 @@ class WorkerPool:
                 complete messages were delivered). Message in torch's words:
                 ``DataLoader worker (pid N) is killed by signal: Killed.`` or
                 ``DataLoader worker (pid N) exited unexpectedly with exit code 3.``
-            LoaderClosedError: the pool was closed before this call.
+            IteratorClosedError: the pool was closed before this call.
         """
         if self._closing:
-            raise LoaderClosedError("the worker pool is closed")
+            raise IteratorClosedError("the worker pool is closed")
         errors: list[BaseException] = []
         scope = anyio.CancelScope()  # cancelled by aclose(): serve() then returns quietly
         # Decodes large frames off the loop; started on first use, joined before we return.

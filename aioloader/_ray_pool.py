@@ -40,7 +40,7 @@ import anyio
 import sniffio
 from anyio.abc import ObjectSendStream
 
-from ._errors import LoaderClosedError, RemoteError, WorkerDiedError
+from ._errors import IteratorClosedError, RemoteError, WorkerDiedError
 from ._worker import WorkerConfig, _SyncEpoch, _where, seed_worker
 
 __all__ = ["RAY_INSTALL_HINT", "RayWorkerPool", "check_ray_options", "require_ray"]
@@ -278,7 +278,7 @@ class RayWorkerPool:
                         self._actors.append(actor)
                 if closing:
                     self._kill(actor)
-                    raise LoaderClosedError("the worker pool was closed while it started")
+                    raise IteratorClosedError("the worker pool was closed while it started")
         except BaseException:
             self._closing = True
             self._kill_all()
@@ -300,7 +300,7 @@ class RayWorkerPool:
     def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
         """Submit ``command`` to actor ``worker_id`` (a Ray call; returns at once)."""
         if self._closing:
-            raise LoaderClosedError("the worker pool is closed")
+            raise IteratorClosedError("the worker pool is closed")
         actor = self._actors[worker_id]
         op = command[0]
         if op == "exit":
@@ -341,10 +341,10 @@ class RayWorkerPool:
 
         Raises:
             WorkerDiedError: an actor died (``ray.kill``, its node lost, out of memory).
-            LoaderClosedError: the pool was closed before this call.
+            IteratorClosedError: the pool was closed before this call.
         """
         if self._closing:
-            raise LoaderClosedError("the worker pool is closed")
+            raise IteratorClosedError("the worker pool is closed")
         call_soon = _threadsafe_call_soon()
         errors: list[BaseException] = []
         scope = anyio.CancelScope()
@@ -425,7 +425,7 @@ class RayWorkerPool:
                 self._actors[dead.worker_id] = actor
         if closing:
             self._kill(actor)
-            raise LoaderClosedError("the worker pool is closed")
+            raise IteratorClosedError("the worker pool is closed")
         return actor
 
     def _reply(self, actor: _Actor, entry: _Entry,

@@ -58,7 +58,7 @@ import anyio
 import torch
 from anyio.abc import ObjectSendStream
 
-from ._errors import LoaderClosedError, RemoteError, WorkerDiedError
+from ._errors import IteratorClosedError, RemoteError, WorkerDiedError
 from ._threads import ThreadRunner
 from ._worker import WorkerConfig, _where, generate_numpy_seed, serve_commands
 from ._worker_info import WorkerInfo, _set_thread_worker_info
@@ -235,10 +235,10 @@ class ThreadWorkerPool:
         Sending ``("exit",)`` retires the worker: its end is then orderly.
 
         Raises:
-            LoaderClosedError: the pool is closed.
+            IteratorClosedError: the pool is closed.
         """
         if self._closing:
-            raise LoaderClosedError("the worker pool is closed")
+            raise IteratorClosedError("the worker pool is closed")
         worker = self._workers[worker_id]
         if command and command[0] == "exit":
             worker.retiring = True
@@ -269,10 +269,10 @@ class ThreadWorkerPool:
         Raises:
             WorkerDiedError: a worker thread ended without being asked to
                 (its worker machinery failed; the reason is in the message).
-            LoaderClosedError: the pool was closed before this call.
+            IteratorClosedError: the pool was closed before this call.
         """
         if self._closing:
-            raise LoaderClosedError("the worker pool is closed")
+            raise IteratorClosedError("the worker pool is closed")
         inbox = self._channel.inbox
         scope = anyio.CancelScope()
         self._serve_scopes.add(scope)

@@ -57,6 +57,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._errors import TransportError
+
 __all__ = [
     "HEADER",
     "LARGE_PAYLOAD",
@@ -96,10 +98,6 @@ _RECV_FLAGS = getattr(socket, "MSG_DONTWAIT", 0) | getattr(socket, "MSG_CMSG_CLO
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _SEND_FLAGS = getattr(socket, "MSG_DONTWAIT", 0) | _NOSIGNAL
 _FD_SIZE = array.array("i").itemsize
-
-
-class TransportError(RuntimeError):
-    """The byte stream between parent and worker is not a valid frame sequence."""
 
 
 TOO_MANY_FDS = (

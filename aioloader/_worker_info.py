@@ -15,10 +15,12 @@ import threading
 from dataclasses import FrozenInstanceError
 from typing import Any
 
+from ._errors import LoaderError
+
 __all__ = ["WorkerInfo", "get_worker_info"]
 
 
-class ReadOnlyAttributeError(RuntimeError, FrozenInstanceError):
+class ReadOnlyAttributeError(LoaderError, RuntimeError, FrozenInstanceError):
     """Raised on assignment to a :class:`WorkerInfo` attribute.
 
     Both exception types torch has used for it: ``RuntimeError`` (older torch, and
