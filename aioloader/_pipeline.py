@@ -36,11 +36,13 @@ from ._core import (
     _unwrap,
 )
 from ._errors import (
-    LoaderClosedError,
+    EpochSupersededError,
+    IteratorClosedError,
     LoaderTimeoutError,
     PrefetchFactorError,
     RemoteError,
     WorkerDiedError,
+    batch_note,
 )
 from ._failure import NOTHING, TooManyFailuresError, apply_to_batch
 from ._fetch import EXHAUSTED, DatasetKind
@@ -544,7 +546,7 @@ class _PipelineCore(_CoreBase):
                     continue
             self.track.taken(slot.logical, worker, slot.wstate, failed=failed)
             if isinstance(data, RemoteError):
-                data.reraise()
+                data.reraise(batch_note(slot.logical, slot.index))
             if isinstance(data, _ErrorBox):
                 data.raise_it()
             return data
@@ -562,7 +564,7 @@ class _PipelineCore(_CoreBase):
     async def _wait_for_data(self) -> None:
         assert self.wakeup is not None and self.done is not None
         if self.done.is_set() and self.fatal is None:
-            raise LoaderClosedError("the loader's pipeline stopped before the epoch ended")
+            raise IteratorClosedError("the loader's pipeline stopped before the epoch ended")
         event = self.wakeup
         if self.timeout > 0:
             try:
@@ -578,7 +580,7 @@ class _PipelineCore(_CoreBase):
     async def anext(self) -> Any:
         if self.closed:
             if self.detached:
-                raise LoaderClosedError(
+                raise EpochSupersededError(
                     "this iterator was superseded: a new epoch was started on the same "
                     "loader with persistent_workers=True")
             raise StopAsyncIteration

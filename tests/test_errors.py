@@ -108,3 +108,40 @@ def test_batch_note_names_position_and_keys_and_stays_short() -> None:
     assert batch_note(3, [12, 13]) == "raised for batch 3 of the epoch, sampler keys [12, 13]"
     long = batch_note(0, list(range(1000)))
     assert len(long) < 300 and long.endswith("...")
+
+
+class RaisesAt5(aioloader.Dataset[int]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        if i == 5:
+            raise ValueError("bad sample 5")
+        return i
+
+
+@pytest.mark.parametrize("worker_method", ["multiprocessing", "thread"])
+def test_a_worker_error_names_its_batch_and_keys(worker_method: str) -> None:
+    loader = aioloader.DataLoader(RaisesAt5(), batch_size=2, num_workers=1,
+                                  worker_method=worker_method)
+    with pytest.raises(ValueError, match="bad sample 5") as info:
+        list(loader)
+    notes = getattr(info.value, "__notes__", [])
+    assert notes == ["raised for batch 2 of the epoch, sampler keys [4, 5]"]
+
+
+def test_a_superseded_iterator_says_so() -> None:
+    async def main() -> None:
+        loader = aioloader.DataLoader(list(range(8)), batch_size=2, num_workers=1,
+                                      persistent_workers=True)
+        try:
+            first = aiter(loader)
+            await anext(first)
+            second = aiter(loader)  # a new epoch on the same workers
+            with pytest.raises(EpochSupersededError, match="superseded"):
+                await anext(first)
+            assert [b.tolist() async for b in second] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        finally:
+            await loader.aclose()
+
+    asyncio.run(main())
