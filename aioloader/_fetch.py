@@ -162,31 +162,25 @@ class MapFetcher:
         self._pool = (ThreadPoolExecutor(fetch_threads, thread_name_prefix="aioloader-fetch")
                       if fetch_threads > 1 else None)
 
+    def read(self, index: Any) -> Any:
+        """The samples for ``index``, not collated (one sample without auto-collation)."""
+        if not self.auto_collation:
+            return self.dataset[index]
+        if self._getitems is not None:
+            return self._getitems(index)
+        if self._pool is not None:
+            return list(self._pool.map(self.dataset.__getitem__, index))
+        ds = self.dataset
+        return [ds[i] for i in index]
+
     def fetch(self, index: Any) -> Any:
         """Read the samples for ``index`` and return the collated batch."""
-        if not self.auto_collation:
-            return self.collate_fn(self.dataset[index])
-        if self._getitems is not None:
-            data = self._getitems(index)
-        elif self._pool is not None:
-            data = list(self._pool.map(self.dataset.__getitem__, index))
-        else:
-            ds = self.dataset
-            data = [ds[i] for i in index]
-        return self.collate_fn(data)
+        return self.collate_fn(self.read(index))
 
     def fetch_split(self, index: Any, now: Callable[[], int]) -> tuple[Any, int]:
         """:meth:`fetch`, also returning ``now()`` read between reading and collating
         (statistics: the split costs one clock read, not a wrapped ``collate_fn``)."""
-        if not self.auto_collation:
-            data = self.dataset[index]
-        elif self._getitems is not None:
-            data = self._getitems(index)
-        elif self._pool is not None:
-            data = list(self._pool.map(self.dataset.__getitem__, index))
-        else:
-            ds = self.dataset
-            data = [ds[i] for i in index]
+        data = self.read(index)
         read = now()
         return self.collate_fn(data), read
 
