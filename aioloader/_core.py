@@ -53,6 +53,7 @@ class _CoreBase:
         loader._resume_tracker = self.track
         self.rec: Recorder | None = loader._stats_book.new_epoch() if loader.collect_stats \
             else None
+        self.sampled_waits = False  # see _InlineCore
         if self.rec is not None:
             self.collate_fn = TimedCollate(loader.collate_fn, self.rec)
         # Read once per batch on the hot path: plain attributes, not properties.

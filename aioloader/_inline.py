@@ -51,6 +51,8 @@ class _InlineCore(_CoreBase):
         self.plain = self.kind is DatasetKind.MAP and not (
             self.policy_active or self.pin.enabled or loader.device is not None)
         self.split = self.plain and self.rec is not None
+        # `async for` times the consumer's waits 1 in Recorder.time_every (AsyncLoaderIter).
+        self.sampled_waits = self.split and self.rec is not None and self.rec.time_every > 1
         # The resume state is read from the plain fetcher; batches come through its guard.
         self.raw_fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
                                         loader.collate_fn if self.split else self.collate_fn,

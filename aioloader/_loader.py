@@ -23,6 +23,7 @@ import math
 import multiprocessing
 import multiprocessing.context
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
@@ -53,6 +54,7 @@ from .sampler import Sampler
 __all__ = ["AsyncLoaderIter", "DataLoaderCore"]
 
 T_co = TypeVar("T_co", covariant=True)
+_ns = time.perf_counter_ns
 _LoaderT = TypeVar("_LoaderT", bound="DataLoaderCore[Any]")
 
 
@@ -372,6 +374,18 @@ class AsyncLoaderIter(Generic[T_co]):
         rec = core.rec
         if rec is None:
             return await core.anext()  # type: ignore[no-any-return]
+        if core.sampled_waits:  # num_workers=0, plain batches: time 1 wait in time_every
+            rec.wait_countdown -= 1
+            timed = rec.wait_countdown <= 0  # sampled_wait() sets the next countdown
+            t0 = _ns() if timed else 0
+            try:
+                batch = await core.anext()
+            except BaseException:
+                rec.inline_end(_ns())  # the wall time ends here (or pauses: cancelled)
+                raise
+            if timed:
+                rec.sampled_wait(t0, _ns())
+            return batch  # type: ignore[no-any-return]
         t0 = rec.begin_wait()
         try:
             batch = await core.anext()

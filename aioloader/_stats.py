@@ -73,7 +73,6 @@ class Recorder:
         "inline_samples",
         "inline_timed",
         "inline_untimed",
-        "inline_wait",
         "last_ns",
         "log_every_ns",
         "next_log_ns",
@@ -92,6 +91,8 @@ class Recorder:
         "w_collate",
         "w_fetch",
         "w_idle",
+        "wait_countdown",
+        "wait_timed",
     )
 
     def __init__(self, num_workers: int, log_every_s: float | None = None,
@@ -130,7 +131,10 @@ class Recorder:
         self.inline_timed = 0
         self.inline_untimed = 0  # counted by the loader itself (two adds, no call)
         self.inline_samples = 0  # their samples (map-style batches of a list of keys)
-        self.inline_wait = False  # `for`: the timed batches also time the consumer's wait
+        # Consumer waits timed only 1 in time_every (num_workers=0 plain batches): their
+        # sum is inline_ns[WAIT]; wait_countdown paces `async for` (AsyncLoaderIter).
+        self.wait_timed = 0
+        self.wait_countdown = 1
 
     # -- consumer side -----------------------------------------------------------------
 
@@ -181,9 +185,15 @@ class Recorder:
         and :class:`_Totals` scales the timed sums up to all of them (the training
         step is the wall time left).
         """
-        self.inline_wait = True
         self.inline_split(index, auto_collation, t_draw, t_drawn, t_read, t_done)
+        self.sampled_wait(t_ask, t_done)
+
+    def sampled_wait(self, t_ask: int, t_done: int) -> None:
+        """One of the consumer's waits that are timed (1 in :attr:`time_every`): it
+        asked at ``t_ask`` and got its batch at ``t_done``."""
         self.inline_ns[WAIT] += t_done - t_ask
+        self.wait_timed += 1
+        self.wait_countdown = self.time_every if self.wait_timed >= self.time_every else 1
         if not self.start_ns:
             self.start_ns = t_ask
         self.last_ns = t_done
@@ -199,7 +209,8 @@ class Recorder:
                      t_read: int, t_done: int) -> None:
         """:meth:`inline_batch` for ``async for``, whose iterator times the consumer's
         waits itself (:meth:`begin_wait`/:meth:`end_wait`)."""
-        self.countdown = self.time_every
+        # The epoch's first time_every batches are all timed (short epochs, start-up).
+        self.countdown = self.time_every if self.inline_timed >= self.time_every else 1
         acc = self.inline_ns
         acc[SAMPLING] += t_drawn - t_draw
         acc[FETCH] += t_read - t_drawn
@@ -512,17 +523,21 @@ class _Totals:
         self.batches += r.batches
         self.samples += r.samples
         self.step_ns += r.step_ns
-        if r.inline_timed:  # sampled num_workers=0 batches: scale the timed ones up
-            n = r.inline_timed + r.inline_untimed
-            self.batches += r.inline_untimed
-            self.samples += r.inline_samples
-            for i in (SAMPLING, FETCH, COLLATE, WAIT) if r.inline_wait else (
-                    SAMPLING, FETCH, COLLATE):
+        # Sampled num_workers=0 batches (Recorder.TIME_EVERY): scale the timed ones up.
+        self.batches += r.inline_untimed
+        self.samples += r.inline_samples
+        if r.inline_timed:
+            n = r.inline_timed + r.inline_untimed  # the plain batches
+            for i in (SAMPLING, FETCH, COLLATE):
                 self.count[i] += n
                 self.ns[i] += r.inline_ns[i] * n // r.inline_timed
-            if r.inline_wait:  # the training step: the wall time not spent waiting
-                wait = r.inline_ns[WAIT] * n // r.inline_timed
-                self.step_ns += max(0, _wall_ns(r) - wait - r.ns[WAIT])
+        if r.wait_timed:
+            n = r.batches + r.inline_untimed  # every batch delivered
+            wait = r.inline_ns[WAIT] * n // r.wait_timed
+            self.count[WAIT] += n
+            self.ns[WAIT] += wait
+            # The training step: the wall time not spent waiting.
+            self.step_ns += max(0, _wall_ns(r) - wait - r.ns[WAIT])
         self.wall_ns += _wall_ns(r)
         self.startup_ns += max(r.first_wait_ns, 0)
         self.occ[0] += r.occ_n

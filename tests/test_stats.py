@@ -139,6 +139,24 @@ def test_in_process_fetch_time_agrees_with_known_cost() -> None:
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["for", "async_for"])
+def test_sampled_timing_keeps_counts_exact_and_times_close(use_async: bool) -> None:
+    """num_workers=0, plain map-style: past the first 16 batches one in 16 is timed
+    (docs/stats.md); counts stay exact and the scaled times match the known costs."""
+    n, step = 96, 0.004
+    loader = DataLoader(Slow(n), batch_size=1)
+    assert _consume(loader, use_async, step_s=step) == n
+    s = loader.stats()
+    assert (s.batches, s.samples) == (n, n)
+    assert all(s.stages[k].count == n for k in ("sampling", "fetch", "collate",
+                                                "consumer_wait"))
+    assert 0.7 * n * SAMPLE_S <= s.stages["fetch"].seconds <= 3 * n * SAMPLE_S
+    assert 0.7 * (n - 1) * step <= s.step_s <= 3 * (n - 1) * step
+    assert s.wall_s >= s.step_s
+    # loading 5 ms, step 4 ms per batch: the consumer waits about 5/9 of the time
+    assert 0.35 <= s.wait_fraction <= 0.8, s
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["for", "async_for"])
 def test_hint_names_workers_when_the_consumer_is_fast(use_async: bool) -> None:
     # one worker needs 20 ms per batch; the consumer needs nothing
     loader = DataLoader(Slow(48), batch_size=4, num_workers=1)
