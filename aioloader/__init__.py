@@ -12,6 +12,9 @@ primary interface) or ``for``:
 
 from __future__ import annotations
 
+import importlib as _importlib
+import typing as _typing
+
 from ._errors import (
     EpochSupersededError,
     IteratorClosedError,
@@ -29,7 +32,6 @@ from ._failure import (
     TooManyFailuresError,
 )
 from ._stats import LoaderStats, StageStats, WorkerStats
-from ._sync import DataLoader
 from ._worker_info import WorkerInfo, get_worker_info
 from .collate import default_collate, default_convert
 from .dataset import (
@@ -95,19 +97,45 @@ __all__ = [
 ]
 
 
+if _typing.TYPE_CHECKING:
+    from ._sync import DataLoader
+
+# Imported on first use (PEP 562): the loader machinery (anyio, the pipeline, the
+# worker pools) is not loaded by a worker process, which imports this package only to
+# reach aioloader._worker, nor by code that uses the datasets and samplers alone.
+_LAZY = {"DataLoader": "._sync"}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module, __name__), name)
+    _show_as_ours(value)
+    globals()[name] = value  # later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def _show_as_ours(obj: _typing.Any) -> None:
+    try:
+        obj.__module__ = __name__
+    except (AttributeError, TypeError):  # pragma: no cover
+        pass
+
+
 def _fix_module_names() -> None:
     """Show public objects as ``aioloader.X`` in reprs, tracebacks and docs."""
-    for name in ("DataLoader", "EpochSupersededError", "FailureReport",
+    for name in ("EpochSupersededError", "FailureReport",
                  "IteratorClosedError", "LoaderClosedError", "LoaderError", "LoaderStats",
                  "LoaderTimeoutError", "PrefetchFactorError", "SampleFailure",
                  "SkippedSamplesWarning", "StageStats", "TooManyFailuresError",
                  "TransportError", "WorkerDiedError", "WorkerInfo", "WorkerStats",
                  "get_worker_info"):
-        obj = globals()[name]
-        try:
-            obj.__module__ = __name__
-        except (AttributeError, TypeError):  # pragma: no cover
-            pass
+        _show_as_ours(globals()[name])
 
 
 _fix_module_names()

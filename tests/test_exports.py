@@ -143,3 +143,41 @@ def test_imports_point_down() -> None:
         for dep in _imports(PKG / f"{mod}.py"):
             assert dep != "__init__", f"{mod} imports the aioloader package itself"
             assert LAYERS[dep] <= layer, f"{mod} (L{layer}) imports {dep} (L{LAYERS[dep]})"
+
+
+def test_the_worker_entry_point_imports_only_light_modules() -> None:
+    """A worker process imports the package only to reach aioloader._worker: that must not
+    load anyio, sniffio or the loader machinery (faster spawn/forkserver start-up)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, aioloader._worker\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('anyio', 'sniffio',"
+            " 'trio') or m in ('aioloader._sync', 'aioloader._loader', 'aioloader._pipeline',"
+            " 'aioloader._pool', 'aioloader._afetch'))\n"
+            "print(heavy)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True, cwd=PKG.parent).stdout.strip()
+    assert out == "[]"
+
+
+class _ReportsImports(tud.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> int:
+        import sys
+
+        return int("anyio" in sys.modules) * 10 + int("aioloader._sync" in sys.modules)
+
+
+def test_a_spawned_worker_does_not_load_the_loader_machinery() -> None:
+    loader = aioloader.DataLoader(_ReportsImports(), batch_size=None, num_workers=1,
+                                  multiprocessing_context="spawn")
+    assert [int(x) for x in loader] == [0, 0]
+
+
+def test_dataloader_is_loaded_on_first_use_and_shown_as_ours() -> None:
+    assert "DataLoader" in dir(aioloader)
+    assert aioloader.DataLoader.__module__ == "aioloader"
+    assert isinstance(aioloader.DataLoader([1]), tud.DataLoader)
