@@ -29,7 +29,6 @@ Example (``fork`` start method, a sync map-style dataset)::
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
@@ -48,7 +47,7 @@ import anyio
 from anyio.abc import ObjectSendStream
 
 from ._errors import IteratorClosedError, WorkerDiedError
-from ._threads import ThreadRunner
+from ._threads import ThreadRunner, close_at_exit
 from ._transport import LARGE_PAYLOAD, Frame, FrameReader, FrameWriter, decode
 from ._worker import WorkerConfig, worker_main
 
@@ -730,22 +729,4 @@ def _explain_pickling_failure(exc: Exception, method: str) -> None:
 _live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 
 
-def _close_all_pools() -> None:
-    """Close every live pool (interpreter exit)."""
-    for pool in list(_live_pools):
-        try:
-            pool.close()
-        except Exception:  # never let one pool stop the others
-            logger.debug("closing %r at exit failed", pool, exc_info=True)
-
-
-# threading._register_atexit hooks run before non-daemon threads are joined, so
-# workers stop even while a thread that would have closed them is still running.
-_register = getattr(threading, "_register_atexit", None)
-try:
-    if _register is not None:
-        _register(_close_all_pools)
-    else:  # pragma: no cover
-        atexit.register(_close_all_pools)
-except RuntimeError:  # pragma: no cover - imported during interpreter shutdown
-    atexit.register(_close_all_pools)
+close_at_exit(_live_pools)

@@ -41,6 +41,7 @@ import sniffio
 from anyio.abc import ObjectSendStream
 
 from ._errors import IteratorClosedError, RemoteError, WorkerDiedError
+from ._threads import close_at_exit
 from ._worker import WorkerConfig, _SyncEpoch, _where, seed_worker
 
 __all__ = ["RAY_INSTALL_HINT", "RayWorkerPool", "check_ray_options", "require_ray"]
@@ -560,18 +561,5 @@ def _waker(call_soon: Callable[[Callable[[], None]], None],
 _live_pools: weakref.WeakSet[RayWorkerPool] = weakref.WeakSet()
 
 
-def _close_all_pools() -> None:
-    for pool in list(_live_pools):
-        try:
-            pool.close()
-        except Exception:
-            logger.debug("closing %r at exit failed", pool, exc_info=True)
-
-
 # Before atexit handlers (ray.shutdown is one): the actors are killed while Ray still runs.
-_register = getattr(threading, "_register_atexit", None)
-try:
-    if _register is not None:
-        _register(_close_all_pools)
-except RuntimeError:  # pragma: no cover - imported during interpreter shutdown
-    pass
+close_at_exit(_live_pools)

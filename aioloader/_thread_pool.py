@@ -40,7 +40,6 @@ Example::
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
@@ -59,7 +58,7 @@ import torch
 from anyio.abc import ObjectSendStream
 
 from ._errors import IteratorClosedError, RemoteError, WorkerDiedError
-from ._threads import ThreadRunner
+from ._threads import ThreadRunner, close_at_exit
 from ._worker import WorkerConfig, _where, generate_numpy_seed, serve_commands
 from ._worker_info import WorkerInfo, _set_thread_worker_info
 
@@ -579,20 +578,4 @@ def _torch_thread_local() -> threading.local | None:
 _live_pools: weakref.WeakSet[ThreadWorkerPool] = weakref.WeakSet()
 
 
-def _close_all_pools() -> None:
-    """Stop every live thread pool (interpreter exit)."""
-    for pool in list(_live_pools):
-        try:
-            pool.close(grace=0.1)
-        except Exception:
-            logger.debug("closing %r at exit failed", pool, exc_info=True)
-
-
-_register = getattr(threading, "_register_atexit", None)
-try:
-    if _register is not None:
-        _register(_close_all_pools)
-    else:  # pragma: no cover
-        atexit.register(_close_all_pools)
-except RuntimeError:  # pragma: no cover - imported during interpreter shutdown
-    atexit.register(_close_all_pools)
+close_at_exit(_live_pools, grace=0.1)

@@ -13,9 +13,11 @@ the loop never blocks.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +26,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import sniffio
 
-__all__ = ["ThreadRunner"]
+__all__ = ["ThreadRunner", "close_at_exit"]
 
 _LG = logging.getLogger(__name__)
 
@@ -188,3 +190,29 @@ class ThreadRunner:
         self.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+
+def close_at_exit(pools: weakref.WeakSet[Any], **close_kwargs: Any) -> None:
+    """At interpreter exit, ``pool.close(**close_kwargs)`` every pool still in ``pools``.
+
+    Registered with ``threading._register_atexit``: those hooks run before non-daemon
+    threads are joined (so workers stop even while a thread that would have closed them
+    still runs) and before ``atexit`` handlers (such as ``ray.shutdown``); plain
+    ``atexit`` where that hook is missing or the interpreter is already shutting down.
+    One pool failing to close does not stop the others (logged at DEBUG).
+    """
+    def close_all() -> None:
+        for pool in list(pools):
+            try:
+                pool.close(**close_kwargs)
+            except Exception:
+                _LG.debug("closing %r at exit failed", pool, exc_info=True)
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(close_all)
+        else:  # pragma: no cover
+            atexit.register(close_all)
+    except RuntimeError:  # pragma: no cover - imported during interpreter shutdown
+        atexit.register(close_all)
