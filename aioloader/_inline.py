@@ -85,6 +85,7 @@ class _InlineCore(_CoreBase):
                               yielded=False)
         else:
             self.track.commit(self.track.last_drawn, yielded=False)
+
     def _fetch_timed(self, rec: Recorder, index: Any, t0: int = 0) -> Any:
         """:meth:`_fetch`, adding each stage's time to the epoch's statistics."""
         if not t0:

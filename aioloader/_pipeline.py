@@ -411,7 +411,8 @@ class _PipelineCore(_CoreBase):
             return
         # Extras after the payload (_worker.serve_commands): a dict is the dataset's state
         # after this batch (aioloader._state), a tuple the worker's timings (_stats).
-        for extra in msg[4 if tag == "data" else 3:] if tag in ("data", "exhausted") else ():
+        # ("data"/"error", epoch, seq, payload, ...) and ("exhausted", epoch, seq, ...).
+        for extra in msg[3 if tag == "exhausted" else 4:]:
             if isinstance(extra, dict):
                 slot.wstate = extra
             elif isinstance(extra, tuple) and self.rec is not None:
