@@ -25,15 +25,6 @@ from ._collate_dispatch import (
 )
 from ._worker_info import get_worker_info
 
-__all__ = [
-    "collate_float_fn",
-    "collate_int_fn",
-    "collate_numpy_array_fn",
-    "collate_numpy_scalar_fn",
-    "collate_str_fn",
-    "collate_tensor_fn",
-]
-
 _SPARSE_LAYOUTS = frozenset(
     {torch.sparse_coo, torch.sparse_csr, torch.sparse_bsr, torch.sparse_csc, torch.sparse_bsc}
 )
