@@ -10,14 +10,17 @@ with ``concurrency=256`` overlaps with the next three batches. A batch is
 collated when its last sample arrives; samples keep the sampler's order. The
 first error in a batch cancels that batch's other fetches and is raised by
 :meth:`AsyncFetchPool.fetch` with its original type and traceback.
+
+The async iterable-style fetcher lives in :mod:`aioloader._afetch_iter`
+(re-exported here), the sample reads through dataset wrappers in
+:mod:`aioloader._aread`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -25,100 +28,14 @@ import anyio.lowlevel
 import sniffio
 from anyio.abc import TaskStatus
 
-from . import dataset as _ds
-from ._failure import NOTHING, FailurePolicy, Outcome, SampleFailure, Tally, aguard
-from ._fetch import (
-    CHAIN_TYPES,
-    CONCAT_TYPES,
-    EXHAUSTED,
-    STACK_TYPES,
-    SUBSET_TYPES,
-    DatasetKind,
-    _is_coro_method,
-    dataset_kind,
-    fetch_or_exhausted,
-    make_fetcher,
-)
+from ._afetch_iter import AsyncIterFetcher, SyncFetchAdapter
+from ._aread import RunSync, _run_inline, read_sample
+from ._failure_guard import aguard
+from ._failure_policy import FailurePolicy
+from ._failure_records import NOTHING, Outcome, Tally
+from ._fetch import _is_coro_method
 
 __all__ = ["AsyncFetchPool", "AsyncIterFetcher", "SyncFetchAdapter"]
-
-RunSync = Callable[..., Awaitable[Any]]
-
-
-async def _run_inline(fn: Callable[..., Any], *args: Any) -> Any:
-    return fn(*args)
-
-
-def _stock(dataset: object, types: tuple[type, ...]) -> bool:
-    """``dataset`` is one of ``types`` and reads samples with that class's own ``__getitem__``."""
-    if not isinstance(dataset, types):
-        return False
-    getitem = getattr(type(dataset), "__getitem__", None)
-    return any(getitem is getattr(t, "__getitem__", None) for t in types)
-
-
-async def read_sample(dataset: Any, key: Any, run_sync: RunSync = _run_inline) -> Any:
-    """One sample of ``dataset``, awaiting whatever part of it is async.
-
-    Looks through ``Subset``, ``ConcatDataset`` and ``StackDataset`` (torch's
-    and aioloader's) down to the datasets that hold the samples: an async one
-    is awaited on the loop, a sync one is read through ``run_sync`` (the
-    iterator's thread in the main process, inline in a worker), so wrappers
-    may mix sync and async datasets. A sync ``__getitem__`` that returns an
-    awaitable (another wrapper of an async dataset) is awaited too.
-    """
-    while True:
-        if _stock(dataset, SUBSET_TYPES):
-            dataset, key = dataset.dataset, dataset.indices[key]
-        elif _stock(dataset, CONCAT_TYPES):
-            which, key = _ds.ConcatDataset._locate(dataset, key)
-            dataset = dataset.datasets[which]
-        else:
-            break
-    if _stock(dataset, STACK_TYPES):
-        parts = dataset.datasets
-        if isinstance(parts, dict):
-            return {k: await read_sample(d, key, run_sync) for k, d in parts.items()}
-        return tuple([await read_sample(d, key, run_sync) for d in parts])
-    if _is_coro_method(dataset, "__getitem__"):
-        return await dataset[key]
-    if _is_coro_method(dataset, "__getitems__"):
-        return (await dataset.__getitems__([key]))[0]
-    value = await run_sync(dataset.__getitem__, key)
-    if inspect.isawaitable(value):
-        value = await value
-    return value
-
-
-async def iterate_async(dataset: Any, run_sync: RunSync = _run_inline) -> AsyncIterator[Any]:
-    """The samples of an async iterable-style ``dataset``, ``ChainDataset`` of them included.
-
-    A ``ChainDataset`` streams its parts in order: async ones with ``async
-    for``, sync ones pulled through ``run_sync`` one item at a time.
-    """
-    if not isinstance(dataset, CHAIN_TYPES) or hasattr(type(dataset), "__aiter__"):
-        ait = dataset.__aiter__()
-        try:
-            async for item in ait:
-                yield item
-        finally:
-            aclose = getattr(ait, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        return
-    chain: Any = dataset
-    for part in chain.datasets:
-        if dataset_kind(part).is_async:
-            async for item in iterate_async(part, run_sync):
-                yield item
-            continue
-        _ds.ChainDataset._checked(part)  # iterable-style, or torch's AssertionError
-        it = await run_sync(iter, part)
-        while (item := await run_sync(next, it, _END)) is not _END:
-            yield item
-
-
-_END = object()
 
 
 class _Batch:
@@ -410,141 +327,3 @@ class AsyncFetchPool:
         self._queue.items.clear()
 
 
-class AsyncIterFetcher:
-    """Pull batches from an async iterable-style dataset (``__aiter__``).
-
-    Fetches are serialised (an async iterator yields one item at a time) and
-    served in call order. :meth:`fetch` returns :data:`EXHAUSTED` at the end
-    (or when ``drop_last`` drops the final partial batch).
-
-    Example:
-        >>> import anyio
-        >>> class Count:
-        ...     async def __aiter__(self):
-        ...         for i in range(3):
-        ...             yield i
-        >>> async def main():
-        ...     f = AsyncIterFetcher(Count(), True, list, drop_last=False)
-        ...     out = [await f.fetch([None, None]) for _ in range(3)]
-        ...     await f.aclose()
-        ...     return out
-        >>> anyio.run(main)
-        [[0, 1], [2], EXHAUSTED]
-    """
-
-    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
-                 drop_last: bool, run_collate: RunSync | None = None,
-                 run_sync: RunSync | None = None, failure: FailurePolicy | None = None,
-                 worker_id: int | None = None) -> None:
-        self.dataset = dataset
-        self.auto_collation = auto_collation
-        self.collate_fn = collate_fn
-        self.drop_last = drop_last
-        self._policy = failure if failure is not None and failure.skip else None
-        self._worker_id = worker_id
-        self._position = 0
-        self._run_collate: RunSync = run_collate or _run_inline
-        if hasattr(type(dataset), "__aiter__"):
-            self._it = dataset.__aiter__()
-        else:  # a ChainDataset with async parts
-            self._it = iterate_async(dataset, run_sync or _run_inline).__aiter__()
-        self._ended = False
-        self._lock = anyio.Lock()
-
-    async def _next(self) -> Any:
-        try:
-            return await self._it.__anext__()
-        except StopAsyncIteration:
-            self._ended = True
-            return EXHAUSTED
-
-    async def _next_guarded(self, policy: FailurePolicy, tally: Tally) -> Any:
-        """:meth:`_next`, but an item whose ``__anext__`` raised is recorded and skipped."""
-        pos = self._position
-        self._position += 1
-        try:
-            return await self._next()
-        except Exception as exc:
-            failure = SampleFailure.from_exc(pos, exc, 1, self._worker_id)
-            if getattr(self._it, "ag_frame", True) is None:  # a finished async generator
-                failure.ended_stream = True
-                self._ended = True
-            tally.failures.append(failure)
-            return NOTHING
-
-    async def _fetch_guarded(self, policy: FailurePolicy, index: Any) -> Any:
-        tally = Tally()
-        bound = policy.max_failures
-        async with self._lock:
-            if self._ended:
-                return EXHAUSTED
-            want = len(index) if self.auto_collation else 1
-            data: list[Any] = []
-            while len(data) < want and not self._ended:
-                item = await self._next_guarded(policy, tally)
-                if item is EXHAUSTED:
-                    break
-                if item is not NOTHING:
-                    data.append(item)
-                elif bound is not None and len(tally.failures) > bound:
-                    break
-            if not data or (self.auto_collation and self.drop_last and len(data) < want
-                            and self._ended):
-                return Outcome(NOTHING, tally.failures, 0) if tally else EXHAUSTED
-        batch = await self._run_collate(self.collate_fn,
-                                        data if self.auto_collation else data[0])
-        return Outcome(batch, tally.failures, 0) if tally else batch
-
-    async def fetch(self, index: Any) -> Any:
-        """Return the next collated batch, or :data:`EXHAUSTED`."""
-        if self._policy is not None:
-            return await self._fetch_guarded(self._policy, index)
-        async with self._lock:
-            if self._ended:
-                return EXHAUSTED
-            if not self.auto_collation:
-                item = await self._next()
-                if item is EXHAUSTED:
-                    return EXHAUSTED
-                data: Any = item
-            else:
-                want = len(index)
-                data = []
-                while len(data) < want:
-                    item = await self._next()
-                    if item is EXHAUSTED:
-                        break
-                    data.append(item)
-                if not data or (self.drop_last and len(data) < want):
-                    return EXHAUSTED
-        return await self._run_collate(self.collate_fn, data)
-
-    async def aclose(self) -> None:
-        """Close the underlying async generator, if it has ``aclose``."""
-        aclose = getattr(self._it, "aclose", None)
-        if aclose is not None:
-            with anyio.CancelScope(shield=True):
-                await aclose()
-
-
-class SyncFetchAdapter:
-    """Give a sync fetcher the async ``fetch``/``aclose`` interface.
-
-    The fetch runs through ``run_sync`` (a thread runner in the main
-    process, inline in a worker). Returns :data:`EXHAUSTED` at the end.
-    """
-
-    def __init__(self, kind: DatasetKind, dataset: Any, auto_collation: bool,
-                 collate_fn: Callable[[Any], Any], drop_last: bool,
-                 run_sync: RunSync | None = None, fetch_threads: int = 0) -> None:
-        self._fetcher = make_fetcher(kind, dataset, auto_collation, collate_fn, drop_last,
-                                     fetch_threads)
-        self._run: RunSync = run_sync or _run_inline
-
-    async def fetch(self, index: Any) -> Any:
-        """Fetch one batch (or :data:`EXHAUSTED`)."""
-        return await self._run(fetch_or_exhausted, self._fetcher, index)
-
-    async def aclose(self) -> None:
-        """Stop fetch threads, if any."""
-        self._fetcher.close()

@@ -18,6 +18,7 @@ from _containers import FrozenMapping, ImmutableSeq, MyTuple, OddMapping
 from torch.utils.data._utils import collate as torch_collate_mod
 
 from aioloader import collate as ac
+from aioloader._collate_fns import _stack_numpy_fast
 from aioloader._worker_info import WorkerInfo, _set_worker_info, get_worker_info
 
 # ---------------------------------------------------------------------------
@@ -258,7 +259,7 @@ def test_numpy_read_only_arrays_warn_like_torch() -> None:
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         check_collate(batch, same_warnings=False)
-    assert ac._stack_numpy_fast(batch) is None
+    assert _stack_numpy_fast(batch) is None
 
 
 def test_numpy_memmap(tmp_path: Any) -> None:
