@@ -28,14 +28,14 @@ import anyio.lowlevel
 import sniffio
 from anyio.abc import TaskStatus
 
-from ._afetch_iter import AsyncIterFetcher, SyncFetchAdapter
+from ._afetch_iter import AsyncIterFetcher
 from ._aread import RunSync, _run_inline, read_sample
 from ._failure_guard import aguard
 from ._failure_policy import FailurePolicy
 from ._failure_records import NOTHING, Outcome, Tally
 from ._fetch import _is_coro_method
 
-__all__ = ["AsyncFetchPool", "AsyncIterFetcher", "SyncFetchAdapter"]
+__all__ = ["AsyncFetchPool", "AsyncIterFetcher"]
 
 
 class _Batch:

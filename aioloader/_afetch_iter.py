@@ -1,8 +1,7 @@
-"""Fetch batches of an async iterable-style dataset, and run a sync fetcher behind ``await``.
+"""Fetch batches of an async iterable-style dataset.
 
 :class:`AsyncIterFetcher` pulls ``__aiter__`` items one batch at a time (the
-failure policy's skipping included); :class:`SyncFetchAdapter` gives a sync
-fetcher the same async ``fetch``/``aclose`` interface.
+failure policy's skipping included).
 """
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ import anyio
 from ._aread import RunSync, _run_inline, iterate_async
 from ._failure_policy import FailurePolicy
 from ._failure_records import NOTHING, Outcome, SampleFailure, Tally
-from ._fetch import EXHAUSTED, DatasetKind, fetch_or_exhausted, make_fetcher
+from ._fetch import EXHAUSTED
 
-__all__ = ["AsyncIterFetcher", "SyncFetchAdapter"]
+__all__ = ["AsyncIterFetcher"]
 
 
 class AsyncIterFetcher:
@@ -136,25 +135,3 @@ class AsyncIterFetcher:
             with anyio.CancelScope(shield=True):
                 await aclose()
 
-
-class SyncFetchAdapter:
-    """Give a sync fetcher the async ``fetch``/``aclose`` interface.
-
-    The fetch runs through ``run_sync`` (a thread runner in the main
-    process, inline in a worker). Returns :data:`EXHAUSTED` at the end.
-    """
-
-    def __init__(self, kind: DatasetKind, dataset: Any, auto_collation: bool,
-                 collate_fn: Callable[[Any], Any], drop_last: bool,
-                 run_sync: RunSync | None = None, fetch_threads: int = 0) -> None:
-        self._fetcher = make_fetcher(kind, dataset, auto_collation, collate_fn, drop_last,
-                                     fetch_threads)
-        self._run: RunSync = run_sync or _run_inline
-
-    async def fetch(self, index: Any) -> Any:
-        """Fetch one batch (or :data:`EXHAUSTED`)."""
-        return await self._run(fetch_or_exhausted, self._fetcher, index)
-
-    async def aclose(self) -> None:
-        """Stop fetch threads, if any."""
-        self._fetcher.close()
