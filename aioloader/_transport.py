@@ -158,11 +158,6 @@ class FrameReader:
         """True once the peer closed its end (no more bytes will arrive)."""
         return self._eof
 
-    @property
-    def partial(self) -> bool:
-        """True when bytes of an incomplete frame are buffered."""
-        return bool(self._buf) or self._big is not None
-
     def __len__(self) -> int:
         """Number of complete frames waiting in :meth:`pop`."""
         return len(self._frames)
@@ -294,12 +289,6 @@ class FrameWriter:
         self._sock = sock
         # Each entry: (remaining bytes of one frame, fds still to attach).
         self._queue: collections.deque[tuple[memoryview, list[int]]] = collections.deque()
-        self._pending = 0
-
-    @property
-    def pending(self) -> int:
-        """Bytes queued but not yet accepted by the kernel."""
-        return self._pending
 
     def write(self, obj: Any) -> None:
         """Encode ``obj`` and queue it as one frame (does not write)."""
@@ -310,7 +299,6 @@ class FrameWriter:
         """Queue an already encoded payload and its owned fds as one frame."""
         data = HEADER.pack(len(payload), len(fds)) + payload
         self._queue.append((memoryview(data), fds))
-        self._pending += len(data)
 
     def flush(self) -> bool:
         """Write without blocking; True when the queue is empty.
@@ -332,7 +320,6 @@ class FrameWriter:
             if fds:
                 close_fds(fds)
                 fds = []
-            self._pending -= sent
             if sent == len(view):
                 queue.popleft()
             else:
@@ -344,4 +331,3 @@ class FrameWriter:
         """Drop queued frames and close their fds (idempotent)."""
         while self._queue:
             close_fds(self._queue.popleft()[1])
-        self._pending = 0
