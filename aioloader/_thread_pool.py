@@ -27,18 +27,8 @@ pinning are the same code for both kinds of workers. What differs:
 * a thread cannot be killed: a fetch stuck in user code at close is
   abandoned after the grace period (daemon thread) with a warning.
 
-Example::
-
-    pool = ThreadWorkerPool([WorkerConfig(0, 1, data, DatasetKind.MAP, True, collate,
-                                          False, base_seed)])
-    pool.start()
-    send, recv = anyio.create_memory_object_stream(4)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(pool.serve, send)
-        await pool.send(0, ("fetch", 0, 0, [0, 1]))
-        worker_id, reply = await recv.receive()   # (0, ("data", 0, 0, batch))
-        tg.cancel_scope.cancel()
-    await pool.aclose()
+Example: :mod:`aioloader._pool`'s, with ``pool = ThreadWorkerPool(configs)`` (no
+``multiprocessing`` context); replies carry the batch objects themselves.
 """
 
 from __future__ import annotations
