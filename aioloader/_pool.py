@@ -52,7 +52,7 @@ __all__ = ["DEFAULT_GRACE", "WorkerPool"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GRACE = 2.0
+DEFAULT_GRACE = PoolBase.DEFAULT_GRACE
 """Seconds :meth:`WorkerPool.aclose` lets workers leave on their own before SIGTERM."""
 
 
@@ -74,7 +74,6 @@ class WorkerPool(PoolBase[Conn]):
     closed then.
     """
 
-    DEFAULT_GRACE = DEFAULT_GRACE
 
     def __init__(self, configs: ConfigSource, mp_context: Any) -> None:
         super().__init__(configs)

@@ -56,7 +56,7 @@ __all__ = ["ThreadWorkerPool"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GRACE = 2.0
+DEFAULT_GRACE = PoolBase.DEFAULT_GRACE
 """Seconds :meth:`ThreadWorkerPool.aclose` waits for busy threads before abandoning them."""
 
 
@@ -87,7 +87,6 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
     (also run when the pool is garbage collected, and at interpreter exit).
     """
 
-    DEFAULT_GRACE = DEFAULT_GRACE
 
     def __init__(self, configs: ConfigSource) -> None:
         super().__init__(configs)
