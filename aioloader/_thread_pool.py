@@ -8,7 +8,9 @@ pinning are the same code for both kinds of workers. What differs:
 
 * commands go through one :class:`queue.SimpleQueue` per thread, replies
   through one shared deque (per-worker order is kept); batches are handed
-  over as objects (no pickling, no shared memory);
+  over as objects (no pickling, no shared memory). The deque is bounded by
+  the commands in flight: the pool counts them (:attr:`ThreadWorkerPool.in_flight`)
+  and the deque never holds more than that plus one end per worker thread;
 * the event loop is woken by a byte on a socket pair (the doorbell) and waits
   with ``anyio.wait_readable``: no polling, no thread per message;
 * seeding follows torch's thread workers (torch PR #161044): the global
@@ -20,22 +22,13 @@ pinning are the same code for both kinds of workers. What differs:
 * ``get_worker_info()`` (aioloader's and torch's) answers per thread: the
   worker's info inside it, ``None`` in the main thread. On a torch whose
   ``get_worker_info`` reads only the process-wide global, its code is swapped
-  once for torch's upstream thread-aware version (see :func:`_torch_thread_local`);
+  once for torch's upstream thread-aware version (see
+  :func:`aioloader._thread_worker.torch_thread_local`);
 * a thread cannot be killed: a fetch stuck in user code at close is
   abandoned after the grace period (daemon thread) with a warning.
 
-Example::
-
-    pool = ThreadWorkerPool([WorkerConfig(0, 1, data, DatasetKind.MAP, True, collate,
-                                          False, base_seed)])
-    pool.start()
-    send, recv = anyio.create_memory_object_stream(4)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(pool.serve, send)
-        await pool.send(0, ("fetch", 0, 0, [0, 1]))
-        worker_id, reply = await recv.receive()   # (0, ("data", 0, 0, batch))
-        tg.cancel_scope.cancel()
-    await pool.aclose()
+Example: :mod:`aioloader._pool`'s, with ``pool = ThreadWorkerPool(configs)`` (no
+``multiprocessing`` context); replies carry the batch objects themselves.
 """
 
 from __future__ import annotations
@@ -44,80 +37,44 @@ import dataclasses
 import logging
 import os
 import queue
-import random
 import socket
 import threading
-import time
-import weakref
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
-import torch
 from anyio.abc import ObjectSendStream
 
-from ._errors import IteratorClosedError, RemoteError, WorkerDiedError
-from ._threads import ThreadRunner, close_at_exit
-from ._worker import WorkerConfig, _where, generate_numpy_seed, serve_commands
-from ._worker_info import WorkerInfo, _set_thread_worker_info
+from ._errors import IteratorClosedError, WorkerDiedError
+from ._ladder import climb, join_threads
+from ._pool_base import ConfigSource, PoolBase
+from ._thread_worker import Channel, thread_worker_main, torch_thread_local
+from ._threads import ThreadRunner
+from ._worker import WorkerConfig
 
 __all__ = ["ThreadWorkerPool"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GRACE = 2.0
+DEFAULT_GRACE = PoolBase.DEFAULT_GRACE
 """Seconds :meth:`ThreadWorkerPool.aclose` waits for busy threads before abandoning them."""
-
-ConfigSource = Sequence[WorkerConfig] | Callable[[], Sequence[WorkerConfig]]
-
-_ENDED = object()  # a thread's last message: it left its command loop
-
-
-@dataclasses.dataclass(frozen=True)
-class _ThreadRNG:
-    """A thread worker's own generators (torch's ``_RNG`` where torch lacks it)."""
-
-    random_generator: random.Random
-    torch_generator: torch.Generator
-    numpy_generator: object | None = None
-
-
-class _Channel:
-    """What a worker thread shares with the pool: no reference to the pool itself.
-
-    (Threads holding the pool would keep it alive, so it could never be
-    collected and closed.)
-    """
-
-    __slots__ = ("inbox", "stop", "wake")
-
-    def __init__(self, wake: socket.socket) -> None:
-        self.inbox: deque[tuple[int, Any]] = deque()  # (worker_id, reply), all workers
-        self.stop = threading.Event()  # the pool is closing: leave before the next command
-        self.wake = wake
-
-    def post(self, worker_id: int, item: Any) -> None:
-        """Queue a reply and ring the doorbell (never blocks)."""
-        self.inbox.append((worker_id, item))
-        try:
-            self.wake.send(b"\0")
-        except OSError:  # buffer full (a wake-up is pending anyway) or the pool closed
-            pass
 
 
 class _Worker:
-    __slots__ = ("commands", "ended", "retiring", "thread", "worker_id")
+    __slots__ = ("commands", "ended", "retiring", "thread", "unanswered", "worker_id")
 
-    def __init__(self, worker_id: int) -> None:
+    def __init__(self, worker_id: int, unanswered: int = 0) -> None:
         self.worker_id = worker_id
         self.commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.retiring = False  # asked to exit: its end is not a death
-        self.ended = False  # its _ENDED message was handed over
+        self.ended = False  # its end was handed over
+        # Messages this worker owes or that wait in the inbox, not yet handed over: +1 per
+        # command sent (each gets exactly one reply), -1 per message handed over.
+        self.unanswered = unanswered
 
 
-class ThreadWorkerPool:
+class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
     """Worker threads with known ids: same interface as :class:`aioloader._pool.WorkerPool`.
 
     Args:
@@ -130,31 +87,16 @@ class ThreadWorkerPool:
     (also run when the pool is garbage collected, and at interpreter exit).
     """
 
+
     def __init__(self, configs: ConfigSource) -> None:
-        self._config_source = configs
-        self._configs: list[WorkerConfig] = []
-        self._workers: list[_Worker] = []
+        super().__init__(configs)
         self._torch_local: threading.local | None = None
         self._bell_r, bell_w = socket.socketpair()
         self._bell_r.setblocking(False)
         bell_w.setblocking(False)
-        self._channel = _Channel(bell_w)
-        self._started = False
-        self._closing = False
-        self._closed = False
-        self._serving = 0
-        self._serve_scopes: set[anyio.CancelScope] = set()
-        self._idle: anyio.Event | None = None
-        self._deferred_release = False
-        self._owner_pid = os.getpid()
-        self._close_lock = threading.Lock()
+        self._channel = Channel(bell_w)
 
     # ------------------------------------------------------------------ info
-
-    @property
-    def num_workers(self) -> int:
-        """Number of workers started."""
-        return len(self._workers)
 
     @property
     def processes(self) -> list[threading.Thread]:
@@ -162,66 +104,45 @@ class ThreadWorkerPool:
         return [w.thread for w in self._workers if w.thread is not None]
 
     @property
-    def pids(self) -> list[int]:
-        """No worker processes: empty."""
-        return []
-
-    @property
     def start_method(self) -> str:
         """``"thread"``."""
         return "thread"
 
     @property
-    def closed(self) -> bool:
-        """True once :meth:`aclose` or :meth:`close` started."""
-        return self._closing
+    def in_flight(self) -> int:
+        """Commands sent and not answered yet, plus replies not handed over yet.
+
+        The reply deque never holds more than this plus one end per worker thread;
+        the loader's dispatch keeps it within its window (``prefetch_factor *
+        num_workers`` fetches) plus one ``reset`` per worker.
+        """
+        return sum(w.unanswered for w in self._workers)
 
     def is_running(self, worker_id: int) -> bool:
         """True if worker ``worker_id``'s thread has not ended."""
         thread = self._workers[worker_id].thread
         return thread is not None and thread.is_alive()
 
-    def __repr__(self) -> str:
-        state = "closed" if self._closing else "running" if self._started else "new"
-        return f"<ThreadWorkerPool {state} workers={len(self._workers)}>"
+    def _repr_detail(self) -> str:
+        return f"workers={len(self._workers)}"
 
     # ------------------------------------------------------------------ start
 
-    def start(self) -> None:
-        """Start every worker thread (daemonic).
-
-        Raises:
-            RuntimeError: already started or closed.
-        """
-        if self._started or self._closing:
-            raise RuntimeError("ThreadWorkerPool.start() may be called only once, before closing")
-        self._started = True
-        source = self._config_source
-        configs = list(source() if callable(source) else source)
-        self._torch_local = _torch_thread_local()
-        try:
-            for worker_id, cfg in enumerate(configs):
-                if cfg.worker_id != worker_id or cfg.num_workers != len(configs):
-                    raise ValueError(
-                        f"config #{worker_id} says worker_id={cfg.worker_id}, "
-                        f"num_workers={cfg.num_workers}; configs must be given in worker-id "
-                        f"order, one per worker ({len(configs)} given)")
-                cfg = dataclasses.replace(cfg, parent_pid=os.getpid(), start_method="thread")
-                self._configs.append(cfg)
-                self._workers.append(_Worker(worker_id))
-                self._start_thread(worker_id)
-        except BaseException:
-            self._closing = True
-            self._close_sync(grace=0.0)
-            raise
-        _live_pools.add(self)
+    def _start_workers(self, configs: list[WorkerConfig]) -> None:
+        """Start every worker thread (daemonic)."""
+        self._torch_local = torch_thread_local()
+        for worker_id, cfg in enumerate(configs):
+            cfg = dataclasses.replace(cfg, parent_pid=os.getpid(), start_method="thread")
+            self._configs.append(cfg)
+            self._workers.append(_Worker(worker_id))
+            self._start_thread(worker_id)
         logger.debug("started %d thread workers", len(self._workers))
 
     def _start_thread(self, worker_id: int) -> None:
         """Start worker ``worker_id``'s thread (its ``_Worker`` slot is fresh)."""
         worker = self._workers[worker_id]
         worker.thread = threading.Thread(
-            target=_thread_worker_main,
+            target=thread_worker_main,
             args=(self._configs[worker_id], worker.commands, self._channel, self._torch_local),
             name=f"aioloader-thread-worker-{worker_id}", daemon=True)
         worker.thread.start()
@@ -232,6 +153,7 @@ class ThreadWorkerPool:
         """Queue ``command`` for worker ``worker_id``; never blocks.
 
         Sending ``("exit",)`` retires the worker: its end is then orderly.
+        Every other command is in flight until its reply is handed over.
 
         Raises:
             IteratorClosedError: the pool is closed.
@@ -241,6 +163,8 @@ class ThreadWorkerPool:
         worker = self._workers[worker_id]
         if command and command[0] == "exit":
             worker.retiring = True
+        else:
+            worker.unanswered += 1
         worker.commands.put(command)
 
     async def send(self, worker_id: int, command: tuple[Any, ...]) -> None:
@@ -270,39 +194,31 @@ class ThreadWorkerPool:
                 (its worker machinery failed; the reason is in the message).
             IteratorClosedError: the pool was closed before this call.
         """
-        if self._closing:
-            raise IteratorClosedError("the worker pool is closed")
+        scope = self._serve_begin()
         inbox = self._channel.inbox
-        scope = anyio.CancelScope()
-        self._serve_scopes.add(scope)
-        self._serving += 1
+        workers = self._workers  # one list: a respawn replaces its items in place
         try:
             with scope:
                 while not self._closing:
                     self._drain_bell()  # before reading the inbox: no ring is lost
                     while inbox and not self._closing:
                         worker_id, item = inbox[0]
-                        if item is _ENDED or isinstance(item, _Ended):
+                        if worker_id < 0:  # a thread's end, its last item
                             inbox.popleft()
+                            worker_id = -1 - worker_id
                             if self._on_ended(worker_id, item, respawn):
                                 # Handed over like a reply (kept if this call is cancelled).
                                 inbox.appendleft((worker_id, ("respawned", worker_id)))
                             continue
                         await sink.send((worker_id, item))
                         inbox.popleft()
+                        workers[worker_id].unanswered -= 1
                         del item
-                    if all(w.ended for w in self._workers):
+                    if all(w.ended for w in workers):
                         return
                     await anyio.wait_readable(self._bell_r)
         finally:
-            self._serve_scopes.discard(scope)
-            self._serving -= 1
-            if self._serving == 0:
-                if self._idle is not None:
-                    self._idle.set()
-                if self._deferred_release:
-                    self._deferred_release = False
-                    self._release()
+            self._serve_end(scope)
 
     def _drain_bell(self) -> None:
         try:
@@ -311,16 +227,16 @@ class ThreadWorkerPool:
         except (BlockingIOError, InterruptedError):
             pass
 
-    def _on_ended(self, worker_id: int, item: Any,
+    def _on_ended(self, worker_id: int, reason: str | None,
                   respawn: Callable[[WorkerDiedError], bool] | None) -> bool:
         """A thread left its command loop: True if it was replaced (respawned)."""
         worker = self._workers[worker_id]
         worker.ended = True
         if worker.retiring or self._closing:
             return False
-        reason = item.reason if isinstance(item, _Ended) else "it left its command loop"
         error = WorkerDiedError(
-            f"DataLoader worker thread {worker_id} exited unexpectedly: {reason} "
+            f"DataLoader worker thread {worker_id} exited unexpectedly: "
+            f"{reason or 'it left its command loop'} "
             f"(aioloader thread worker {worker_id} of {len(self._workers)}).",
             worker_id=worker_id)
         if respawn is not None and respawn(error):
@@ -329,95 +245,42 @@ class ThreadWorkerPool:
             if old is not None:
                 old.join()  # it posted its end as its last act
             # A fresh command queue: the caller re-sends what the old thread did not answer.
-            self._workers[worker_id] = _Worker(worker_id)
+            # In flight: the ("respawned", id) notice the caller is about to be handed.
+            self._workers[worker_id] = _Worker(worker_id, unanswered=1)
             self._start_thread(worker_id)
             return True
         raise error
 
     # ------------------------------------------------------------------ stop
 
-    async def aclose(self, grace: float = DEFAULT_GRACE) -> None:
-        """Stop every worker thread and release everything; idempotent, shielded.
-
-        Threads leave before their next command; one still inside user code is
-        waited for up to ``grace`` seconds (in a helper thread, so the loop is
-        not blocked), then abandoned with a warning (threads cannot be killed).
-        """
-        if self._closing:
-            return
-        self._closing = True
-        with anyio.CancelScope(shield=True):
-            try:
-                if self._serving:  # stop serve() first: it waits on the doorbell
-                    self._idle = anyio.Event()
-                    for scope in list(self._serve_scopes):
-                        scope.cancel()
-                    with anyio.move_on_after(grace):
-                        await self._idle.wait()
-                self._say_exit()
-                if any(t.is_alive() for t in self.processes):
-                    runner = ThreadRunner("aioloader-thread-join")
-                    try:
-                        await runner.run(self._join, grace)
-                    finally:
-                        await runner.aclose()
-            finally:
-                self._release(close_fds=self._serving == 0)
-
-    def close(self, grace: float = 0.5) -> None:
-        """Sync :meth:`aclose`: safe from finalizers, ``atexit`` and any thread.
-
-        Does nothing in a process other than the one that started the threads
-        (a forked child has none of them).
-        """
-        if os.getpid() != self._owner_pid:
-            return
-        with self._close_lock:
-            if self._closing:
-                return
-            self._closing = True
-        self._close_sync(grace)
-
-    def _close_sync(self, grace: float) -> None:
-        if os.getpid() != self._owner_pid:
-            return
-        try:
-            self._say_exit()
-            self._join(grace)
-        finally:
-            # A serve() running on a loop elsewhere is woken by the doorbell and sees
-            # _closing; its fds are closed when it returns.
-            self._release(close_fds=self._serving == 0)
-
-    def _say_exit(self) -> None:
+    def _ladder(self, grace: float) -> Iterator[tuple[list[threading.Thread], float]]:
+        """Threads leave before their next command; one still inside user code is
+        waited for up to ``grace`` seconds, then abandoned with a warning (threads
+        cannot be killed). A ``serve()`` waiting on the doorbell sees the pool closing."""
         self._channel.stop.set()
         for w in self._workers:
             w.retiring = True
             w.commands.put(("exit",))
-        try:
-            self._channel.wake.send(b"\0")  # a serve() waiting on the doorbell sees _closing
-        except OSError:
-            pass
-
-    def _join(self, grace: float) -> None:
-        deadline = time.monotonic() + grace
-        current = threading.current_thread()
-        for thread in self.processes:
-            if thread is current:  # closed from its own worker thread (a finalizer)
-                continue
-            thread.join(max(0.0, deadline - time.monotonic()))
-        busy = [t.name for t in self.processes if t.is_alive() and t is not current]
+        self._channel.ring()
+        current = threading.current_thread()  # closed from its own worker thread (a finalizer)
+        threads = [t for t in self.processes if t is not current]
+        yield from climb(threads, [(None, grace)], threading.Thread.is_alive)
+        busy = [t.name for t in threads if t.is_alive()]
         if busy:
             logger.warning("worker threads %s still busy in the dataset after %.1f s; "
                            "abandoning them (threads cannot be interrupted)", busy, grace)
 
-    def _release(self, close_fds: bool = True) -> None:
-        if self._closed:
-            return
-        if not close_fds:
-            self._deferred_release = True
-            return
-        self._closed = True
+    def _wait_blocking(self, live: list[threading.Thread], limit: float) -> None:
+        join_threads(live, limit)
+
+    async def _wait(self, live: list[threading.Thread], limit: float) -> None:
+        runner = ThreadRunner("aioloader-thread-join")  # joins block: not on the loop
+        try:
+            await runner.run(join_threads, live, limit)
+        finally:
+            await runner.aclose()
+
+    def _free(self) -> None:
         self._channel.inbox.clear()  # replies never handed over: free their batches
         for sock in (self._bell_r, self._channel.wake):
             try:
@@ -425,157 +288,3 @@ class ThreadWorkerPool:
             except Exception:  # no event loop in this thread
                 pass
             sock.close()
-        _live_pools.discard(self)
-        logger.debug("thread worker pool closed")
-
-    def __del__(self) -> None:
-        try:
-            if self._started and not self._closing:
-                self.close()
-            elif not self._started:
-                self._closing = True
-                self._release()
-        except Exception:
-            pass
-
-
-class _Ended:
-    """A worker thread's last message when its machinery failed (not a user error)."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-# --------------------------------------------------------------------------- the thread
-
-
-def _thread_worker_main(cfg: WorkerConfig, commands: queue.SimpleQueue[tuple[Any, ...]],
-                        channel: _Channel, torch_local: threading.local | None) -> None:
-    """Body of a worker thread: own generators and worker info, then the command loop."""
-    worker_id = cfg.worker_id
-    end: Any = _ENDED
-    try:
-        rng = _seed_thread(cfg)
-        seed = cfg.base_seed + worker_id
-        _set_thread_worker_info(WorkerInfo(
-            id=worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset,
-            rng=rng, worker_method="thread"))
-        if torch_local is not None:
-            torch_local.worker_info = _torch_worker_info(cfg, seed, rng)
-        init_error: RemoteError | None = None
-        try:
-            if cfg.worker_init_fn is not None:
-                cfg.worker_init_fn(worker_id)
-        except Exception:
-            init_error = RemoteError.from_current(_where(cfg))
-
-        def next_command() -> Any:
-            if channel.stop.is_set():
-                return None
-            cmd = commands.get()
-            return None if channel.stop.is_set() else cmd
-
-        def send_reply(reply: tuple[Any, ...]) -> None:
-            channel.post(worker_id, reply)
-
-        serve_commands(cfg, init_error, next_command, send_reply)
-    except BaseException as exc:  # the worker machinery failed (or SystemExit in user code)
-        end = _Ended(f"{type(exc).__name__}: {exc}")
-        logger.debug("thread worker %d failed", worker_id, exc_info=True)
-    finally:
-        _set_thread_worker_info(None)
-        if torch_local is not None:
-            torch_local.worker_info = None
-        channel.post(worker_id, end)
-
-
-def _seed_thread(cfg: WorkerConfig) -> Any:
-    """The thread's own generators, seeded as a worker process seeds the global ones."""
-    seed = cfg.base_seed + cfg.worker_id
-    torch_generator = torch.Generator()
-    torch_generator.manual_seed(seed)
-    numpy_generator = None
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is optional for torch
-        pass
-    else:
-        numpy_generator = np.random.default_rng(generate_numpy_seed(cfg.base_seed, cfg.worker_id))
-    rng_type: Any = getattr(_torch_worker(), "_RNG", None) or _ThreadRNG
-    return rng_type(random_generator=random.Random(seed), torch_generator=torch_generator,
-                    numpy_generator=numpy_generator)
-
-
-def _torch_worker() -> Any:
-    from torch.utils.data._utils import worker
-
-    return worker
-
-
-def _torch_worker_info(cfg: WorkerConfig, seed: int, rng: Any) -> Any:
-    """torch's ``WorkerInfo`` for this thread (``worker_method="thread"`` where torch has it)."""
-    info_type = _torch_worker().WorkerInfo
-    try:
-        return info_type(id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed,
-                         dataset=cfg.dataset, rng=rng, worker_method="thread")
-    except TypeError:  # an older torch: no rng / worker_method fields
-        return info_type(id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed,
-                         dataset=cfg.dataset)
-
-
-# ------------------------------------------------------------------ torch's get_worker_info
-
-_TORCH_PATCH_LOCK = threading.Lock()
-
-
-def _thread_aware_get_worker_info() -> Any:  # pragma: no cover - only its code object is used
-    # Runs with torch's worker module as its globals (see _torch_thread_local).
-    info = getattr(_thread_local_worker_info, "worker_info", None)  # type: ignore[name-defined]  # noqa: F821
-    if info is not None:
-        return info
-    return _worker_info  # type: ignore[name-defined]  # noqa: F821
-
-
-def _torch_thread_local() -> threading.local | None:
-    """torch's per-thread worker-info slot, made to exist if this torch lacks it.
-
-    torch's thread workers (upstream) keep a thread's ``WorkerInfo`` in
-    ``torch.utils.data._utils.worker._thread_local_worker_info`` and make
-    ``get_worker_info()`` read it before the process-wide global. On a torch
-    without that (2.13 and older), the same slot is added and the code of
-    torch's ``get_worker_info`` function is swapped for that two-step lookup,
-    in place, so every reference to it (``torch.utils.data.get_worker_info``,
-    one imported by a dataset module, ``torch.thread_safe_generator``) answers
-    per thread. Process workers and the main thread see no change. Returns
-    ``None`` if torch's worker module is not shaped as expected.
-    """
-    mod = _torch_worker()
-    with _TORCH_PATCH_LOCK:
-        local = getattr(mod, "_thread_local_worker_info", None)
-        if local is None:
-            local = threading.local()
-            mod._thread_local_worker_info = local
-        fn = getattr(mod, "get_worker_info", None)
-        code = getattr(fn, "__code__", None)
-        if code is None:
-            return None
-        if "_thread_local_worker_info" not in code.co_names:
-            if code.co_freevars or "_worker_info" not in code.co_names:
-                logger.warning("torch.utils.data.get_worker_info is not the expected "
-                               "function; it will not answer inside thread workers")
-                return None
-            new_code = _thread_aware_get_worker_info.__code__.replace(co_name=code.co_name)
-            if hasattr(code, "co_qualname"):  # Python 3.11+
-                new_code = new_code.replace(co_qualname=code.co_qualname)  # type: ignore[call-arg]
-            fn.__code__ = new_code  # type: ignore[union-attr]
-    return local if isinstance(local, threading.local) else None
-
-
-# --------------------------------------------------------------------------- registry
-
-_live_pools: weakref.WeakSet[ThreadWorkerPool] = weakref.WeakSet()
-
-
-close_at_exit(_live_pools, grace=0.1)

@@ -7,15 +7,20 @@ import random
 import threading
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
 from _loader_datasets import ShardedRange
+from conftest import wait_until
 from torch.utils.data import get_worker_info as torch_get_worker_info  # captured at import
 
 import aioloader
 from aioloader import DataLoader, LoaderTimeoutError, TensorDataset
+from aioloader._fetch import DatasetKind
+from aioloader._thread_pool import ThreadWorkerPool
+from aioloader._worker import WorkerConfig
 
 THREAD_PREFIX = "aioloader-thread-worker-"
 
@@ -458,5 +463,107 @@ def test_resume_with_thread_workers_equals_an_uninterrupted_run(k: int) -> None:
     resumed = make()
     resumed.load_state_dict(state)
     assert flat(head) + flat(list(resumed)) == full
+    gc.collect()
+    assert_threads_gone()
+
+
+# --------------------------------------------------------------------------- the reply deque's bound
+
+
+class _BoundCheckingSink:
+    """A serve() sink that checks the reply deque's bound at every hand-over."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.got: list[tuple[int, Any]] = []
+        self.arrived: Any = None  # an anyio.Event while someone waits for more
+
+    async def send(self, item: tuple[int, Any]) -> None:
+        pool = self.pool
+        assert len(pool._channel.inbox) <= pool.in_flight + pool.num_workers
+        assert all(w.unanswered >= 0 for w in pool._workers)
+        self.got.append(item)
+        if self.arrived is not None:
+            self.arrived.set()
+
+    async def wait_for(self, n: int) -> None:
+        while len(self.got) < n:
+            self.arrived = anyio.Event()
+            await self.arrived.wait()
+
+
+def _thread_configs(n: int, dataset: Any) -> list[WorkerConfig]:
+    return [WorkerConfig(worker_id=i, num_workers=n, dataset=dataset, kind=DatasetKind.MAP,
+                         auto_collation=True, collate_fn=tud.default_collate, drop_last=False,
+                         base_seed=1) for i in range(n)]
+
+
+def test_reply_deque_holds_at_most_the_commands_in_flight() -> None:
+    pool = ThreadWorkerPool(_thread_configs(2, list(range(40))))
+    pool.start()
+    try:
+        for seq in range(20):
+            pool.send_nowait(seq % 2, ("fetch", 0, seq, [seq]))
+        assert pool.in_flight == 20
+        # Every reply is posted while nobody serves: the deque is at its bound, not past it.
+        assert wait_until(lambda: len(pool._channel.inbox) == 20)
+        assert pool.in_flight == 20
+        for wid in range(2):
+            pool.send_nowait(wid, ("exit",))  # retires it: no reply, just its end
+        assert pool.in_flight == 20
+        sink = _BoundCheckingSink(pool)
+        anyio.run(pool.serve, sink)  # returns once every worker has ended, as asked
+        assert sorted(msg[2] for _, msg in sink.got) == list(range(20))
+        assert pool.in_flight == 0 and not pool._channel.inbox
+    finally:
+        pool.close()
+    assert_threads_gone()
+
+
+def test_a_respawn_keeps_the_count_of_commands_in_flight() -> None:
+    pool = ThreadWorkerPool(_thread_configs(1, ExitsAt()))
+    pool.start()
+    sink = _BoundCheckingSink(pool)
+
+    async def main() -> None:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pool.serve, sink, lambda error: True)
+                for seq, index in enumerate([2, 3, 4]):  # 3 ends the thread; 4 is never read
+                    await pool.send(0, ("fetch", 0, seq, [index]))
+                await sink.wait_for(2)  # the reply to 4, then ("respawned", 0)
+                assert pool.in_flight == 0  # the old thread's unread command went with it
+                await pool.send(0, ("fetch", 0, 2, [4]))  # re-sent to the replacement
+                await sink.wait_for(3)
+                tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main)
+        assert [msg[0] for _, msg in sink.got] == ["data", "respawned", "data"]
+        assert pool.in_flight == 0
+    finally:
+        pool.close()
+    assert_threads_gone()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_dispatch_keeps_the_commands_in_flight_within_the_window(
+        persistent: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    peaks: list[int] = []
+    send_nowait = ThreadWorkerPool.send_nowait
+
+    def counting(self: ThreadWorkerPool, worker_id: int, command: tuple[Any, ...]) -> None:
+        send_nowait(self, worker_id, command)
+        peaks.append(self.in_flight)
+
+    monkeypatch.setattr(ThreadWorkerPool, "send_nowait", counting)
+    loader = DataLoader(range(60), batch_size=2, num_workers=2, prefetch_factor=3,
+                        worker_method="thread", persistent_workers=persistent)
+    for _ in range(3 if persistent else 1):
+        assert [b.tolist() for b in loader] == [[i, i + 1] for i in range(0, 60, 2)]
+    window = 3 * 2
+    # A persistent epoch also sends each worker one reset before its fetches.
+    assert max(peaks) <= window + (2 if persistent else 0)
+    del loader
     gc.collect()
     assert_threads_gone()
