@@ -20,7 +20,7 @@ from typing import Any
 
 from ._errors import RemoteError
 from ._fetch import DatasetKind
-from ._stats import WorkerClock
+from ._recorder import WorkerClock
 from ._transport import FrameReader, FrameWriter, close_fds, decode
 from ._worker_config import WorkerConfig, _where
 from ._worker_loop import _encode_reply, _error_reply

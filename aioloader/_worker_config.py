@@ -52,7 +52,7 @@ class WorkerConfig:
         resume_state: this worker's saved iterable-dataset state (``loader.load_state_dict``),
             loaded into its first epoch (:mod:`aioloader._state`).
         stats: stamp each ``"data"`` reply with this worker's timings (a 4-int
-            tuple appended to the message; see :class:`aioloader._stats.WorkerClock`).
+            tuple appended to the message; see :class:`aioloader._recorder.WorkerClock`).
     """
 
     worker_id: int

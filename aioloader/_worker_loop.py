@@ -18,7 +18,7 @@ from . import _state
 from ._errors import RemoteError
 from ._failure import guard_fetcher
 from ._fetch import IterFetcher, MapFetcher, make_fetcher
-from ._stats import WorkerClock
+from ._recorder import WorkerClock
 from ._transport import encode
 from ._worker_config import WorkerConfig, _where
 
@@ -113,7 +113,7 @@ def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
 
     A ``"data"`` reply is ``("data", epoch, seq, batch, *extras)``: an extra is a
     dict (an iterable dataset's state, :mod:`aioloader._state`) or a 4-int tuple
-    (this worker's timings, ``cfg.stats``; :class:`aioloader._stats.WorkerClock`).
+    (this worker's timings, ``cfg.stats``; :class:`aioloader._recorder.WorkerClock`).
     """
     clock = WorkerClock() if cfg.stats else None
     if clock is not None:  # a copy: the config may be shared (threads, respawns)
