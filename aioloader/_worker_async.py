@@ -25,6 +25,11 @@ from ._transport import FrameReader, FrameWriter, close_fds, decode
 from ._worker_config import WorkerConfig, _where
 from ._worker_loop import _encode_reply, _error_reply
 
+# Encoded replies waiting for the writer. The parent asks a worker for at most its window
+# of batches (prefetch_factor, or the async depth), so this rarely fills; when the parent
+# reads slowly it does, and finished fetches wait in `put` instead of piling up here.
+REPLY_QUEUE = 16
+
 
 class _AsyncEpoch:
     """One epoch of an async dataset: its fetcher and the task group of its fetches."""
@@ -80,8 +85,8 @@ class _AsyncEpoch:
                 self.done.set()
 
     async def serve_fetch(self, epoch: Any, seq: Any, index: Any,
-                          out: Callable[[tuple[bytes, list[int]]], None]) -> None:
-        """Fetch one batch and queue its encoded reply."""
+                          out: Callable[[tuple[bytes, list[int]]], Awaitable[None]]) -> None:
+        """Fetch one batch and queue its encoded reply (waiting while the queue is full)."""
         from ._fetch import EXHAUSTED
 
         reply: tuple[Any, ...]
@@ -104,7 +109,7 @@ class _AsyncEpoch:
             finally:
                 if clock is not None:
                     clock.end()
-        out(_encode_reply(self.cfg, reply))
+        await out(_encode_reply(self.cfg, reply))
 
     async def stop(self) -> None:
         """Cancel the epoch's fetches and close its fetcher."""
@@ -144,13 +149,22 @@ async def _async_writer(sock: socket.socket, recv: Any, on_broken: Callable[[], 
 async def _serve_async_main(sock: socket.socket, cfg: WorkerConfig,
                             init_error: RemoteError | None) -> None:
     """Serve commands on this worker's event loop; many fetches in flight at once."""
-    import math
-
     import anyio
 
     sock.setblocking(False)
     reader = FrameReader(sock)
-    send, recv = anyio.create_memory_object_stream[tuple[bytes, list[int]]](math.inf)
+    send, recv = anyio.create_memory_object_stream[tuple[bytes, list[int]]](REPLY_QUEUE)
+
+    async def put(reply: tuple[bytes, list[int]]) -> None:
+        try:
+            send.send_nowait(reply)  # the common case: no checkpoint per batch
+        except anyio.WouldBlock:
+            try:
+                await send.send(reply)  # the parent reads slowly: hold this fetch here
+            except BaseException:
+                close_fds(reply[1])  # cancelled (reset, exit): its fds go with it
+                raise
+
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_async_writer, sock, recv, tg.cancel_scope.cancel)
@@ -172,12 +186,12 @@ async def _serve_async_main(sock: socket.socket, cfg: WorkerConfig,
                 if op == "fetch":
                     assert epoch.tg is not None
                     epoch.tg.start_soon(epoch.serve_fetch, cmd[1], cmd[2], cmd[3],
-                                        send.send_nowait, name="aioloader-batch")
+                                        put, name="aioloader-batch")
                 elif op == "reset":
                     await epoch.stop()
                     epoch = _AsyncEpoch(cfg, init_error, clock)
                     await tg.start(epoch.run)
-                    send.send_nowait(_encode_reply(cfg, ("reset", cmd[1])))
+                    await put(_encode_reply(cfg, ("reset", cmd[1])))
                 else:
                     raise RuntimeError(f"unknown command {cmd!r}")
                 del cmd, frame
