@@ -27,22 +27,17 @@ import anyio
 
 from ._afetch import AsyncIterFetcher
 from ._backend import _LoopHandle
-from ._core import _draw_base_seed, _ErrorBox, _unwrap
-from ._dispatch import DRAINED, Dispatcher, ReorderBuffer
+from ._core import _draw_base_seed, _unwrap
+from ._dispatch import Dispatcher, ReorderBuffer
 from ._errors import (
     EpochSupersededError,
     IteratorClosedError,
-    LoaderTimeoutError,
     PrefetchFactorError,
-    RemoteError,
     WorkerDiedError,
-    batch_note,
 )
-from ._failure import NOTHING, TooManyFailuresError
-from ._fetch import EXHAUSTED
+from ._failure import TooManyFailuresError
 from ._lease import _PoolLease, _start_pool
-from ._stages import DeviceStage, _Stages
-from ._stats import Recorder
+from ._stages import _Stages
 
 if TYPE_CHECKING:
     from ._loader import DataLoaderCore
@@ -89,14 +84,11 @@ class _PipelineCore(_Stages):
         # at its end (``_PoolLease.orphaned``).
         self.loader: weakref.ref[DataLoaderCore[Any]] | None = weakref.ref(loader)
         self.lease_released = False
-        self.timeout = loader.timeout
         self.persistent = loader.persistent_workers
         self.state = _NEW
         self.state_lock = threading.Lock()
         # Set once this epoch no longer touches its worker pool (by _to, at CLOSED).
         self.stopped = threading.Event()
-        # An error of the background task, raised by every next() until the epoch is closed.
-        self.fatal: BaseException | None = None
         if self.num_workers > 0 and loader.prefetch_factor == 0:
             # torch asserts this at iter() too; PrefetchFactorError is an AssertionError.
             raise PrefetchFactorError(
@@ -162,9 +154,6 @@ class _PipelineCore(_Stages):
         self.handle: _LoopHandle | None = None
         self.task: Any = None
         self.scope: anyio.CancelScope | None = None
-        self.done: anyio.Event | None = None  # the background task ended
-        self.device_stage = (DeviceStage(loader.device, loader.device_prefetch, self.runner,
-                                         self.rec) if loader.device is not None else None)
         if self.num_workers > 0:
             # Prime the window now, as torch does at iter(): sampler draws happen here.
             self._prime()
@@ -362,75 +351,6 @@ class _PipelineCore(_Stages):
         return False
 
     # -- consumer side ---------------------------------------------------------------------
-
-    def _record_occupancy(self, rec: Recorder) -> None:
-        ready = sum(1 for s in self.slots.values() if s.has_data)
-        staged = len(self.device_stage.staged) if self.device_stage is not None else 0
-        rec.occupancy(len(self.slots) - ready, ready, staged)
-
-    async def _next_host(self) -> Any:
-        """Next batch in order (or as it comes with in_order=False), before the device stage."""
-        dispatch = self.dispatch
-        while True:
-            if self.fatal is not None:
-                raise self.fatal
-            slot = self.buffer.pop()
-            if slot is None:
-                await self._wait_for_data()
-                continue
-            if slot is DRAINED:
-                if dispatch.exhausted():
-                    raise StopAsyncIteration
-                # Sampler not exhausted but nothing dispatched (in_order=False capacity): retry.
-                if not dispatch.put_index():
-                    raise StopAsyncIteration
-                if self.cmd_ready is not None:
-                    self.cmd_ready.set()
-                continue
-            data = slot.data
-            if self.num_workers > 0:
-                dispatch.tasks[slot.worker] -= 1
-                if data is EXHAUSTED:
-                    self.track.commit(slot.logical, slot.worker, slot.wstate, yielded=False)
-                    dispatch.retire(slot.worker)
-                    if dispatch.put_index() and self.cmd_ready is not None:
-                        self.cmd_ready.set()
-                    continue
-            elif data is EXHAUSTED:
-                dispatch.done = True
-                self.buffer.clear()
-                raise StopAsyncIteration
-            if dispatch.put_index() and self.cmd_ready is not None:
-                self.cmd_ready.set()
-            worker = slot.worker if self.num_workers else None
-            failed = isinstance(data, (RemoteError, _ErrorBox))
-            if not failed:
-                data = self._absorb(slot.index, data)
-                if data is NOTHING:  # every sample of the batch failed (on_error="skip")
-                    self.track.commit(slot.logical, worker, slot.wstate, yielded=False)
-                    continue
-            self.track.taken(slot.logical, worker, slot.wstate, failed=failed)
-            if isinstance(data, RemoteError):
-                data.reraise(batch_note(slot.logical, slot.index))
-            if isinstance(data, _ErrorBox):
-                data.raise_it()
-            return data
-
-    async def _wait_for_data(self) -> None:
-        assert self.wakeup is not None and self.done is not None
-        if self.done.is_set() and self.fatal is None:
-            raise IteratorClosedError("the loader's pipeline stopped before the epoch ended")
-        event = self.wakeup
-        if self.timeout > 0:
-            try:
-                with anyio.fail_after(self.timeout):
-                    await event.wait()
-            except TimeoutError:
-                raise LoaderTimeoutError(
-                    f"DataLoader timed out after {self.timeout} seconds") from None
-        else:
-            await event.wait()
-        self.wakeup = anyio.Event()
 
     async def anext(self) -> Any:
         if self.state is not _RUNNING:  # once per epoch, and after its end

@@ -1,5 +1,5 @@
 """The pipeline's stages: the sender, the intake of worker replies, in-process async
-fetches (with pinning), and the device stage.
+fetches (with pinning), the consumer's side of the reorder, and the device stage.
 
 :class:`_Stages` is the part of :class:`aioloader._pipeline._PipelineCore` that runs in
 its background task (a base class, not a separate object: the per-batch code reads the
@@ -19,11 +19,17 @@ import anyio
 from . import _device
 from ._afetch import AsyncFetchPool, AsyncIterFetcher
 from ._core import _CoreBase, _ErrorBox, _InlinePolicy, _ThreadCall, _timed
-from ._dispatch import Dispatcher, ReorderBuffer, Slot
-from ._errors import WorkerDiedError
-from ._failure import apply_to_batch
+from ._dispatch import DRAINED, Dispatcher, ReorderBuffer, Slot
+from ._errors import (
+    IteratorClosedError,
+    LoaderTimeoutError,
+    RemoteError,
+    WorkerDiedError,
+    batch_note,
+)
+from ._failure import NOTHING, apply_to_batch
 from ._fetch import EXHAUSTED, DatasetKind
-from ._stats import COLLATE, DEVICE, DISPATCH, FETCH, PIN
+from ._stats import COLLATE, DEVICE, DISPATCH, FETCH, PIN, Recorder
 from ._threads import ThreadRunner
 
 if TYPE_CHECKING:
@@ -49,12 +55,18 @@ class _Stages(_CoreBase):
     def __init__(self, loader: DataLoaderCore[Any]) -> None:
         super().__init__(loader)
         self.fetch_concurrency = loader.fetch_concurrency
+        self.timeout = loader.timeout
         self.runner = ThreadRunner("aioloader-pipeline")
         self.collate_policy = _InlinePolicy()
         self.afetch: AsyncFetchPool | AsyncIterFetcher | None = None
         # Created on the consumer's loop when the background task starts.
         self.wakeup: anyio.Event | None = None
         self.cmd_ready: anyio.Event | None = None
+        self.done: anyio.Event | None = None  # set when the background task ends
+        # An error of the background task, raised by every next() until the epoch is closed.
+        self.fatal: BaseException | None = None
+        self.device_stage = (DeviceStage(loader.device, loader.device_prefetch, self.runner,
+                                         self.rec) if loader.device is not None else None)
 
     def _wake(self) -> None:
         if self.wakeup is not None:
@@ -219,6 +231,77 @@ class _Stages(_CoreBase):
         slot.data = data
         slot.has_data = True
         self._wake()
+
+    # -- reorder (the consumer's side) ------------------------------------------------------
+
+    def _record_occupancy(self, rec: Recorder) -> None:
+        ready = sum(1 for s in self.slots.values() if s.has_data)
+        staged = len(self.device_stage.staged) if self.device_stage is not None else 0
+        rec.occupancy(len(self.slots) - ready, ready, staged)
+
+    async def _next_host(self) -> Any:
+        """Next batch in order (or as it comes with in_order=False), before the device stage."""
+        dispatch = self.dispatch
+        while True:
+            if self.fatal is not None:
+                raise self.fatal
+            slot = self.buffer.pop()
+            if slot is None:
+                await self._wait_for_data()
+                continue
+            if slot is DRAINED:
+                if dispatch.exhausted():
+                    raise StopAsyncIteration
+                # Sampler not exhausted but nothing dispatched (in_order=False capacity): retry.
+                if not dispatch.put_index():
+                    raise StopAsyncIteration
+                if self.cmd_ready is not None:
+                    self.cmd_ready.set()
+                continue
+            data = slot.data
+            if self.num_workers > 0:
+                dispatch.tasks[slot.worker] -= 1
+                if data is EXHAUSTED:
+                    self.track.commit(slot.logical, slot.worker, slot.wstate, yielded=False)
+                    dispatch.retire(slot.worker)
+                    if dispatch.put_index() and self.cmd_ready is not None:
+                        self.cmd_ready.set()
+                    continue
+            elif data is EXHAUSTED:
+                dispatch.done = True
+                self.buffer.clear()
+                raise StopAsyncIteration
+            if dispatch.put_index() and self.cmd_ready is not None:
+                self.cmd_ready.set()
+            worker = slot.worker if self.num_workers else None
+            failed = isinstance(data, (RemoteError, _ErrorBox))
+            if not failed:
+                data = self._absorb(slot.index, data)
+                if data is NOTHING:  # every sample of the batch failed (on_error="skip")
+                    self.track.commit(slot.logical, worker, slot.wstate, yielded=False)
+                    continue
+            self.track.taken(slot.logical, worker, slot.wstate, failed=failed)
+            if isinstance(data, RemoteError):
+                data.reraise(batch_note(slot.logical, slot.index))
+            if isinstance(data, _ErrorBox):
+                data.raise_it()
+            return data
+
+    async def _wait_for_data(self) -> None:
+        assert self.wakeup is not None and self.done is not None
+        if self.done.is_set() and self.fatal is None:
+            raise IteratorClosedError("the loader's pipeline stopped before the epoch ended")
+        event = self.wakeup
+        if self.timeout > 0:
+            try:
+                with anyio.fail_after(self.timeout):
+                    await event.wait()
+            except TimeoutError:
+                raise LoaderTimeoutError(
+                    f"DataLoader timed out after {self.timeout} seconds") from None
+        else:
+            await event.wait()
+        self.wakeup = anyio.Event()
 
 
 class DeviceStage:
