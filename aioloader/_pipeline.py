@@ -230,6 +230,7 @@ class _PipelineCore(_Stages):
         except BaseException as exc:  # trio system tasks must never raise
             if not isinstance(exc, anyio.get_cancelled_exc_class()):
                 self.fatal = _unwrap(exc)
+                self._wake()  # raised by the consumer at once, while the teardown runs
         finally:
             failed = self.fatal is not None  # a failed epoch closes even persistent workers
             if self._to(_STOPPING) is _RUNNING and not failed:
