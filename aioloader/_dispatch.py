@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from ._stats import SAMPLING, Recorder
+from ._recorder import SAMPLING, Recorder
 
 _ns = time.perf_counter_ns
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._afetch import AsyncIterFetcher
+from ._afetch_iter import AsyncIterFetcher
 from ._backend import _LoopHandle
 from ._core import _draw_base_seed, _unwrap
 from ._dispatch import Dispatcher, ReorderBuffer

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from . import _device
-from ._afetch import AsyncFetchPool, AsyncIterFetcher
+from ._afetch import AsyncFetchPool
+from ._afetch_iter import AsyncIterFetcher
 from ._core import _CoreBase, _ErrorBox, _InlinePolicy, _ThreadCall, _timed
 from ._dispatch import DRAINED, Dispatcher, ReorderBuffer, Slot
 from ._errors import (
@@ -29,7 +30,7 @@ from ._errors import (
 )
 from ._failure import NOTHING, apply_to_batch
 from ._fetch import EXHAUSTED, DatasetKind
-from ._stats import COLLATE, DEVICE, DISPATCH, FETCH, PIN, Recorder
+from ._recorder import COLLATE, DEVICE, DISPATCH, FETCH, PIN, Recorder
 from ._threads import ThreadRunner
 
 if TYPE_CHECKING:
