@@ -107,12 +107,14 @@ def test_a_background_error_is_raised_until_the_epoch_is_closed() -> None:
 
 def test_a_background_task_cancelled_by_its_loop_says_so() -> None:
     async def main() -> None:
-        it = aiter(aioloader.DataLoader(AsyncRange(64), batch_size=2))
+        it = aiter(aioloader.DataLoader(AsyncRange(1000), batch_size=2))
         core = core_of(it)
         await anext(it)
         core.task.cancel()  # as the loop does to its tasks when it ends
-        with pytest.raises(IteratorClosedError, match="stopped before the epoch ended"):
-            while True:
+        assert core.done is not None
+        await core.done.wait()
+        for _ in range(2):
+            with pytest.raises(IteratorClosedError, match="stopped before the epoch ended"):
                 await anext(it)
         assert core.state is PipelineState.CLOSED and core.stopped.is_set()
         await it.aclose()
