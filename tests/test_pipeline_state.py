@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 import aioloader
-from aioloader._errors import IteratorClosedError
+from aioloader._errors import EpochSupersededError, IteratorClosedError
 from aioloader._pipeline import PipelineState, _PipelineCore
 
 
@@ -61,26 +61,24 @@ def test_transitions_are_checked_and_repeats_do_nothing() -> None:
     assert core._to(PipelineState.CLOSED) is None  # nothing comes after SUPERSEDED
 
 
-def test_a_superseded_epoch_stops_before_the_new_one_uses_the_workers() -> None:
-    async def main() -> None:
-        loader = aioloader.DataLoader(list(range(8)), batch_size=2, num_workers=1,
-                                      persistent_workers=True)
-        try:
-            first = aiter(loader)
-            await anext(first)
-            old = core_of(first)
-            second = aiter(loader)
-            assert old.state is PipelineState.SUPERSEDED
-            assert (await anext(second)).tolist() == [0, 1]
-            assert old.stopped.is_set()  # the new epoch waited for it
-            assert core_of(second).state is PipelineState.RUNNING
-            await second.aclose()
-            assert core_of(second).state is PipelineState.CLOSED
-            assert loader._pool_lease is not None and not loader._pool_lease.closed
-        finally:
-            await loader.aclose()
-
-    asyncio.run(main())
+def test_a_superseded_sync_epoch_stops_before_the_new_one_uses_the_workers() -> None:
+    loader = aioloader.DataLoader(list(range(8)), batch_size=2, num_workers=1,
+                                  persistent_workers=True)
+    try:
+        first = iter(loader)
+        assert next(first).tolist() == [0, 1]
+        old = first._core
+        assert isinstance(old, _PipelineCore) and old.state is PipelineState.RUNNING
+        second = iter(loader)  # detaches the first from another thread than its loop's
+        assert old.state is PipelineState.SUPERSEDED
+        assert [b.tolist() for b in second] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        assert old.stopped.is_set()  # the new epoch waited for it
+        assert second._core.state is PipelineState.CLOSED  # type: ignore[union-attr]
+        assert loader._pool_lease is not None and not loader._pool_lease.closed
+        with pytest.raises(EpochSupersededError):
+            next(first)
+    finally:
+        loader.close()
 
 
 def test_a_background_error_is_raised_until_the_epoch_is_closed() -> None:
