@@ -6,7 +6,22 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import anyio.streams.memory  # imported here for the warm-up below
+import anyio.to_thread
 import sniffio
+
+# anyio imports its asyncio backend at the first event loop that uses it, and the facade's
+# loop thread imports uvloop: together 100-200 ms, which would land on the first batch of a
+# process's first epoch (bench_workers.py, time to first batch). Import them with the
+# loader instead. Worker processes never import this module.
+try:
+    import anyio._backends._asyncio  # noqa: F401  (a private module: only a warm-up)
+except ImportError:  # pragma: no cover - a later anyio moved it; the first epoch pays
+    pass
+try:
+    import uvloop  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass
 
 
 class _LoopHandle:

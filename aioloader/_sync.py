@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio
@@ -373,12 +373,17 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
     def _workers(self) -> list[Any]:
         return _worker_processes(self._core)
 
-    def _shutdown_workers(self) -> None:
-        """Stop the epoch; with persistent workers the workers too, as torch's does."""
+    def _shutdown_workers(
+            self, _shutdown: Callable[[Any], None] = _shutdown_persistent_pool) -> None:
+        """Stop the epoch; with persistent workers the workers too, as torch's does.
+
+        ``_shutdown`` is bound at definition: torch's ``__del__`` calls this method also
+        while the interpreter exits, when this module's globals may already be ``None``.
+        """
         if not hasattr(self, "_finalizer"):  # __init__ raised (torch's __del__ calls this)
             return
         self.close()
-        _shutdown_persistent_pool(self._core)
+        _shutdown(self._core)
 
     def __enter__(self) -> SyncLoaderIter[T_co]:
         return self

@@ -66,3 +66,34 @@ def test_worker_runs_its_own_finalizers_and_atexit_handlers(method: str, tmp_pat
     # Once per worker, and the parent's handler once: it did not run in forked workers.
     marks = sorted(p.name.split("-")[0] for p in out.iterdir())
     assert marks == ["parent", "worker0", "worker1"], marks
+
+
+@pytest.mark.parametrize("closed", [False, True])
+def test_an_iterator_alive_at_interpreter_exit_leaves_quietly(closed: bool) -> None:
+    """torch's ``__del__`` calls ``_shutdown_workers()`` while the interpreter clears module
+    globals; it used to print "Exception ignored ... 'NoneType' object is not callable"."""
+    # `import aioloader` and a module-level iterator, as a user's script has them (a
+    # `from aioloader import DataLoader` changes the teardown order and hid the bug).
+    script = textwrap.dedent(f"""
+        import torch
+        import aioloader
+
+        class Pairs(torch.utils.data.Dataset):
+            def __len__(self):
+                return 64
+
+            def __getitem__(self, i):
+                return torch.zeros(3), i
+
+        loader = aioloader.DataLoader(Pairs(), batch_size=8, num_workers=2,
+                                      multiprocessing_context="fork")
+        it = iter(loader)
+        first = next(it)
+        if {closed}:
+            it.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    for bad in ("Traceback", "Exception ignored", "Error"):
+        assert bad not in proc.stderr, proc.stderr
