@@ -145,20 +145,25 @@ def test_imports_point_down() -> None:
             assert LAYERS[dep] <= layer, f"{mod} (L{layer}) imports {dep} (L{LAYERS[dep]})"
 
 
+def _run_python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter (from the checkout); return what it printed."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True, cwd=PKG.parent).stdout.strip()
+
+
 def test_the_worker_entry_point_imports_only_light_modules() -> None:
     """A worker process imports the package only to reach aioloader._worker: that must not
     load anyio, sniffio or the loader machinery (faster spawn/forkserver start-up)."""
-    import subprocess
-    import sys
 
     code = ("import sys, aioloader._worker\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('anyio', 'sniffio',"
             " 'trio') or m in ('aioloader._sync', 'aioloader._loader', 'aioloader._pipeline',"
             " 'aioloader._pool', 'aioloader._afetch'))\n"
             "print(heavy)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True, cwd=PKG.parent).stdout.strip()
-    assert out == "[]"
+    assert _run_python(code) == "[]"
 
 
 class _ReportsImports(tud.Dataset):  # type: ignore[type-arg]
@@ -186,8 +191,6 @@ def test_dataloader_is_loaded_on_first_use_and_shown_as_ours() -> None:
 def test_the_first_epoch_imports_no_event_loop_machinery() -> None:
     """anyio's asyncio backend (and uvloop) load with aioloader.DataLoader, not inside the
     first epoch, where they would add 100-200 ms to the time to the first batch."""
-    import subprocess
-    import sys
 
     code = ("import sys, aioloader\n"
             "L = aioloader.DataLoader(list(range(8)), batch_size=4, num_workers=1,"
@@ -196,6 +199,4 @@ def test_the_first_epoch_imports_no_event_loop_machinery() -> None:
             "for _ in L: pass\n"
             "print(sorted(m for m in set(sys.modules) - before"
             " if m.split('.')[0] in ('anyio', 'asyncio', 'uvloop')))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True, cwd=PKG.parent).stdout.strip()
-    assert out == "[]"
+    assert _run_python(code) == "[]"
