@@ -35,7 +35,8 @@ from ._errors import (
     PrefetchFactorError,
     WorkerDiedError,
 )
-from ._failure import TooManyFailuresError
+from ._failure import NOTHING, TooManyFailuresError
+from ._inprocess import _InProcessWorker
 from ._lease import _PoolLease, _start_pool
 from ._stages import _Stages
 
@@ -72,11 +73,22 @@ _TRANSITIONS: dict[PipelineState, frozenset[PipelineState]] = {
 }
 
 
-class _PipelineCore(_Stages):
-    """Workers and/or async datasets: a background task owns the intake stages."""
+class _PipelineCore(_Stages, _InProcessWorker):
+    """One epoch: workers, or without them an async dataset or the in-process worker.
+
+    With workers or an async dataset a background task owns the intake stages. With
+    neither (:attr:`inline`) the in-process worker (:mod:`aioloader._inprocess`) fetches
+    each batch inside the call that drew it: no background task, and the epoch stays NEW
+    (nothing of it runs on a loop) until it stops.
+    """
 
     def __init__(self, loader: DataLoaderCore[Any]) -> None:
         super().__init__(loader)
+        if self.inline and loader.timeout != 0:
+            raise AssertionError(
+                "timeout applies to multi-process loading only (as in torch): set "
+                "timeout=0 with num_workers=0, or use num_workers > 0"
+            )
         # Weak: the loader keeps its persistent iterator (``loader._iterator``, as torch), so
         # a strong reference back would be a cycle that keeps the workers alive until the
         # cyclic GC runs (torch's stop as soon as the last reference to the loader goes). An
@@ -142,7 +154,8 @@ class _PipelineCore(_Stages):
             self.track.seed = self.base_seed
             self.fresh_epoch = False
             self.epoch = 0
-            self.window = async_depth  # only async datasets use the pipeline without workers
+            # The in-process worker fetches each batch in the call that drew it: window 1.
+            self.window = 1 if self.inline else async_depth
         self.dispatch = Dispatcher(sampler_iter, ReorderBuffer(loader.in_order),
                                    num_workers=self.num_workers, window=self.window,
                                    in_order=loader.in_order, epoch=self.epoch,
@@ -157,6 +170,8 @@ class _PipelineCore(_Stages):
         if self.num_workers > 0:
             # Prime the window now, as torch does at iter(): sampler draws happen here.
             self._prime()
+        elif self.inline:
+            self._init_in_process(loader, sampler_iter)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -278,6 +293,8 @@ class _PipelineCore(_Stages):
             except Exception:
                 _LG.debug("closing the async iterator failed", exc_info=True)
         await self.runner.aclose()
+        if self.inline:
+            self.close_fetcher()
         lease = self._release(failed)
         if lease is not None:
             await lease.aclose()
@@ -286,6 +303,8 @@ class _PipelineCore(_Stages):
     def _teardown_sync(self) -> None:
         """:meth:`_teardown` from any thread, where the loop is not there (or never was)."""
         self.runner.close()
+        if self.inline:
+            self.close_fetcher()
         lease = self._release(False)
         if lease is not None:
             lease.close()
@@ -354,6 +373,11 @@ class _PipelineCore(_Stages):
     # -- consumer side ---------------------------------------------------------------------
 
     async def anext(self) -> Any:
+        if self.inline:  # the in-process worker: no background task (stays NEW)
+            while True:
+                data = await self._anext_raw()
+                if data is not NOTHING:
+                    return data
         if self.state is not _RUNNING:  # once per epoch, and after its end
             if self.state is _NEW:
                 self._start()

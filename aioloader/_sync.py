@@ -32,7 +32,6 @@ from anyio.from_thread import BlockingPortal
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
 from ._failure import FailureReport
-from ._inline import _InlineCore
 from ._loader import DataLoaderCore, _shutdown_persistent_pool, _worker_processes
 from ._pipeline import _PipelineCore
 
@@ -322,10 +321,10 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
     (torch's ``__init__`` is not called).
     """
 
-    def __init__(self, core: _InlineCore | _PipelineCore) -> None:
+    def __init__(self, core: _PipelineCore) -> None:
         self._core = core
         self._driver: _PortalDriver | None = None
-        if isinstance(core, _PipelineCore):
+        if not core.inline:
             core.start_workers_sync()  # fork from this thread, before the loop thread exists
             driver = _PortalDriver(core)
             driver.start_soon()
@@ -333,7 +332,7 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
             _open_drivers.add(driver)
             self._finalizer = weakref.finalize(self, driver.close)
         else:
-            self._finalizer = weakref.finalize(self, core.close)
+            self._finalizer = weakref.finalize(self, core.close_from_gc)
 
     def __iter__(self) -> SyncLoaderIter[T_co]:
         return self
@@ -343,7 +342,7 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
         core = self._core
         del self  # a traceback must not keep the iterator alive
         if driver is None:  # statistics are kept by the in-process core itself
-            return core.next_sync()  # type: ignore[union-attr,no-any-return]
+            return core.next_sync()  # type: ignore[no-any-return]
         rec = core.rec
         if rec is None:
             return driver.next()  # type: ignore[no-any-return]
