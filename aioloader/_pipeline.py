@@ -1,4 +1,8 @@
-"""The pipeline iterator: workers and/or an async dataset, fed by a background task.
+"""The pipeline iterator, the one shape of every epoch.
+
+With workers or an async dataset a background task feeds it; with neither, the
+in-process worker (:mod:`aioloader._inprocess`) fetches each batch inside the call that
+drew it (no background task, nothing runs between calls).
 
 The consumer's ``__anext__`` samples and dispatches (so global RNG draws happen while
 the consumer waits, at the points torch makes them), then waits for the next batch in

@@ -1,6 +1,6 @@
 """The sync facade: ``for batch in loader``, and the public :class:`DataLoader`.
 
-The only module that knows about the facade's thread. Two shapes:
+The only module that knows about the facade's thread. Two ways to drive the pipeline:
 
 * ``num_workers=0`` with a sync dataset (``device=`` included): batches are
   fetched in the calling thread, one per ``next()``, exactly as torch does.
