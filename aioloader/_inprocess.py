@@ -224,7 +224,7 @@ class _InProcessWorker(_CoreBase):
             if rec is not None:
                 t_draw = _ns()
 
-    async def _anext_raw(self) -> Any:
+    async def _anext_in_process(self) -> Any:
         if self.closed:
             raise StopAsyncIteration
         if self.track.discard and not self.track.replaying:

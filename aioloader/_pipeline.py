@@ -379,7 +379,7 @@ class _PipelineCore(_Stages, _InProcessWorker):
     async def anext(self) -> Any:
         if self.inline:  # the in-process worker: no background task (stays NEW)
             while True:
-                data = await self._anext_raw()
+                data = await self._anext_in_process()
                 if data is not NOTHING:
                     return data
         if self.state is not _RUNNING:  # once per epoch, and after its end
