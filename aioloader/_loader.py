@@ -42,6 +42,7 @@ from ._config import (
 )
 from ._failure import DEFAULT_RETRY_DELAY, FailureReport, make_policy
 from ._fetch import dataset_kind
+from ._inprocess import _InProcessWorker
 from ._lease import _PoolLease
 from ._pipeline import _PipelineCore
 from ._stats import LoaderStats, StatsBook
@@ -355,12 +356,16 @@ class AsyncLoaderIter(Generic[T_co]):
 
     def __init__(self, core: _PipelineCore) -> None:
         self._core = core
+        # Where batches come from: the in-process worker itself when there is one (its
+        # few attributes are read faster per batch than the core's), else the core.
+        self._source: _PipelineCore | _InProcessWorker = (
+            core.worker if core.worker is not None else core)
 
     def __aiter__(self) -> AsyncLoaderIter[T_co]:
         return self
 
     async def __anext__(self) -> T_co:
-        core = self._core
+        core = self._source
         del self  # tracebacks must not keep the iterator (and its workers) alive
         rec = core.rec
         if rec is None:

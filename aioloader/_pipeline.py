@@ -77,14 +77,17 @@ _TRANSITIONS: dict[PipelineState, frozenset[PipelineState]] = {
 }
 
 
-class _PipelineCore(_Stages, _InProcessWorker):
+class _PipelineCore(_Stages):
     """One epoch: workers, or without them an async dataset or the in-process worker.
 
     With workers or an async dataset a background task owns the intake stages. With
-    neither (:attr:`inline`) the in-process worker (:mod:`aioloader._inprocess`) fetches
-    each batch inside the call that drew it: no background task, and the epoch stays NEW
-    (nothing of it runs on a loop) until it stops.
+    neither (:attr:`inline`) the in-process :attr:`worker` (:mod:`aioloader._inprocess`)
+    fetches each batch inside the call that drew it: no background task, and the epoch
+    stays NEW (nothing of it runs on a loop) until it stops.
     """
+
+    #: The in-process worker (``num_workers=0``, sync dataset); None otherwise.
+    worker: _InProcessWorker | None = None
 
     def __init__(self, loader: DataLoaderCore[Any]) -> None:
         super().__init__(loader)
@@ -174,8 +177,9 @@ class _PipelineCore(_Stages, _InProcessWorker):
         if self.num_workers > 0:
             # Prime the window now, as torch does at iter(): sampler draws happen here.
             self._prime()
-        elif self.inline:
-            self._init_in_process(loader, sampler_iter)
+        if self.inline:
+            self.worker = _InProcessWorker(self, loader, sampler_iter)
+            self.sampled_waits = self.worker.sampled_waits
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -197,6 +201,8 @@ class _PipelineCore(_Stages, _InProcessWorker):
                 raise RuntimeError(f"illegal pipeline transition {old.name} -> {new.name}")
             # Over for the consumer once stopping, unless an error is still to be raised.
             self.closed = self.state.value >= _STOPPING.value and self.fatal is None
+            if self.closed and self.worker is not None:
+                self.worker.closed = True  # it fetches nothing more
         if new is _CLOSED:
             self.stopped.set()
         return left
@@ -297,8 +303,8 @@ class _PipelineCore(_Stages, _InProcessWorker):
             except Exception:
                 _LG.debug("closing the async iterator failed", exc_info=True)
         await self.runner.aclose()
-        if self.inline:
-            self.close_fetcher()
+        if self.worker is not None:
+            self.worker.close_fetcher()
         lease = self._release(failed)
         if lease is not None:
             await lease.aclose()
@@ -307,8 +313,8 @@ class _PipelineCore(_Stages, _InProcessWorker):
     def _teardown_sync(self) -> None:
         """:meth:`_teardown` from any thread, where the loop is not there (or never was)."""
         self.runner.close()
-        if self.inline:
-            self.close_fetcher()
+        if self.worker is not None:
+            self.worker.close_fetcher()
         lease = self._release(False)
         if lease is not None:
             lease.close()
@@ -378,8 +384,10 @@ class _PipelineCore(_Stages, _InProcessWorker):
 
     async def anext(self) -> Any:
         if self.inline:  # the in-process worker: no background task (stays NEW)
+            worker = self.worker
+            assert worker is not None
             while True:
-                data = await self._anext_in_process()
+                data = await worker._anext_in_process()
                 if data is not NOTHING:
                     return data
         if self.state is not _RUNNING:  # once per epoch, and after its end

@@ -324,7 +324,8 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
     def __init__(self, core: _PipelineCore) -> None:
         self._core = core
         self._driver: _PortalDriver | None = None
-        if not core.inline:
+        self._worker = core.worker  # the in-process worker: batches made in this thread
+        if self._worker is None:
             core.start_workers_sync()  # fork from this thread, before the loop thread exists
             driver = _PortalDriver(core)
             driver.start_soon()
@@ -338,11 +339,14 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
         return self
 
     def __next__(self) -> T_co:
+        worker = self._worker
+        if worker is not None:  # statistics are kept by the in-process worker itself
+            del self  # a traceback must not keep the iterator alive
+            return worker.next_sync()  # type: ignore[no-any-return]
         driver = self._driver
         core = self._core
-        del self  # a traceback must not keep the iterator alive
-        if driver is None:  # statistics are kept by the in-process core itself
-            return core.next_sync()  # type: ignore[no-any-return]
+        del self
+        assert driver is not None
         rec = core.rec
         if rec is None:
             return driver.next()  # type: ignore[no-any-return]
