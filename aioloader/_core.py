@@ -1,10 +1,10 @@
-"""What every epoch iterator shares: per-epoch state, the inline policy, thread calls.
+"""What every epoch shares: per-epoch state, the inline policy, thread calls.
 
-:class:`_CoreBase` is the state both iterator shapes (:mod:`aioloader._inline`,
-:mod:`aioloader._pipeline`) start from; :class:`_InlinePolicy` decides whether a sync
-fetch or collate runs on the loop or in a thread; :class:`_ThreadCall` keeps a thread
-call's result when its waiter is cancelled; :class:`_ErrorBox` carries an in-process
-fetch's exception to its batch's position.
+:class:`_CoreBase` is the state the pipeline core (:mod:`aioloader._pipeline`) and its
+in-process worker (:mod:`aioloader._inprocess`) start from; :class:`_InlinePolicy`
+decides whether a sync fetch or collate runs on the loop or in a thread;
+:class:`_ThreadCall` keeps a thread call's result when its waiter is cancelled;
+:class:`_ErrorBox` carries an in-process fetch's exception to its batch's position.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class _CoreBase:
         loader._resume_tracker = self.track
         self.rec: Recorder | None = loader._stats_book.new_epoch() if loader.collect_stats \
             else None
-        self.sampled_waits = False  # see _InlineCore
+        self.sampled_waits = False  # see _InProcessWorker
         if self.rec is not None:
             self.collate_fn = TimedCollate(loader.collate_fn, self.rec)
         # Read once per batch on the hot path: plain attributes, not properties.

@@ -1,17 +1,15 @@
 """The DataLoader core: wiring the pieces together, and ``async for``.
 
 :class:`DataLoaderCore` keeps the arguments (checked by :mod:`aioloader._config`) and,
-per epoch, builds one of two iterator shapes:
-
-* **inline** (``num_workers=0``, sync dataset; :mod:`aioloader._inline`): each
-  ``__anext__`` samples one batch of indices and fetches it, as torch does: in the
-  iterator's own thread, or on the loop when batches are measured to be tiny (see
-  :class:`aioloader._core._InlinePolicy`). No background task, nothing runs between calls.
-* **pipeline** (workers, or an async dataset; :mod:`aioloader._pipeline`): a background
-  task owns an anyio task group with the intake stages (worker reader or in-process async
-  fetches, pinning). The consumer's ``__anext__`` does the sampling and the dispatch (so
-  global RNG draws happen while the consumer waits, at the points torch makes them), then
-  waits for the next batch in order.
+per epoch, builds the pipeline (:mod:`aioloader._pipeline`). With workers, or an async
+dataset, a background task owns an anyio task group with the intake stages (worker reader
+or in-process async fetches, pinning); the consumer's ``__anext__`` does the sampling and
+the dispatch (so global RNG draws happen while the consumer waits, at the points torch
+makes them), then waits for the next batch in order. With ``num_workers=0`` and a sync
+dataset the pipeline's in-process worker (:mod:`aioloader._inprocess`) fetches each batch
+inside the call that drew it, as torch does: in the iterator's own thread, or on the loop
+when batches are measured to be tiny (see :class:`aioloader._core._InlinePolicy`); no
+background task, nothing runs between calls.
 
 The sync facade (``for batch in loader``) is added on top by :mod:`aioloader._sync`,
 the only module that knows about its thread.
@@ -44,7 +42,7 @@ from ._config import (
 )
 from ._failure import DEFAULT_RETRY_DELAY, FailureReport, make_policy
 from ._fetch import dataset_kind
-from ._inline import _InlineCore
+from ._inprocess import _InProcessWorker
 from ._lease import _PoolLease
 from ._pipeline import _PipelineCore
 from ._stats import LoaderStats, StatsBook
@@ -261,14 +259,8 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
 
     # -- iteration -----------------------------------------------------------------------
 
-    @property
-    def _uses_pipeline(self) -> bool:
-        return self.num_workers > 0 or self._kind.is_async
-
-    def _make_core(self) -> _InlineCore | _PipelineCore:
-        if self._uses_pipeline:
-            return _PipelineCore(self)
-        return _InlineCore(self)
+    def _make_core(self) -> _PipelineCore:
+        return _PipelineCore(self)
 
     def __aiter__(self) -> AsyncLoaderIter[T_co]:
         """Start an epoch: ``async for batch in loader``."""
@@ -334,22 +326,22 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
 
 
 
-def _worker_processes(core: _InlineCore | _PipelineCore) -> list[Any]:
+def _worker_processes(core: _PipelineCore) -> list[Any]:
     """The worker ``Process`` objects of an iterator (empty without workers)."""
-    lease = getattr(core, "lease", None)
+    lease = core.lease
     return list(lease.pool.processes) if lease is not None and lease.started else []
 
 
-def _shutdown_persistent_pool(core: _InlineCore | _PipelineCore) -> None:
+def _shutdown_persistent_pool(core: _PipelineCore) -> None:
     """torch's ``iterator._shutdown_workers()`` for persistent workers: stop the pool too.
 
     Only while ``core`` is the epoch that holds the pool: an older epoch's iterator being
     shut down (or collected) must not stop the workers a newer epoch uses. The loader then
     starts a fresh pool (and draws a new base seed) at its next ``iter()``, as torch does.
     """
-    lease = getattr(core, "lease", None)
-    if (lease is None or not core.persistent  # type: ignore[union-attr]
-            or os.getpid() != core.pid  # type: ignore[union-attr]
+    lease = core.lease
+    if (lease is None or not core.persistent
+            or os.getpid() != core.pid
             or lease.holder is None or lease.holder() is not core):
         return
     lease.close()
@@ -362,14 +354,18 @@ class AsyncLoaderIter(Generic[T_co]):
     cancellation) stops every task, thread and worker process it started.
     """
 
-    def __init__(self, core: _InlineCore | _PipelineCore) -> None:
+    def __init__(self, core: _PipelineCore) -> None:
         self._core = core
+        # Where batches come from: the in-process worker itself when there is one (its
+        # few attributes are read faster per batch than the core's), else the core.
+        self._source: _PipelineCore | _InProcessWorker = (
+            core.worker if core.worker is not None else core)
 
     def __aiter__(self) -> AsyncLoaderIter[T_co]:
         return self
 
     async def __anext__(self) -> T_co:
-        core = self._core
+        core = self._source
         del self  # tracebacks must not keep the iterator (and its workers) alive
         rec = core.rec
         if rec is None:

@@ -1,4 +1,8 @@
-"""The pipeline iterator: workers and/or an async dataset, fed by a background task.
+"""The pipeline iterator, the one shape of every epoch.
+
+With workers or an async dataset a background task feeds it; with neither, the
+in-process worker (:mod:`aioloader._inprocess`) fetches each batch inside the call that
+drew it (no background task, nothing runs between calls).
 
 The consumer's ``__anext__`` samples and dispatches (so global RNG draws happen while
 the consumer waits, at the points torch makes them), then waits for the next batch in
@@ -35,7 +39,8 @@ from ._errors import (
     PrefetchFactorError,
     WorkerDiedError,
 )
-from ._failure import TooManyFailuresError
+from ._failure import NOTHING, TooManyFailuresError
+from ._inprocess import _InProcessWorker
 from ._lease import _PoolLease, _start_pool
 from ._stages import _Stages
 
@@ -73,10 +78,24 @@ _TRANSITIONS: dict[PipelineState, frozenset[PipelineState]] = {
 
 
 class _PipelineCore(_Stages):
-    """Workers and/or async datasets: a background task owns the intake stages."""
+    """One epoch: workers, or without them an async dataset or the in-process worker.
+
+    With workers or an async dataset a background task owns the intake stages. With
+    neither (:attr:`inline`) the in-process :attr:`worker` (:mod:`aioloader._inprocess`)
+    fetches each batch inside the call that drew it: no background task, and the epoch
+    stays NEW (nothing of it runs on a loop) until it stops.
+    """
+
+    #: The in-process worker (``num_workers=0``, sync dataset); None otherwise.
+    worker: _InProcessWorker | None = None
 
     def __init__(self, loader: DataLoaderCore[Any]) -> None:
         super().__init__(loader)
+        if self.inline and loader.timeout != 0:
+            raise AssertionError(
+                "timeout applies to multi-process loading only (as in torch): set "
+                "timeout=0 with num_workers=0, or use num_workers > 0"
+            )
         # Weak: the loader keeps its persistent iterator (``loader._iterator``, as torch), so
         # a strong reference back would be a cycle that keeps the workers alive until the
         # cyclic GC runs (torch's stop as soon as the last reference to the loader goes). An
@@ -142,7 +161,8 @@ class _PipelineCore(_Stages):
             self.track.seed = self.base_seed
             self.fresh_epoch = False
             self.epoch = 0
-            self.window = async_depth  # only async datasets use the pipeline without workers
+            # The in-process worker fetches each batch in the call that drew it: window 1.
+            self.window = 1 if self.inline else async_depth
         self.dispatch = Dispatcher(sampler_iter, ReorderBuffer(loader.in_order),
                                    num_workers=self.num_workers, window=self.window,
                                    in_order=loader.in_order, epoch=self.epoch,
@@ -157,6 +177,9 @@ class _PipelineCore(_Stages):
         if self.num_workers > 0:
             # Prime the window now, as torch does at iter(): sampler draws happen here.
             self._prime()
+        if self.inline:
+            self.worker = _InProcessWorker(self, loader, sampler_iter)
+            self.sampled_waits = self.worker.sampled_waits
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -178,6 +201,8 @@ class _PipelineCore(_Stages):
                 raise RuntimeError(f"illegal pipeline transition {old.name} -> {new.name}")
             # Over for the consumer once stopping, unless an error is still to be raised.
             self.closed = self.state.value >= _STOPPING.value and self.fatal is None
+            if self.closed and self.worker is not None:
+                self.worker.closed = True  # it fetches nothing more
         if new is _CLOSED:
             self.stopped.set()
         return left
@@ -278,6 +303,8 @@ class _PipelineCore(_Stages):
             except Exception:
                 _LG.debug("closing the async iterator failed", exc_info=True)
         await self.runner.aclose()
+        if self.worker is not None:
+            self.worker.close_fetcher()
         lease = self._release(failed)
         if lease is not None:
             await lease.aclose()
@@ -286,6 +313,8 @@ class _PipelineCore(_Stages):
     def _teardown_sync(self) -> None:
         """:meth:`_teardown` from any thread, where the loop is not there (or never was)."""
         self.runner.close()
+        if self.worker is not None:
+            self.worker.close_fetcher()
         lease = self._release(False)
         if lease is not None:
             lease.close()
@@ -354,6 +383,13 @@ class _PipelineCore(_Stages):
     # -- consumer side ---------------------------------------------------------------------
 
     async def anext(self) -> Any:
+        if self.inline:  # the in-process worker: no background task (stays NEW)
+            worker = self.worker
+            assert worker is not None
+            while True:
+                data = await worker._anext_in_process()
+                if data is not NOTHING:
+                    return data
         if self.state is not _RUNNING:  # once per epoch, and after its end
             if self.state is _NEW:
                 self._start()

@@ -52,12 +52,15 @@ class _Stages(_CoreBase):
     epoch: int
     window: int
     fresh_epoch: bool
+    runner: ThreadRunner
 
     def __init__(self, loader: DataLoaderCore[Any]) -> None:
         super().__init__(loader)
         self.fetch_concurrency = loader.fetch_concurrency
         self.timeout = loader.timeout
-        self.runner = ThreadRunner("aioloader-pipeline")
+        # No workers and a sync dataset: the in-process worker fetches inside each call.
+        self.inline = self.num_workers == 0 and not self.kind.is_async
+        self.runner = ThreadRunner("aioloader-fetch" if self.inline else "aioloader-pipeline")
         self.collate_policy = _InlinePolicy()
         self.afetch: AsyncFetchPool | AsyncIterFetcher | None = None
         # Created on the consumer's loop when the background task starts.
@@ -67,7 +70,8 @@ class _Stages(_CoreBase):
         # An error of the background task, raised by every next() until the epoch is closed.
         self.fatal: BaseException | None = None
         self.device_stage = (DeviceStage(loader.device, loader.device_prefetch, self.runner,
-                                         self.rec) if loader.device is not None else None)
+                                         self.rec)
+                             if loader.device is not None and not self.inline else None)
 
     def _wake(self) -> None:
         if self.wakeup is not None:

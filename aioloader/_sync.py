@@ -1,6 +1,6 @@
 """The sync facade: ``for batch in loader``, and the public :class:`DataLoader`.
 
-The only module that knows about the facade's thread. Two shapes:
+The only module that knows about the facade's thread. Two ways to drive the pipeline:
 
 * ``num_workers=0`` with a sync dataset (``device=`` included): batches are
   fetched in the calling thread, one per ``next()``, exactly as torch does.
@@ -32,7 +32,6 @@ from anyio.from_thread import BlockingPortal
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
 from ._failure import FailureReport
-from ._inline import _InlineCore
 from ._loader import DataLoaderCore, _shutdown_persistent_pool, _worker_processes
 from ._pipeline import _PipelineCore
 
@@ -322,10 +321,11 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
     (torch's ``__init__`` is not called).
     """
 
-    def __init__(self, core: _InlineCore | _PipelineCore) -> None:
+    def __init__(self, core: _PipelineCore) -> None:
         self._core = core
         self._driver: _PortalDriver | None = None
-        if isinstance(core, _PipelineCore):
+        self._worker = core.worker  # the in-process worker: batches made in this thread
+        if self._worker is None:
             core.start_workers_sync()  # fork from this thread, before the loop thread exists
             driver = _PortalDriver(core)
             driver.start_soon()
@@ -333,17 +333,20 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
             _open_drivers.add(driver)
             self._finalizer = weakref.finalize(self, driver.close)
         else:
-            self._finalizer = weakref.finalize(self, core.close)
+            self._finalizer = weakref.finalize(self, core.close_from_gc)
 
     def __iter__(self) -> SyncLoaderIter[T_co]:
         return self
 
     def __next__(self) -> T_co:
+        worker = self._worker
+        if worker is not None:  # statistics are kept by the in-process worker itself
+            del self  # a traceback must not keep the iterator alive
+            return worker.next_sync()  # type: ignore[no-any-return]
         driver = self._driver
         core = self._core
-        del self  # a traceback must not keep the iterator alive
-        if driver is None:  # statistics are kept by the in-process core itself
-            return core.next_sync()  # type: ignore[union-attr,no-any-return]
+        del self
+        assert driver is not None
         rec = core.rec
         if rec is None:
             return driver.next()  # type: ignore[no-any-return]

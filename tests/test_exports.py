@@ -124,7 +124,7 @@ def test_layer_table_parses() -> None:
     assert LAYERS["_errors"] == 0
     assert LAYERS["_stats"] == 0  # its row also names `loader.stats()` in parentheses
     assert "loader" not in LAYERS and "DataLoaderCore" not in LAYERS
-    assert LAYERS["_core"] < LAYERS["_inline"] <= LAYERS["_pipeline"] < LAYERS["_loader"]
+    assert LAYERS["_core"] < LAYERS["_inprocess"] <= LAYERS["_pipeline"] < LAYERS["_loader"]
     assert LAYERS["_loader"] < LAYERS["_sync"] < LAYERS["dataloader"] == LAYERS["__init__"]
 
 

@@ -509,3 +509,25 @@ def test_warning_filter_clean() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         list(DataLoader(range(4), batch_size=2))
+
+
+def test_one_iterator_shape_in_process_worker() -> None:
+    """num_workers=0 with a sync dataset is the same pipeline core, driven by its
+    in-process worker: no background task (the epoch stays NEW), one teardown."""
+    from aioloader._pipeline import PipelineState, _PipelineCore
+
+    loader = DataLoader(list(range(5)), batch_size=2)
+    it = iter(loader)
+    core = it._core
+    assert isinstance(core, _PipelineCore) and core.inline
+    assert [b.tolist() for b in it] == [[0, 1], [2, 3], [4]]
+    assert core.task is None and core.state is PipelineState.CLOSED and core.stopped.is_set()
+
+    async def consume() -> tuple[list[list[int]], _PipelineCore]:
+        ait = aiter(loader)
+        out = [b.tolist() async for b in ait]
+        return out, ait._core
+
+    out, acore = anyio.run(consume)
+    assert out == [[0, 1], [2, 3], [4]]
+    assert acore.inline and acore.task is None and acore.state is PipelineState.CLOSED

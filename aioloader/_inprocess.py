@@ -1,49 +1,73 @@
-"""The ``num_workers=0`` iterator for sync datasets: one batch fetched per ``next``.
+"""The in-process pseudo-worker: ``num_workers=0`` with a sync dataset.
 
-As torch does, in the iterator's own thread (the sync facade's :meth:`_InlineCore.next_sync`),
-or for ``async for`` in a helper thread or, for batches measured tiny, on the loop
-(:class:`aioloader._core._InlinePolicy`). No background task: nothing runs between calls.
+Worker 0 of the pipeline when there are no workers (:class:`aioloader._pipeline._PipelineCore`
+in its inline mode): the consumer's call draws one batch of indices and fetches it at once,
+as torch's single-process iterator does, in the calling thread (the sync facade's
+:meth:`_InProcessWorker.next_sync`), or for ``async for`` in the pipeline's thread or, for
+batches measured tiny, on the loop (:class:`aioloader._core._InlinePolicy`). Its window is
+one batch, fetched inside the call that drew it, so nothing runs between calls and the
+pipeline starts no background task. A small object of its own: the per-batch code reads
+its attributes, and an instance with at most 30 attributes keeps CPython's fast
+attribute access (the pipeline core has about 60: reading them per batch cost 0.1 us).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from . import _device, _state
-from ._core import _CoreBase, _draw_base_seed, _InlinePolicy, _ThreadCall, _timed
+from ._core import _CoreBase, _InlinePolicy, _ThreadCall, _timed
 from ._failure import NOTHING, TooManyFailuresError, apply_to_batch, guard_fetcher
 from ._fetch import EXHAUSTED, DatasetKind, fetch_or_exhausted, make_fetcher
 from ._stats import COLLATE, DEVICE, FETCH, PIN, SAMPLING, Recorder
-from ._threads import ThreadRunner
 
 if TYPE_CHECKING:
     from ._loader import DataLoaderCore
+    from ._pipeline import _PipelineCore
 
 _ns = time.perf_counter_ns
 
 
-class _InlineCore(_CoreBase):
+class _InProcessWorker(_CoreBase):
     """``num_workers=0`` with a sync dataset: fetch one batch per ``next``, as torch.
 
     With ``device=`` the batch is also copied to the device inside the same
     ``next`` (no lookahead: the dataset's ``__getitem__`` never runs between calls).
     A cancelled ``__anext__`` keeps its drawn batch: the fetch finishes in the
     thread and the next call delivers it without drawing from the sampler again.
+    Its lifecycle (closing, teardown) is the pipeline core's, which sets :attr:`closed`.
+    The per-epoch state is the core's (the same objects; ``_CoreBase.__init__`` is not
+    run again: it would start a second epoch record).
     """
 
-    def __init__(self, loader: DataLoaderCore[Any]) -> None:
-        super().__init__(loader)
-        if loader.timeout != 0:
-            raise AssertionError(
-                "timeout applies to multi-process loading only (as in torch): set "
-                "timeout=0 with num_workers=0, or use num_workers > 0"
-            )
-        self.sampler_iter = self.track.sampler_iter(loader._index_sampler)
-        self.base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
-        self.track.seed = self.base_seed
+    def __init__(self, core: _PipelineCore, loader: DataLoaderCore[Any],
+                 sampler_iter: Iterator[Any]) -> None:
+        """Set up the fetch side; the pipeline drew the base seed already."""
+        self.kind = core.kind
+        self.dataset = core.dataset
+        self.auto_collation = core.auto_collation
+        self.collate_fn = core.collate_fn
+        self.drop_last = core.drop_last
+        self.num_workers = core.num_workers
+        self.len_called = core.len_called
+        self.pin = core.pin
+        self.failure_policy = core.failure_policy
+        self.failures = core.failures
+        self.track = core.track
+        self.rec = core.rec
+        self.policy_active = core.policy_active
+        self.check_len = core.check_len
+        self.runner = core.runner  # the pipeline's thread (started on first use)
+        self.num_yielded = 0
+        self.closed = False
+        # Weak: the core owns this worker; closing goes back through the core's lifecycle.
+        self.owner = weakref.ref(core)
+        self.sampler_iter = sampler_iter
         wstate = self.track.worker_states.get(0) if self.kind.iterable else None
         _state.load_dataset_state(self.dataset, wstate)
         # The per-batch fast path of next_sync(): nothing but fetch, collate, count. Its
@@ -60,10 +84,9 @@ class _InlineCore(_CoreBase):
         _state.load_fetcher_state(self.raw_fetcher, wstate)
         self.fetcher = guard_fetcher(self.raw_fetcher, self.failure_policy, None)
         self.device = loader.device
-        self.runner: ThreadRunner | None = None
         self.policy = _InlinePolicy()
         self.last_yield = 0  # perf_counter_ns of the latest checkpoint (async for)
-        self.pending: _ThreadCall | None = None  # a drawn batch whose waiter was cancelled
+        self.pending_call: _ThreadCall | None = None  # a drawn batch whose waiter was cancelled
 
     def _fetch(self, index: Any) -> Any:
         rec = self.rec
@@ -163,7 +186,7 @@ class _InlineCore(_CoreBase):
                 index = next(self.sampler_iter)
             except StopIteration:
                 track.finished = True
-                self.close()
+                self.close_from_gc()
                 self.failures.end_of_epoch()
                 raise
             try:
@@ -201,7 +224,7 @@ class _InlineCore(_CoreBase):
                 raise
             if data is EXHAUSTED:
                 track.finished = True
-                self.close()
+                self.close_from_gc()
                 self.failures.end_of_epoch()
                 raise StopIteration
             if plain:  # its statistics were recorded with the fetch
@@ -211,7 +234,7 @@ class _InlineCore(_CoreBase):
             try:
                 data = self._absorb(index, data)
             except TooManyFailuresError:
-                self.close()
+                self.close_from_gc()
                 raise
             if data is not NOTHING:
                 data = self._deliver(data)
@@ -223,18 +246,12 @@ class _InlineCore(_CoreBase):
             if rec is not None:
                 t_draw = _ns()
 
-    async def anext(self) -> Any:
-        while True:
-            data = await self._anext_raw()
-            if data is not NOTHING:
-                return data
-
-    async def _anext_raw(self) -> Any:
+    async def _anext_in_process(self) -> Any:
         if self.closed:
             raise StopAsyncIteration
         if self.track.discard and not self.track.replaying:
             await self.track.areplay(self.anext)
-        call = self.pending
+        call = self.pending_call
         if call is None:
             policy = self.policy
             t0 = _ns()
@@ -262,12 +279,9 @@ class _InlineCore(_CoreBase):
                 data, took = self.track.consumed_on_error(_timed, self._fetch, index)
                 policy.record(took)
                 return await self._finish(data)
-            if self.runner is None:
-                self.runner = ThreadRunner("aioloader-fetch")
-            call = self.pending = _ThreadCall(_timed, self._fetch, index)
-        assert self.runner is not None
-        await call.wait(self.runner)  # cancelled: `pending` keeps the batch for the next call
-        self.pending = None
+            call = self.pending_call = _ThreadCall(_timed, self._fetch, index)
+        await call.wait(self.runner)  # cancelled: `pending` keeps the batch
+        self.pending_call = None
         data, took = self.track.consumed_on_error(call.result)
         self.policy.record(took)
         return await self._finish(data)
@@ -326,20 +340,29 @@ class _InlineCore(_CoreBase):
             return NOTHING
         return self._deliver(data)
 
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.fetcher.close()
-            if self.runner is not None:
-                self.runner.close()
-
-    async def aclose(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if self.runner is not None:
-                await self.runner.aclose()
-            self.fetcher.close()
+    def close_fetcher(self) -> None:
+        """The pipeline's teardown: nothing more is fetched; release the fetcher."""
+        self.closed = True
+        self.fetcher.close()
 
     def close_from_gc(self) -> None:
-        self.close()
+        """End the epoch through the core's lifecycle (one teardown)."""
+        core = self.owner()
+        if core is not None:
+            core.close_from_gc()
+        else:
+            self.close_fetcher()
 
+    async def aclose(self) -> None:
+        core = self.owner()
+        if core is not None:
+            await core.aclose()
+        else:
+            self.close_fetcher()
+
+    async def anext(self) -> Any:
+        """One batch (``async for``; the core's :meth:`anext` runs the same loop)."""
+        while True:
+            data = await self._anext_in_process()
+            if data is not NOTHING:
+                return data
