@@ -361,7 +361,7 @@ class _InProcessWorker(_CoreBase):
             self.close_fetcher()
 
     async def anext(self) -> Any:
-        """One batch (``async for``; the core's :meth:`anext` runs the same loop)."""
+        """One batch (``async for``; the core's :meth:`anext` delegates here)."""
         while True:
             data = await self._anext_in_process()
             if data is not NOTHING:

@@ -39,7 +39,7 @@ from ._errors import (
     PrefetchFactorError,
     WorkerDiedError,
 )
-from ._failure import NOTHING, TooManyFailuresError
+from ._failure import TooManyFailuresError
 from ._inprocess import _InProcessWorker
 from ._lease import _PoolLease, _start_pool
 from ._stages import _Stages
@@ -384,12 +384,8 @@ class _PipelineCore(_Stages):
 
     async def anext(self) -> Any:
         if self.inline:  # the in-process worker: no background task (stays NEW)
-            worker = self.worker
-            assert worker is not None
-            while True:
-                data = await worker._anext_in_process()
-                if data is not NOTHING:
-                    return data
+            assert self.worker is not None
+            return await self.worker.anext()
         if self.state is not _RUNNING:  # once per epoch, and after its end
             if self.state is _NEW:
                 self._start()
