@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-import math
+import operator
 from collections.abc import Callable, Iterator, Sized
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import distributed as _tud_distributed
 
 from .sampler import Sampler
 
 __all__ = ["DistributedSampler"]
 
 T_co = TypeVar("T_co", covariant=True)
+
+# torch.Generator.manual_seed accepts seeds in this range (ValueError outside it).
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 def _from_process_group(what: str, getter: Callable[[], int]) -> int:
@@ -32,8 +36,71 @@ def _from_process_group(what: str, getter: Callable[[], int]) -> int:
         raise type(exc)(f"{exc} DistributedSampler needs {what}: {hint}.") from exc
 
 
-class DistributedSampler(Sampler[T_co]):
+def _as_int(name: str, value: Any, what: str) -> int:
+    """``value`` as a Python int (ints, numpy ints, bools); ``TypeError`` naming ``name`` else.
+
+    torch fails on these later with ``TypeError`` (comparing a str with an int, or
+    slicing with a float at ``iter()``); this raises the same type at construction.
+    """
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} should be an int ({what}), but got {type(value).__name__} {value!r}; "
+            f"pass an int"
+        ) from None
+
+
+def _as_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool: ``True``/``False`` (numpy's bool too), ``TypeError`` else.
+
+    torch takes any object here and uses its truth value, so ``shuffle="no"`` would
+    shuffle and ``shuffle=None`` would not (though the default is ``True``): refused.
+    """
+    kind = type(value)
+    if isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool",
+                                                                                    "bool_")):
+        return bool(value)
+    raise TypeError(
+        f"{name} should be a boolean value, but got {name}={value!r}; pass True or False."
+    )
+
+
+def _check_seed(seed: Any) -> int:
+    """The seed as a Python int, refused with the type torch's shuffle would raise.
+
+    torch computes ``seed + epoch`` (``TypeError`` for a str or ``None``) and seeds a
+    ``torch.Generator`` with it (``RuntimeError`` for a float, ``ValueError`` when out of
+    range), at the first ``iter()``; these are raised here instead.
+    """
+    try:
+        seed + 0
+    except TypeError:
+        raise TypeError(
+            f"seed should be an int (the same on every replica), but got "
+            f"{type(seed).__name__} {seed!r}"
+        ) from None
+    try:
+        checked = operator.index(seed)
+    except TypeError:
+        raise RuntimeError(
+            f"seed should be an int (torch.Generator.manual_seed expects a long), but got "
+            f"{type(seed).__name__} {seed!r}"
+        ) from None
+    if not _SEED_MIN <= checked <= _SEED_MAX:
+        raise ValueError(
+            f"seed should be in [-2**63, 2**64 - 1] (torch.Generator.manual_seed's range), "
+            f"but got seed={checked}"
+        )
+    return checked
+
+
+class DistributedSampler(Sampler[T_co], _tud_distributed.DistributedSampler[T_co]):
     """Give each of ``num_replicas`` processes its own share of a dataset's indices.
+
+    A subclass of :class:`torch.utils.data.distributed.DistributedSampler`, so frameworks
+    that look for torch's class (Lightning's and Fabric's sampler injection, ``set_epoch``
+    calls) treat it as one and do not wrap it in a second distributed sampler.
 
     All replicas build the same order (a permutation seeded with
     ``seed + epoch`` when ``shuffle``), make its length divisible by
@@ -55,9 +122,13 @@ class DistributedSampler(Sampler[T_co]):
 
     Raises:
         RuntimeError: ``num_replicas``/``rank`` was omitted and
-            ``torch.distributed`` is not available.
-        ValueError: ``rank`` is out of range (and, with recent torch, the
-            default process group is not initialized).
+            ``torch.distributed`` is not available; or ``seed`` is a float.
+        ValueError: ``rank`` is out of range, ``num_replicas`` is not positive,
+            ``seed`` is out of ``torch.Generator``'s range (and, with recent
+            torch, the default process group is not initialized).
+        TypeError: ``num_replicas``, ``rank`` or ``seed`` is not an int,
+            ``shuffle`` or ``drop_last`` is not a bool, or ``dataset`` has no
+            ``len()``.
 
     Example:
         >>> list(DistributedSampler(range(10), num_replicas=3, rank=1, shuffle=False))
@@ -79,28 +150,35 @@ class DistributedSampler(Sampler[T_co]):
             num_replicas = _from_process_group("num_replicas", dist.get_world_size)
         if rank is None:
             rank = _from_process_group("rank", dist.get_rank)
+        num_replicas = _as_int("num_replicas", num_replicas, "the number of processes")
+        rank = _as_int("rank", rank, "this process's index in [0, num_replicas - 1]")
+        if num_replicas < 1:
+            # torch: ValueError("Invalid rank 0, rank should be in the interval [0, -1]").
+            raise ValueError(
+                f"num_replicas should be a positive integer (the number of processes), "
+                f"but got num_replicas={num_replicas}"
+            )
         if not 0 <= rank < num_replicas:
             raise ValueError(
                 f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]; "
                 "pass 0 <= rank < num_replicas."
             )
-        self.dataset = dataset
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.epoch = 0
-        self.drop_last = drop_last
-        self.shuffle = shuffle
-        self.seed = seed
-        n = len(dataset)
-        if drop_last and n % num_replicas != 0:
-            # Same float arithmetic as torch, so the sizes agree bit for bit.
-            self.num_samples = math.ceil((n - num_replicas) / num_replicas)
-        else:
-            self.num_samples = math.ceil(n / num_replicas)
-        self.total_size = self.num_samples * num_replicas
+        shuffle = _as_flag("shuffle", shuffle)
+        drop_last = _as_flag("drop_last", drop_last)
+        seed = _check_seed(seed)
+        try:
+            len(dataset)
+        except TypeError as exc:
+            raise TypeError(
+                f"DistributedSampler needs the dataset's length, but {exc}; pass a map-style "
+                "dataset (an IterableDataset shards itself, e.g. by rank in __iter__)."
+            ) from exc
+        # torch's own constructor sets every attribute (num_samples, total_size, ...)
+        # exactly as torch computes them.
+        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[T_co]:
-        n = len(self.dataset)
+        n = len(self.dataset)  # type: ignore[arg-type]
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
@@ -122,13 +200,13 @@ class DistributedSampler(Sampler[T_co]):
         mine = indices[self.rank : self.total_size : self.num_replicas]
         return cast(Iterator[T_co], iter(mine))
 
-    def __len__(self) -> int:
-        return self.num_samples
-
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch, which reseeds the shuffle (``seed + epoch``) of the next iteration.
 
         Args:
             epoch: the epoch number; use the same on every replica.
+
+        Raises:
+            TypeError: ``epoch`` is not an int (torch fails at the next ``iter()``).
         """
-        self.epoch = epoch
+        self.epoch = _as_int("epoch", epoch, "the epoch number")

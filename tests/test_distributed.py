@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import pytest
 import torch
@@ -64,12 +65,67 @@ def test_set_epoch_reshuffles_and_same_epoch_repeats():
 
 def test_invalid_rank_raises_value_error_like_torch():
     """A rank outside [0, num_replicas - 1] raises ValueError, as in torch."""
-    for num_replicas, rank in [(2, 2), (2, -1), (1, 5), (0, 0)]:
+    for num_replicas, rank in [(2, 2), (2, -1), (1, 5)]:
         with pytest.raises(ValueError, match="Invalid rank") as ours:
             DistributedSampler(range(4), num_replicas, rank)
         with pytest.raises(ValueError, match="Invalid rank") as theirs:
             TorchDistributedSampler(range(4), num_replicas, rank)
         assert type(ours.value) is type(theirs.value)
+
+
+def test_is_torch_distributed_sampler_subclass():
+    """Regression test for issue 18: frameworks' isinstance checks against torch's class pass."""
+    sampler = DistributedSampler(range(10), num_replicas=2, rank=1, seed=3, drop_last=True)
+    assert isinstance(sampler, TorchDistributedSampler)
+    theirs = TorchDistributedSampler(range(10), num_replicas=2, rank=1, seed=3, drop_last=True)
+    assert vars(sampler) == vars(theirs)  # the attributes frameworks read, torch's values
+    assert pickle.loads(pickle.dumps(sampler)).__dict__ == sampler.__dict__
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "names"), [
+    ({"num_replicas": 2, "rank": "0"}, TypeError, "rank"),
+    ({"num_replicas": "2", "rank": 0}, TypeError, "num_replicas"),
+    ({"num_replicas": 2.0, "rank": 0}, TypeError, "num_replicas"),
+    ({"num_replicas": 2, "rank": 1.0}, TypeError, "rank"),
+    ({"num_replicas": 0, "rank": 0}, ValueError, "num_replicas"),
+    ({"num_replicas": -1, "rank": 0}, ValueError, "num_replicas"),
+    ({"num_replicas": 2, "rank": 0, "seed": "1"}, TypeError, "seed"),
+    ({"num_replicas": 2, "rank": 0, "seed": None}, TypeError, "seed"),
+    ({"num_replicas": 2, "rank": 0, "seed": 1.5}, RuntimeError, "seed"),
+    ({"num_replicas": 2, "rank": 0, "seed": 2**64}, ValueError, "seed"),
+])
+def test_bad_arguments_raise_torchs_type_early_naming_the_argument(kwargs, exc, names):
+    """Regression test for issue 18: bad arguments raise torch's type at once, naming the argument."""
+    with pytest.raises(exc):  # torch raises the same type, at construction or at iter()
+        list(TorchDistributedSampler(range(10), **kwargs))
+    with pytest.raises(exc, match=names):
+        DistributedSampler(range(10), **kwargs)
+
+
+@pytest.mark.parametrize("name", ["shuffle", "drop_last"])
+@pytest.mark.parametrize("value", ["no", None, 1, 0.0])
+def test_non_bool_flags_raise_type_error(name, value):
+    """Regression test for issue 18: shuffle/drop_last take a bool (torch would use its truth value)."""
+    with pytest.raises(TypeError, match=f"{name}.*pass True or False"):
+        DistributedSampler(range(10), num_replicas=2, rank=0, **{name: value})
+
+
+def test_numpy_ints_and_bools_are_accepted_as_python_values():
+    """numpy ints and bools (e.g. read from a config array) work and are stored as Python ones."""
+    np = pytest.importorskip("numpy")
+    sampler = DistributedSampler(range(10), num_replicas=np.int64(2), rank=np.int32(1),
+                                 shuffle=np.bool_(True), seed=np.int64(4), drop_last=np.bool_(False))
+    assert (type(sampler.rank), type(sampler.seed), type(sampler.shuffle)) == (int, int, bool)
+    assert list(sampler) == list(TorchDistributedSampler(range(10), 2, 1, True, 4, False))
+
+
+def test_set_epoch_refuses_a_non_int_and_dataset_needs_a_length():
+    """set_epoch('1') and a dataset without len() raise TypeError naming what is wrong."""
+    sampler = DistributedSampler(range(10), num_replicas=2, rank=0)
+    with pytest.raises(TypeError, match="epoch"):
+        sampler.set_epoch("1")
+    with pytest.raises(TypeError, match="length"):
+        DistributedSampler(iter(range(10)), num_replicas=2, rank=0)
 
 
 def test_without_process_group_raises_like_torch():
