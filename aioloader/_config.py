@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.utils.data as _tud
 
 from ._fetch import dataset_kind
 from ._ray_pool import check_ray_options
@@ -202,7 +203,12 @@ def resolve_sampling(
         else:
             sampler = SequentialSampler(dataset)
     if batch_size is not None and batch_sampler is None:
-        batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        # Checked with aioloader's messages (they say what to pass), kept as exactly torch's
+        # class (same batches): Lightning and Fabric re-create a loader whose batch sampler
+        # is not `type(x) is BatchSampler` around a rebuilt batch sampler, which leaves
+        # batch_size=None and a default SequentialSampler as loader.sampler.
+        BatchSampler(sampler, batch_size, drop_last)
+        batch_sampler = _tud.BatchSampler(sampler, batch_size, drop_last)
     return batch_size, drop_last, sampler, batch_sampler
 
 
