@@ -332,16 +332,18 @@ def _worker_processes(core: _PipelineCore) -> list[Any]:
     return list(lease.pool.processes) if lease is not None and lease.started else []
 
 
-def _shutdown_persistent_pool(core: _PipelineCore) -> None:
+def _shutdown_persistent_pool(core: _PipelineCore, _getpid: Callable[[], int] = os.getpid) -> None:
     """torch's ``iterator._shutdown_workers()`` for persistent workers: stop the pool too.
 
     Only while ``core`` is the epoch that holds the pool: an older epoch's iterator being
     shut down (or collected) must not stop the workers a newer epoch uses. The loader then
     starts a fresh pool (and draws a new base seed) at its next ``iter()``, as torch does.
+    ``os.getpid`` is bound at definition: an iterator's ``__del__`` can run this while the
+    interpreter is clearing module globals at exit (``os`` is then ``None``).
     """
     lease = core.lease
     if (lease is None or not core.persistent
-            or os.getpid() != core.pid
+            or _getpid() != core.pid
             or lease.holder is None or lease.holder() is not core):
         return
     lease.close()

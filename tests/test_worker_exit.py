@@ -68,10 +68,13 @@ def test_worker_runs_its_own_finalizers_and_atexit_handlers(method: str, tmp_pat
     assert marks == ["parent", "worker0", "worker1"], marks
 
 
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("closed", [False, True])
-def test_an_iterator_alive_at_interpreter_exit_leaves_quietly(closed: bool) -> None:
+def test_an_iterator_alive_at_interpreter_exit_leaves_quietly(closed: bool, persistent: bool) -> None:
     """torch's ``__del__`` calls ``_shutdown_workers()`` while the interpreter clears module
-    globals; it used to print "Exception ignored ... 'NoneType' object is not callable"."""
+    globals; it used to print "Exception ignored ... 'NoneType' object is not callable", and
+    with persistent workers "... 'NoneType' object has no attribute 'getpid'" (seen when
+    Lightning keeps an iterator alive until exit)."""
     # `import aioloader` and a module-level iterator, as a user's script has them (a
     # `from aioloader import DataLoader` changes the teardown order and hid the bug).
     script = textwrap.dedent(f"""
@@ -86,7 +89,8 @@ def test_an_iterator_alive_at_interpreter_exit_leaves_quietly(closed: bool) -> N
                 return torch.zeros(3), i
 
         loader = aioloader.DataLoader(Pairs(), batch_size=8, num_workers=2,
-                                      multiprocessing_context="fork")
+                                      multiprocessing_context="fork",
+                                      persistent_workers={persistent})
         it = iter(loader)
         first = next(it)
         if {closed}:
