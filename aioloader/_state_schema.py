@@ -530,7 +530,8 @@ _TD_SNAPSHOT: dict[str, Check] = {
 }
 
 
-def _td_check_sampler(main: dict[str, Any], path: str, loader: Any, yielded: int) -> None:
+def _td_check_sampler(main: dict[str, Any], path: str, loader: Any, yielded: int,
+                      ypath: str) -> None:
     """The sampler side of a torchdata state against this loader."""
     iter_state = main["_sampler_iter_state"]
     ipath = _key(path, "_sampler_iter_state")
@@ -564,8 +565,8 @@ def _td_check_sampler(main: dict[str, Any], path: str, loader: Any, yielded: int
             f"{_WHAT_TO_DO}")
     batches = _length(loader._index_sampler)
     if batches is not None and yielded > batches:
-        raise ValueError(f"the torchdata state consumed {yielded} batches of an epoch of "
-                         f"{batches} batches: {_WHAT_TO_DO}")
+        raise ValueError(f"{ypath}: the torchdata state consumed {yielded} batches of an "
+                         f"epoch of {batches} batches: {_WHAT_TO_DO}")
 
 
 def read_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
@@ -615,7 +616,7 @@ def read_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
             workers[str(i)] = wstate
         _int(0, max(0, loader.num_workers - 1))(snap["_last_yielded_worker_id"],
                                                 "state['_snapshot']['_last_yielded_worker_id']")
-        _td_check_sampler(main, mpath, loader, yielded)
+        _td_check_sampler(main, mpath, loader, yielded, "state['_snapshot']['_snapshot_step']")
         has_state = any(w is not None and (w[_DATASET_STATE] is not None or (
             w[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None)
             for w in workers.values())
@@ -634,11 +635,11 @@ def read_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
     elif "_num_yielded" in sd:
         _record(_TD_INLINE, strict=False)(sd, "state")
         if loader.num_workers:
-            raise ValueError(f"the state was taken with num_workers=0 (a single-process "
-                             f"torchdata state), this loader has "
-                             f"num_workers={loader.num_workers}: {_WHAT_TO_DO}")
+            raise ValueError(f"the state was taken with num_workers=0, this loader has "
+                             f"num_workers={loader.num_workers} (a single-process torchdata "
+                             f"state has no '_snapshot'): {_WHAT_TO_DO}")
         yielded = sd["_num_yielded"]
-        _td_check_sampler(sd, "state", loader, yielded)
+        _td_check_sampler(sd, "state", loader, yielded, "state['_num_yielded']")
         wstate = None
         if sd[_DATASET_STATE] is not None or (
                 (sd[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None):
