@@ -46,7 +46,7 @@ def _to_tensor(v: Any) -> torch.Tensor:
     """A validated RNG state (:mod:`aioloader._state_schema`) as ``set_state`` takes it."""
     if isinstance(v, torch.Tensor):
         return v
-    return torch.tensor(v, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(v), dtype=torch.uint8)  # 10x torch.tensor(list)
 
 
 def generators(loader: Any) -> dict[str, torch.Generator]:
