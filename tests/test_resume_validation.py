@@ -330,6 +330,28 @@ def test_corrupt_iterable_state(iter_state: State, mutate: Callable[[State], Sta
     _refused(_iter_loader, mutate(copy.deepcopy(iter_state)), exc, match)
 
 
+def test_generator_state_missing() -> None:
+    """Regression test for issue 18: every generator of the loader must have its state."""
+    def make() -> DataLoader[Any]:
+        return _map_loader(generator=torch.Generator().manual_seed(1))
+    state = _take(make(), 1)
+    for key in ("generators", "rng"):
+        bad = copy.deepcopy(state)
+        gens = bad[key] if key == "generators" else bad[key]["generators"]
+        del gens["generator"]
+        _refused(make, bad, ValueError,
+                 re.escape("has no state for the loader's generator at 'generator'"))
+
+
+def test_refused_state_keeps_the_loaded_one(map_state: State) -> None:
+    """Regression test for issue 18: a refused load leaves an earlier loaded state pending."""
+    loader = _map_loader()
+    loader.load_state_dict(copy.deepcopy(map_state))
+    with pytest.raises(ValueError, match=_p(("prefix",))):
+        loader.load_state_dict({**map_state, "prefix": 99})
+    assert loader.state_dict() == map_state
+
+
 def test_not_a_dict() -> None:
     """Regression test for issue 18: a pickled blob or a list in place of the state."""
     for bad in (_PICKLED, [1, 2], None):
