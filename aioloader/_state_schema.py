@@ -469,7 +469,7 @@ def _read_v1(state: dict[str, Any], loader: Any) -> dict[str, Any]:
         "record the loader's configuration: it is loaded assuming this DataLoader has the "
         "dataset, batch size, sampler and shuffle of the one that saved it (otherwise the "
         "resumed epoch is wrong). A state_dict() taken now records them.",
-        UserWarning, stacklevel=4)
+        UserWarning, stacklevel=5)  # the caller of loader.load_state_dict
     return {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(loader),
             **{name: state[name] for name in _POSITION_FIELDS}}
 
