@@ -25,7 +25,7 @@ _LG = logging.getLogger(__name__)
 
 #: Marks an aioloader state dict, and its layout version.
 FORMAT_KEY = "aioloader_state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def _to_list(t: torch.Tensor) -> list[int]:
@@ -43,11 +43,10 @@ def _rng_lists(rng: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _to_tensor(v: Any) -> torch.Tensor:
+    """A validated RNG state (:mod:`aioloader._state_schema`) as ``set_state`` takes it."""
     if isinstance(v, torch.Tensor):
-        return v.to(torch.uint8)
-    if isinstance(v, (bytes, bytearray)):
-        return torch.tensor(list(v), dtype=torch.uint8)
-    return torch.tensor(list(v), dtype=torch.uint8)
+        return v
+    return torch.frombuffer(bytearray(v), dtype=torch.uint8)  # 10x torch.tensor(list)
 
 
 def generators(loader: Any) -> dict[str, torch.Generator]:
@@ -320,10 +319,12 @@ class EpochTracker:
 
     # -- saving --------------------------------------------------------------------------
 
-    def state_dict(self, base_seed: int | None) -> dict[str, Any]:
+    def state_dict(self, base_seed: int | None, config: dict[str, Any]) -> dict[str, Any]:
+        """The loader's state (layout: docs/resume.md); ``config`` describes the loader
+        (:func:`aioloader._state_schema.loader_config`)."""
         st: dict[str, Any] = {
             FORMAT_KEY: FORMAT_VERSION,
-            "num_workers": self.num_workers,
+            "config": config,
             "finished": self.finished,
             "base_seed": base_seed,
             "yielded": self.yielded,

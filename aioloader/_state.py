@@ -29,8 +29,9 @@ How a state is made exact without fetching the skipped samples:
 The per-epoch bookkeeping is :mod:`aioloader._epoch_tracker`; a worker's dataset
 state, :mod:`aioloader._dataset_state`. This module is the loader's API:
 ``state_dict()`` (:func:`loader_state_dict`) and ``load_state_dict()``
-(:func:`prepare_resume`: validation and torchdata states). The names of all
-three are importable from here.
+(:func:`prepare_resume`); what a loaded state must be (every version of the layout,
+torchdata states), :mod:`aioloader._state_schema`. The names of all four are
+importable from here.
 
 This module is imported by worker processes: stdlib and torch only.
 """
@@ -40,10 +41,6 @@ from __future__ import annotations
 from typing import Any
 
 from ._dataset_state import (
-    _DATASET_ITER_STATE,
-    _DATASET_STATE,
-    _FETCHER_STATE,
-    _WORKER_ID,
     Stateful,
     is_stateful_iterable,
     load_dataset_state,
@@ -51,6 +48,7 @@ from ._dataset_state import (
     worker_state,
 )
 from ._epoch_tracker import FORMAT_KEY, FORMAT_VERSION, EpochTracker
+from ._state_schema import loader_config, read_torchdata, validate
 
 __all__ = [
     "FORMAT_KEY",
@@ -61,9 +59,12 @@ __all__ = [
     "is_stateful_iterable",
     "load_dataset_state",
     "load_fetcher_state",
+    "loader_config",
     "loader_state_dict",
     "prepare_resume",
+    "read_torchdata",
     "take_pending",
+    "validate",
     "worker_state",
 ]
 
@@ -85,28 +86,20 @@ def loader_state_dict(loader: Any) -> dict[str, Any]:
         return dict(pending.state)
     tracker = getattr(loader, "_resume_tracker", None)
     if tracker is None:
-        return EpochTracker(loader, None).state_dict(None)
-    state: dict[str, Any] = tracker.state_dict(tracker.seed)
+        return EpochTracker(loader, None).state_dict(None, loader_config(loader))
+    state: dict[str, Any] = tracker.state_dict(tracker.seed, loader_config(loader))
     return state
 
 
 def prepare_resume(loader: Any, state: dict[str, Any]) -> None:
-    """``loader.load_state_dict(state)``: validate, convert, and keep it for the next iter()."""
-    if not isinstance(state, dict):
-        raise TypeError(f"load_state_dict expects a dict from state_dict(), got "
-                        f"{type(state).__name__}")
-    if state == {}:
+    """``loader.load_state_dict(state)``: validate, convert, and keep it for the next iter().
+
+    All of the checking is :func:`aioloader._state_schema.validate`; a refused state
+    leaves the loader as it was.
+    """
+    if isinstance(state, dict) and state == {}:
         return
-    if FORMAT_KEY not in state:
-        state = from_torchdata(loader, state)
-    elif state[FORMAT_KEY] != FORMAT_VERSION:
-        raise ValueError(f"unsupported aioloader state version {state[FORMAT_KEY]!r} "
-                         f"(this aioloader reads version {FORMAT_VERSION})")
-    if int(state.get("num_workers", loader.num_workers)) != loader.num_workers:
-        raise ValueError(
-            f"the state was saved with num_workers={state['num_workers']}, this loader has "
-            f"num_workers={loader.num_workers}: resume with the same number of workers")
-    loader._resume_pending = _Pending(state)
+    loader._resume_pending = _Pending(validate(loader, state))
     loader._resume_tracker = None
 
 
@@ -121,66 +114,8 @@ def take_pending(loader: Any) -> dict[str, Any] | None:
 
 
 def from_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
-    """Translate a torchdata ``StatefulDataLoader.state_dict()`` into this module's layout.
+    """A torchdata ``StatefulDataLoader.state_dict()`` in this module's layout (checked).
 
-    Loads where the two mean the same thing: a sequential or ``Stateful`` sampler,
-    ``Stateful`` iterable datasets (per worker), the base seed. torchdata's shuffling
-    ``RandomSampler`` draws a different permutation than torch's; its state is passed
-    to a ``Stateful`` sampler only.
+    See :func:`aioloader._state_schema.read_torchdata`.
     """
-    main_state = sd.get("_snapshot", {}).get("_main_snapshot", sd)
-    iter_state = main_state.get("_sampler_iter_state")
-    if isinstance(iter_state, dict) and iter_state.get("sampler_iter_state") is not None:
-        raise ValueError(
-            "this torchdata state comes from torchdata's own shuffling RandomSampler, whose "
-            "permutation differs from torch's (and aioloader's): it cannot resume the same "
-            "order here. Resume it with torchdata, or checkpoint an aioloader DataLoader")
-    if "_snapshot" in sd:
-        snap = sd["_snapshot"]
-        main = snap["_main_snapshot"]
-        yielded = int(snap["_snapshot_step"]) + int(sd.get("_steps_since_snapshot", 0))
-        if sd.get("_steps_since_snapshot"):
-            raise ValueError(
-                "this torchdata state was taken between snapshots (snapshot_every_n_steps > "
-                "1): save it with snapshot_every_n_steps=1 to resume it in aioloader")
-        workers = {int(k.rsplit("_", 1)[1]): v
-                   for k, v in (snap.get("_worker_snapshots") or {}).items()}
-        return {
-            FORMAT_KEY: FORMAT_VERSION,
-            "num_workers": int(main["_num_workers"]),
-            "finished": bool(sd.get("_iterator_finished", False)),
-            "base_seed": main.get("_base_seed"),
-            "yielded": yielded,
-            "prefix": yielded if not loader._kind.iterable else 0,
-            "extra": [],
-            "last_worker": int(snap["_last_yielded_worker_id"]),
-            "worker_states": {str(k): v for k, v in workers.items()} if any(
-                v is not None and (v.get(_DATASET_STATE) is not None
-                                   or (v.get(_FETCHER_STATE) or {}).get(_DATASET_ITER_STATE)
-                                   is not None) for v in workers.values()) else {},
-            "sampler_state": main.get("_index_sampler_state"),
-            "rng": {"global": None, "generators": {}},
-            "generators": {},
-        }
-    if "_num_yielded" in sd:
-        yielded = int(sd["_num_yielded"])
-        wstate = None
-        if sd.get(_DATASET_STATE) is not None or (
-                (sd.get(_FETCHER_STATE) or {}).get(_DATASET_ITER_STATE) is not None):
-            wstate = {_WORKER_ID: 0, _FETCHER_STATE: sd.get(_FETCHER_STATE),
-                      _DATASET_STATE: sd.get(_DATASET_STATE)}
-        return {
-            FORMAT_KEY: FORMAT_VERSION,
-            "num_workers": 0,
-            "finished": bool(sd.get("_iterator_finished", False)),
-            "base_seed": None,
-            "yielded": yielded,
-            "prefix": yielded if not loader._kind.iterable else 0,
-            "extra": [],
-            "last_worker": 0,
-            "worker_states": {"0": wstate} if wstate is not None else {},
-            "sampler_state": sd.get("_index_sampler_state"),
-            "rng": {"global": None, "generators": {}},
-            "generators": {},
-        }
-    raise ValueError("not a state from DataLoader.state_dict() (aioloader or torchdata)")
+    return read_torchdata(loader, sd)
