@@ -73,7 +73,16 @@ def collate(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None)
         ...         collate_fn_map={torch.Tensor: stack_tensors})
         {'x': tensor([[1., 1.], [0., 0.]])}
     """
-    elem = batch[0]
+    try:
+        elem = batch[0]
+    except IndexError:
+        if len(batch):
+            raise
+        # torch's IndexError, saying where an empty batch comes from.
+        raise IndexError(
+            "default_collate got an empty batch (no samples): a batch_sampler yielded an "
+            "empty list of keys, or __getitems__ returned []; make every batch hold at "
+            "least one key, or pass a collate_fn that handles an empty batch") from None
     elem_type = type(elem)
 
     if collate_fn_map is not None:

@@ -7,16 +7,23 @@ its samplers here. Nothing in this module keeps state.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import multiprocessing.context
+import numbers
+import operator
+import os
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils.data as _tud
 
+from ._errors import PrefetchFactorError
 from ._fetch import dataset_kind
 from ._ray_pool import check_ray_options
+from .collate import default_collate
 from .sampler import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
 #: The values of ``worker_method``: where the ``num_workers`` workers run. Local
@@ -35,28 +42,125 @@ class _InfiniteConstantSampler(Sampler[None]):
             yield None
 
 
-def check_worker_options(
-    num_workers: int, timeout: float, prefetch_factor: int | None, persistent_workers: bool,
-    worker_method: str, fetch_concurrency: int, fetch_threads: int, device_prefetch: int,
-) -> int | None:
-    """Check the worker and prefetch arguments; returns ``prefetch_factor``.
+def as_int(name: str, value: Any, what: str, *, allow_bool: bool = False) -> int:
+    """``value`` as a plain ``int``: Python and numpy integers (anything with ``__index__``).
 
-    With workers and no ``prefetch_factor``, torch's default of 2.
+    torch uses ``num_workers`` and ``prefetch_factor`` in comparisons and ``range()``,
+    which take numpy integers too; aioloader stores plain ints so that nothing downstream
+    (pickling to workers, JSON state, ``range()``) sees a numpy scalar. ``what`` says
+    what the argument means (for the message).
+
+    Raises:
+        TypeError: not an integer (a float, a string, ``None``; a bool unless ``allow_bool``).
     """
-    # torch fails on a non-int num_workers/prefetch_factor with TypeError (at the
-    # constructor's comparison, or at iter() for a float): same type, raised here.
-    if not isinstance(num_workers, int):
-        raise TypeError(
-            f"num_workers should be an int (0 loads in the main process), but got "
-            f"{type(num_workers).__name__} {num_workers!r}"
-        )
+    if isinstance(value, bool) and not allow_bool:
+        raise TypeError(f"{name} should be an int ({what}), but got {name}={value!r}; "
+                        f"pass a number, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} should be an int ({what}), but got "
+                        f"{type(value).__name__} {name}={value!r}; pass a whole number, "
+                        f"e.g. {name}=int({name})") from None
+
+
+def _non_negative_int(name: str, value: Any, what: str) -> int:
+    number = as_int(name, value, what)
+    if number < 0:
+        raise ValueError(f"{name} should be a non-negative integer ({what}), but got "
+                         f"{name}={number}")
+    return number
+
+
+def _positive_int(name: str, value: Any, what: str) -> int:
+    number = as_int(name, value, what)
+    if number < 1:
+        raise ValueError(f"{name} should be a positive integer ({what}), but got "
+                         f"{name}={number}")
+    return number
+
+
+def as_flag(name: str, value: Any, *, allow_none: bool = False) -> bool | None:
+    """``value`` as a ``bool``: ``True``/``False``, numpy bools, or the integers 0 and 1.
+
+    torch reads these flags by truth value, so ``in_order="no"`` or ``shuffle="False"``
+    would silently mean ``True`` there; aioloader refuses them.
+
+    Raises:
+        TypeError: anything else (a string, ``None`` unless ``allow_none``, 2, ...).
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = -1
+    if number in (0, 1):
+        return bool(number)
+    accepted = "True, False or None" if allow_none else "True or False"
+    raise TypeError(f"{name} should be {accepted}, but got {type(value).__name__} "
+                    f"{name}={value!r} (a non-empty string is true: {name}='False' would "
+                    f"mean True); pass a bool")
+
+
+def _seconds(name: str, value: Any, what: str) -> int | float:
+    """A real number of seconds (numpy numbers too) as a plain int or float; not NaN."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} should be a number of seconds ({what}), but got "
+                        f"{type(value).__name__} {name}={value!r}")
+    number: int | float = (operator.index(value) if isinstance(value, numbers.Integral)
+                           else float(value))
+    if math.isnan(number):
+        raise ValueError(f"{name} should be a number of seconds ({what}), but got {name}=nan")
+    return number
+
+
+def _callable_or_none(name: str, value: Any, what: str) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} should be a callable ({what}) or None, but got "
+                        f"{type(value).__name__} {name}={value!r}")
+
+
+def _iterable_or_none(name: str, value: Any, what: str) -> None:
+    # Objects iterable through __getitem__ alone are valid samplers too (see BatchSampler).
+    if value is not None and not (hasattr(value, "__iter__") or hasattr(value, "__getitem__")):
+        raise TypeError(f"{name} should be an iterable ({what}), but got "
+                        f"{type(value).__name__} {name}={value!r}: an instance of a Sampler "
+                        f"subclass, or any object with __iter__")
+
+
+def check_worker_options(
+    num_workers: Any, timeout: Any, prefetch_factor: Any, persistent_workers: Any,
+) -> tuple[int, int | float, int | None, bool]:
+    """torch's checks of the worker arguments, in torch's order, with numpy numbers.
+
+    Returns ``(num_workers, timeout, prefetch_factor, persistent_workers)`` as plain
+    Python values; with workers and no ``prefetch_factor``, torch's default of 2.
+    """
+    # torch compares num_workers/timeout/prefetch_factor with 0 (TypeError for None or a
+    # str) and passes num_workers/prefetch_factor to range() at iter() (TypeError for a
+    # float): the same types, raised here. bool is an int there: num_workers=True is 1.
+    num_workers = as_int("num_workers", num_workers, "how many worker processes; 0 loads "
+                         "in the main process", allow_bool=True)
     if num_workers < 0:
         raise ValueError(
             "num_workers option should be non-negative; "
-            "use num_workers=0 to disable multiprocessing."
+            f"use num_workers=0 to disable multiprocessing (got num_workers={num_workers})."
         )
+    timeout = _seconds("timeout", timeout, "how long to wait for a batch from the workers; "
+                       "0 waits forever")
     if timeout < 0:
-        raise ValueError("timeout option should be non-negative")
+        raise ValueError(f"timeout option should be non-negative (0 waits forever), but got "
+                         f"timeout={timeout}")
+    if timeout == math.inf:
+        # torch accepts it and fails at the first batch (OverflowError in its queue).
+        raise ValueError("timeout should be a finite number of seconds, but got timeout=inf; "
+                         "pass timeout=0 to wait for batches without a time limit")
+    if prefetch_factor is not None:
+        prefetch_factor = as_int("prefetch_factor", prefetch_factor, "batches requested "
+                                 "ahead per worker", allow_bool=True)
     if num_workers == 0 and prefetch_factor is not None:
         raise ValueError(
             "prefetch_factor option could only be specified in multiprocessing. "
@@ -65,36 +169,147 @@ def check_worker_options(
         )
     if num_workers > 0 and prefetch_factor is None:
         prefetch_factor = 2
-    elif prefetch_factor is not None and not isinstance(prefetch_factor, int):
-        raise TypeError(
-            f"prefetch_factor should be an int (batches requested ahead per worker), "
-            f"but got {type(prefetch_factor).__name__} {prefetch_factor!r}"
-        )
     elif prefetch_factor is not None and prefetch_factor < 0:
-        raise ValueError("prefetch_factor option should be non-negative")
-    if persistent_workers and num_workers == 0:
+        raise ValueError(f"prefetch_factor option should be non-negative, but got "
+                         f"prefetch_factor={prefetch_factor}")
+    elif prefetch_factor == 0:
+        # torch asserts this at iter(); PrefetchFactorError is an AssertionError too.
+        raise PrefetchFactorError(
+            "prefetch_factor must be greater than 0 with num_workers > 0 (it is how many "
+            "batches each worker is asked for ahead; 0 would request none): pass "
+            "prefetch_factor=1 or more, or leave it None for the default of 2"
+        )
+    persistent = as_flag("persistent_workers", persistent_workers)
+    if persistent and num_workers == 0:
         raise ValueError("persistent_workers option needs num_workers > 0")
+    return num_workers, timeout, prefetch_factor, bool(persistent)
+
+
+def check_loader_options(
+    *, sampler: Any, batch_sampler: Any, collate_fn: Any, worker_init_fn: Any,
+    generator: Any, pin_memory: Any, pin_memory_device: Any, in_order: Any,
+) -> tuple[bool, bool]:
+    """The torch arguments torch itself checks only when it uses them (or never).
+
+    Called after torch's own checks, so that a call torch refuses at construction is
+    refused for the same argument. Returns ``(pin_memory, in_order)`` as bools.
+    """
+    _iterable_or_none("sampler", sampler, "of dataset keys")
+    _iterable_or_none("batch_sampler", batch_sampler, "of lists of dataset keys")
+    _callable_or_none("collate_fn", collate_fn, "it turns a list of samples into a batch")
+    _callable_or_none("worker_init_fn", worker_init_fn, "called with the worker id in "
+                      "each worker")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator should be a torch.Generator or None, but got "
+                        f"{type(generator).__name__} generator={generator!r}; e.g. "
+                        f"generator=torch.Generator().manual_seed(0)")
+    pin = as_flag("pin_memory", pin_memory)
+    if not isinstance(pin_memory_device, (str, torch.device)):
+        raise TypeError(f"pin_memory_device should be a str, but got "
+                        f"{type(pin_memory_device).__name__} "
+                        f"pin_memory_device={pin_memory_device!r}; it is deprecated in torch "
+                        f"(the current accelerator is used): leave it out")
+    order = as_flag("in_order", in_order)
+    if isinstance(batch_sampler, (list, tuple)):
+        _check_batch_list(batch_sampler, collate_fn)
+    return bool(pin), bool(order)
+
+
+def _check_batch_list(batches: list[Any] | tuple[Any, ...], collate_fn: Any) -> None:
+    """A ``batch_sampler`` given as a list: each batch is a non-empty list of keys.
+
+    torch finds out at that batch (``TypeError`` from iterating an int, ``IndexError``
+    from ``default_collate([])``); a list can be checked now. An empty batch is refused
+    only for the default ``collate_fn``: a custom one may handle ``[]``.
+    """
+    default = collate_fn is None or collate_fn is default_collate
+    for position, batch in enumerate(batches):
+        if isinstance(batch, (str, bytes)) or not (
+                hasattr(batch, "__iter__") or hasattr(batch, "__getitem__")):
+            raise TypeError(
+                f"batch_sampler should yield lists of dataset keys, but its batch "
+                f"{position} is {type(batch).__name__} {batch!r}; for one key per batch "
+                f"use batch_sampler=[[k] for k in keys], or sampler=keys with batch_size")
+        if default and hasattr(batch, "__len__") and len(batch) == 0:
+            raise ValueError(
+                f"batch_sampler should yield non-empty lists of dataset keys, but its batch "
+                f"{position} is empty ({batch!r}) and default_collate cannot collate no "
+                f"samples; drop the empty batches, or pass a collate_fn that handles []")
+
+
+def check_extra_options(
+    worker_method: Any, fetch_concurrency: Any, fetch_threads: Any, device_prefetch: Any,
+) -> tuple[str, int, int, int]:
+    """aioloader's own worker and fetch arguments; returns them as plain values."""
+    if not isinstance(worker_method, str):
+        raise TypeError(
+            f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, "
+            f"but got {type(worker_method).__name__} worker_method={worker_method!r}"
+        )
     if worker_method not in WORKER_METHODS:
         raise ValueError(
             f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, "
             f"but got worker_method={worker_method!r}"
         )
-    if not isinstance(fetch_concurrency, int) or fetch_concurrency < 1:
+    fetch_concurrency = _positive_int(
+        "fetch_concurrency", fetch_concurrency,
+        "the most fetches of an async dataset in flight per process")
+    fetch_threads = _non_negative_int(
+        "fetch_threads", fetch_threads, "threads reading the samples of a batch; 0 disables "
+        "the fetch thread pool")
+    device_prefetch = _positive_int(
+        "device_prefetch", device_prefetch, "batches the device stage keeps in flight")
+    return worker_method, fetch_concurrency, fetch_threads, device_prefetch
+
+
+#: Up to this many workers the system's task limits are not read (they are far above it).
+_FEW_WORKERS = 256
+
+
+def _task_limit() -> tuple[int, str] | None:
+    """The most processes/threads this process could ever have, and where that comes from.
+
+    The smallest of: the kernel's ``pid_max`` and ``threads-max``, the pids cgroup's
+    ``pids.max``, and (not for root, whom it does not bind) ``RLIMIT_NPROC``. None when
+    none of them is known.
+    """
+    limits: list[tuple[int, str]] = []
+    for path in ("/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max",
+                 "/sys/fs/cgroup/pids.max", "/sys/fs/cgroup/pids/pids.max"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append((int(text), path))
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        if soft != resource.RLIM_INFINITY and os.geteuid() != 0:
+            limits.append((soft, "RLIMIT_NPROC (ulimit -u)"))
+    except (ImportError, OSError, ValueError):
+        pass
+    return min(limits) if limits else None
+
+
+def check_worker_count(num_workers: int, worker_method: str) -> None:
+    """Refuse a ``num_workers`` the system could never start, before starting any.
+
+    Without this, starting would fork (or spawn threads) until the system refuses, then
+    stop them all again. The ordinary warning for more workers than CPUs is torch's
+    (``check_worker_number_rationality``).
+    """
+    if num_workers <= _FEW_WORKERS or worker_method == "ray":
+        return
+    found = _task_limit()
+    if found is not None and num_workers >= found[0]:
+        limit, source = found
         raise ValueError(
-            f"fetch_concurrency should be a positive integer (the most fetches of an async "
-            f"dataset in flight per process), but got fetch_concurrency={fetch_concurrency!r}"
-        )
-    if not isinstance(fetch_threads, int) or fetch_threads < 0:
-        raise ValueError(
-            f"fetch_threads should be a non-negative integer (0 disables the fetch "
-            f"thread pool), but got fetch_threads={fetch_threads!r}"
-        )
-    if not isinstance(device_prefetch, int) or device_prefetch < 1:
-        raise ValueError(
-            f"device_prefetch should be a positive integer, but got "
-            f"device_prefetch={device_prefetch!r}"
-        )
-    return prefetch_factor
+            f"num_workers={num_workers} cannot be started: this system allows at most "
+            f"{limit} processes/threads ({source}), workers included; use a few workers "
+            f"per CPU core (os.cpu_count() is {os.cpu_count()})")
 
 
 def check_ray_args(
@@ -117,11 +332,10 @@ def check_ray_args(
     return ray_address, ray_actor_options
 
 
-def check_snapshot_every(snapshot_every_n_steps: int) -> None:
-    """``snapshot_every_n_steps`` (resume, docs/resume.md) is a positive int."""
-    if not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 1:
-        raise ValueError(f"snapshot_every_n_steps should be a positive integer, but got "
-                         f"snapshot_every_n_steps={snapshot_every_n_steps!r}")
+def check_snapshot_every(snapshot_every_n_steps: Any) -> int:
+    """``snapshot_every_n_steps`` (resume, docs/resume.md) is a positive int; returned plain."""
+    return _positive_int("snapshot_every_n_steps", snapshot_every_n_steps,
+                         "torchdata's snapshot interval; accepted, changes nothing")
 
 
 def check_thread_workers(worker_method: str, num_workers: int, is_async: bool) -> None:
@@ -134,14 +348,19 @@ def check_thread_workers(worker_method: str, num_workers: int, is_async: bool) -
         )
 
 
-def check_stats_interval(stats_interval: float | None) -> None:
-    """``stats_interval`` is a positive number of seconds, or ``None``."""
-    if stats_interval is not None and (
-            isinstance(stats_interval, bool) or not isinstance(stats_interval, (int, float))
-            or not stats_interval > 0):
-        raise ValueError(
-            f"stats_interval should be a positive number of seconds between stats log "
-            f"lines (or None for no logging), but got stats_interval={stats_interval!r}")
+def check_stats_interval(stats_interval: Any) -> float | None:
+    """``stats_interval`` is a positive, finite number of seconds, or ``None``."""
+    if stats_interval is None:
+        return None
+    what = "between stats log lines; None for no logging"
+    if isinstance(stats_interval, bool):
+        raise TypeError(f"stats_interval should be a number of seconds ({what}), but got "
+                        f"stats_interval={stats_interval!r}")
+    seconds = _seconds("stats_interval", stats_interval, what)
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"stats_interval should be a positive, finite number of seconds "
+                         f"({what}), but got stats_interval={seconds!r}")
+    return float(seconds)
 
 
 def resolve_sampling(
@@ -177,7 +396,7 @@ def resolve_sampling(
                 f"option, but got batch_sampler={batch_sampler}"
             )
     else:
-        shuffle = bool(shuffle)
+        shuffle = bool(as_flag("shuffle", shuffle, allow_none=True))
 
     if sampler is not None and shuffle:
         raise ValueError("sampler option is mutually exclusive with shuffle")

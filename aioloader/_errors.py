@@ -105,9 +105,10 @@ class EpochSupersededError(LoaderClosedError):
 class PrefetchFactorError(LoaderError, AssertionError, ValueError):
     """``prefetch_factor=0`` with worker processes: no batch could ever be requested.
 
-    torch raises :class:`AssertionError` at ``iter()`` for this; this class is
-    one (so ``except AssertionError`` keeps working) and also a
-    :class:`ValueError`, the type of every other bad-argument error.
+    Raised by the ``DataLoader`` constructor (and at ``iter()`` if the attribute
+    is set to 0 later). torch raises :class:`AssertionError` at ``iter()`` for
+    this; this class is one (so ``except AssertionError`` keeps working) and also
+    a :class:`ValueError`, the type of every other bad-argument error.
     """
 
 

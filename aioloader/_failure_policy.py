@@ -8,6 +8,8 @@ iterators, the guards (:mod:`aioloader._failure_guard`) and the workers read.
 
 from __future__ import annotations
 
+import numbers
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,11 +59,17 @@ class FailurePolicy:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} should be an int, but got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} should be >= {minimum}, but got {name}={value}")
-    return value
+    """A Python or numpy integer (not a bool) >= ``minimum``, returned as a plain int."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} should be an int, but got {type(value).__name__} "
+                        f"{name}={value!r}") from None
+    if number < minimum:
+        raise ValueError(f"{name} should be >= {minimum}, but got {name}={number}")
+    return number
 
 
 def make_policy(*, on_error: str | None, max_failures: int | None, retries: int,
@@ -70,20 +78,20 @@ def make_policy(*, on_error: str | None, max_failures: int | None, retries: int,
     """Validate the DataLoader's failure arguments (TypeError/ValueError) and build the policy."""
     if on_error is not None and not isinstance(on_error, str):
         raise TypeError(f"on_error should be 'raise' or 'skip', but got "
-                        f"{type(on_error).__name__} {on_error!r}")
+                        f"{type(on_error).__name__} on_error={on_error!r}")
     if on_error is not None and on_error not in _ON_ERROR:
         raise ValueError(f"on_error should be 'raise' or 'skip', but got on_error={on_error!r}")
     if max_failures is not None:
-        _check_int("max_failures", max_failures, 0)
+        max_failures = _check_int("max_failures", max_failures, 0)
         if on_error == "raise":
             raise ValueError(
                 "max_failures bounds how many samples on_error='skip' may skip; it means "
                 "nothing with on_error='raise': drop one of the two")
         on_error = "skip"
-    _check_int("retries", retries, 0)
-    if isinstance(retry_delay, bool) or not isinstance(retry_delay, (int, float)):
+    retries = _check_int("retries", retries, 0)
+    if isinstance(retry_delay, bool) or not isinstance(retry_delay, numbers.Real):
         raise TypeError(f"retry_delay should be a number of seconds, but got "
-                        f"{type(retry_delay).__name__} {retry_delay!r}")
+                        f"{type(retry_delay).__name__} retry_delay={retry_delay!r}")
     if not retry_delay >= 0 or retry_delay == float("inf"):
         raise ValueError(f"retry_delay should be a finite number of seconds >= 0, but got "
                          f"retry_delay={retry_delay!r}")
@@ -98,12 +106,12 @@ def make_policy(*, on_error: str | None, max_failures: int | None, retries: int,
             "cannot be asked for the same item again")
     if isinstance(respawn_workers, bool):
         max_respawns = DEFAULT_MAX_RESPAWNS if respawn_workers else 0
-    elif isinstance(respawn_workers, int):
+    elif hasattr(type(respawn_workers), "__index__"):
         max_respawns = _check_int("respawn_workers", respawn_workers, 0)
     else:
         raise TypeError(f"respawn_workers should be a bool or an int (respawns per worker "
                         f"per epoch), but got {type(respawn_workers).__name__} "
-                        f"{respawn_workers!r}")
+                        f"respawn_workers={respawn_workers!r}")
     if max_respawns:
         if num_workers == 0:
             raise ValueError("respawn_workers needs num_workers > 0 (it replaces dead worker "

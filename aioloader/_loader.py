@@ -32,10 +32,14 @@ import torch.utils.data as _tud
 from . import _state
 from ._config import (
     DEFAULT_FETCH_CONCURRENCY,
+    as_flag,
+    check_extra_options,
+    check_loader_options,
     check_ray_args,
     check_snapshot_every,
     check_stats_interval,
     check_thread_workers,
+    check_worker_count,
     check_worker_options,
     resolve_mp_context,
     resolve_sampling,
@@ -109,9 +113,11 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         collect_stats: bool = True,
         stats_interval: float | None = None,
     ) -> None:
-        prefetch_factor = check_worker_options(
-            num_workers, timeout, prefetch_factor, persistent_workers, worker_method,
-            fetch_concurrency, fetch_threads, device_prefetch)
+        num_workers, timeout, prefetch_factor, persistent_workers = check_worker_options(
+            num_workers, timeout, prefetch_factor, persistent_workers)
+        worker_method, fetch_concurrency, fetch_threads, device_prefetch = check_extra_options(
+            worker_method, fetch_concurrency, fetch_threads, device_prefetch)
+        check_worker_count(num_workers, worker_method)
         self._ray_address, self._ray_actor_options = check_ray_args(
             dataset, worker_method, ray_options)
         self.ray_options = ray_options
@@ -130,8 +136,7 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         self.fetch_threads = fetch_threads
         self.device = torch.device(device) if device is not None else None
         self.device_prefetch = device_prefetch
-        check_snapshot_every(snapshot_every_n_steps)
-        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.snapshot_every_n_steps = check_snapshot_every(snapshot_every_n_steps)
 
         self._kind = dataset_kind(dataset)
         # Failure policy (docs/failure_policy.md): validated here, TypeError/ValueError.
@@ -140,21 +145,28 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
             retry_delay=retry_delay, respawn_workers=respawn_workers, num_workers=num_workers,
             iterable=self._kind.iterable, is_async=self._kind.is_async)
         self.on_error = on_error
-        self.max_failures = max_failures
-        self.retries = retries
-        self.retry_delay = retry_delay
-        self.respawn_workers = respawn_workers
+        # Kept as given (re-created loaders get the same arguments), numpy numbers as plain.
+        self.max_failures = self._failure_policy.max_failures
+        self.retries = self._failure_policy.retries
+        self.retry_delay = retry_delay if isinstance(retry_delay, (int, float)) else float(
+            retry_delay)
+        self.respawn_workers = (respawn_workers if isinstance(respawn_workers, bool)
+                                else int(respawn_workers))
         self._failure_report: FailureReport | None = None
         check_thread_workers(worker_method, num_workers, self._kind.is_async)
         # Per-stage statistics (docs/stats.md): loader.stats(); logged every stats_interval s.
-        check_stats_interval(stats_interval)
-        self.collect_stats = bool(collect_stats)
+        stats_interval = check_stats_interval(stats_interval)
+        self.collect_stats = bool(as_flag("collect_stats", collect_stats))
         self.stats_interval = stats_interval
         self._stats_book = StatsBook(num_workers, self._kind.is_async,
                                      stats_interval if collect_stats else None)
         batch_size, drop_last, sampler, batch_sampler = resolve_sampling(
             dataset, self._kind.iterable, batch_size, shuffle, sampler, batch_sampler,
             drop_last, generator)
+        self.pin_memory, self.in_order = check_loader_options(
+            sampler=sampler, batch_sampler=batch_sampler, collate_fn=collate_fn,
+            worker_init_fn=worker_init_fn, generator=generator, pin_memory=pin_memory,
+            pin_memory_device=pin_memory_device, in_order=in_order)
 
         self.batch_size = batch_size
         self.drop_last = drop_last

@@ -54,6 +54,35 @@ _LG = logging.getLogger(__name__)
 #: let go of the shared worker pool (it stops within milliseconds unless something is wrong).
 PREVIOUS_EPOCH_WAIT_S = 30.0
 
+#: The most batches in flight when the sampler's length is unknown (an iterable dataset,
+#: a sampler without ``__len__``): a huge ``prefetch_factor`` (or ``fetch_concurrency``)
+#: then stops at this many outstanding batches instead of drawing forever at ``iter()``.
+MAX_UNSIZED_WINDOW = 1 << 12
+#: Windows up to this size are used as they are (the sampler's length is not read).
+_SMALL_WINDOW = 1 << 10
+
+
+def bound_window(window: int, index_sampler: Any, num_workers: int) -> int:
+    """``window`` (batches in flight), bounded by what the sampler can give.
+
+    ``prefetch_factor * num_workers`` may be astronomically large (``prefetch_factor=
+    2**62``: "prefetch everything"); torch primes that many batches at ``iter()`` and
+    never returns once the sampler is exhausted. A sized sampler bounds it at its number
+    of batches (rounded up to a multiple of ``num_workers``, so that every worker may
+    still hold its round-robin share, ``in_order=False`` included); an unsized one at
+    :data:`MAX_UNSIZED_WINDOW`. Windows of ordinary size are returned unchanged.
+    """
+    if window <= _SMALL_WINDOW:
+        return window
+    workers = max(num_workers, 1)
+    try:
+        batches = len(index_sampler)
+    except (TypeError, NotImplementedError):  # no __len__ (or torch's "not implemented")
+        cap = max(MAX_UNSIZED_WINDOW // workers, 1) * workers
+    else:
+        cap = max(-(-batches // workers), 1) * workers
+    return min(window, max(cap, _SMALL_WINDOW))
+
 
 class PipelineState(enum.Enum):
     """Where a pipeline epoch is in its life (the table in docs/pipeline.md, "Shutdown")."""
@@ -155,14 +184,16 @@ class _PipelineCore(_Stages):
             per_worker = loader.prefetch_factor or 0
             if self.kind.is_async:
                 per_worker = max(per_worker, async_depth)
-            self.window = per_worker * self.num_workers
+            self.window = bound_window(per_worker * self.num_workers, loader._index_sampler,
+                                       self.num_workers)
         else:
             self.base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
             self.track.seed = self.base_seed
             self.fresh_epoch = False
             self.epoch = 0
             # The in-process worker fetches each batch in the call that drew it: window 1.
-            self.window = 1 if self.inline else async_depth
+            self.window = 1 if self.inline else bound_window(async_depth,
+                                                             loader._index_sampler, 1)
         self.dispatch = Dispatcher(sampler_iter, ReorderBuffer(loader.in_order),
                                    num_workers=self.num_workers, window=self.window,
                                    in_order=loader.in_order, epoch=self.epoch,
@@ -220,7 +251,8 @@ class _PipelineCore(_Stages):
         """
         dispatch = self.dispatch
         for _ in range(self.window):
-            dispatch.put_index()
+            if not dispatch.put_index() and dispatch.done:
+                break  # the sampler has no more batches: the window is not filled further
         if self.cmd_ready is not None:
             self.cmd_ready.set()
 

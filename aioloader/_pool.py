@@ -123,7 +123,9 @@ class WorkerPool(PoolBase[Conn]):
         method = self.start_method
         parent_pid = os.getpid()
         for worker_id, cfg in enumerate(configs):
+            self._starting = worker_id
             self._start_one(worker_id, cfg, method, parent_pid)
+        self._starting = None
         logger.debug("started %d %s workers: pids %s", len(self._workers), method, self.pids)
 
     def _start_one(self, worker_id: int, cfg: WorkerConfig, method: str, parent_pid: int) -> None:

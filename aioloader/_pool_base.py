@@ -14,8 +14,10 @@ the exit hook are here once.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import resource
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -23,7 +25,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import anyio
 
-from ._errors import IteratorClosedError
+from ._errors import IteratorClosedError, add_note
 from ._threads import close_at_exit
 from ._worker import WorkerConfig
 
@@ -74,6 +76,9 @@ class PoolBase(Generic[W]):
         self._deferred_release = False  # fds to close when the running serve() ends
         self._owner_pid = os.getpid()
         self._close_lock = threading.Lock()
+        #: The id of the worker being started (set by :meth:`_start_workers`), for the
+        #: message of a failed start; None once every worker started.
+        self._starting: int | None = None
 
     # ------------------------------------------------------------------ info
 
@@ -131,12 +136,36 @@ class PoolBase(Generic[W]):
                         f"config #{worker_id} says worker_id={cfg.worker_id}, "
                         f"num_workers={cfg.num_workers}; configs must be given in worker-id "
                         f"order, one per worker ({len(configs)} given)")
-            self._start_workers(configs)
+            try:
+                self._start_workers(configs)
+            except Exception as exc:
+                add_note(exc, self._start_failure_note(exc, len(configs)))
+                raise
         except BaseException:
+            # Stop the workers started so far (they are idle: asked to leave, they go at
+            # once; the ladder escalates for any that does not) and close their fds.
             self._closing = True
-            self._close_now(0.0)
+            self._close_now(self.CLOSE_GRACE)
             raise
         type(self)._live.add(self)
+
+    def _start_failure_note(self, exc: Exception, num_workers: int) -> str:
+        """What a failed :meth:`start` adds to its exception: which worker, what to do."""
+        failed = self._starting
+        stopped = failed if failed is not None else len(self._workers)
+        where = (f"starting worker {failed} of num_workers={num_workers}" if failed is not None
+                 else f"starting num_workers={num_workers} workers")
+        note = (f"aioloader: {type(exc).__name__} while {where} ({self.start_method}); the "
+                f"{stopped} worker(s) started before it were stopped.")
+        refused = ((isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.ENOMEM))
+                   or (isinstance(exc, RuntimeError) and "can't start new thread" in str(exc)))
+        if refused:
+            soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+            note += (f" The system refused another process/thread: lower num_workers (this "
+                     f"user's process limit, RLIMIT_NPROC, is {limit}; other processes and "
+                     f"threads count too).")
+        return note
 
     def _start_workers(self, configs: list[WorkerConfig]) -> None:
         """Start one worker per config (validated), filling :attr:`_workers`."""

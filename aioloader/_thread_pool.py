@@ -132,10 +132,12 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
         """Start every worker thread (daemonic)."""
         self._torch_local = torch_thread_local()
         for worker_id, cfg in enumerate(configs):
+            self._starting = worker_id
             cfg = dataclasses.replace(cfg, parent_pid=os.getpid(), start_method="thread")
             self._configs.append(cfg)
             self._workers.append(_Worker(worker_id))
             self._start_thread(worker_id)
+        self._starting = None
         logger.debug("started %d thread workers", len(self._workers))
 
     def _start_thread(self, worker_id: int) -> None:

@@ -10,6 +10,7 @@ accepts these samplers and aioloader accepts torch's.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import TypeVar
 
@@ -29,6 +30,29 @@ T_co = TypeVar("T_co", covariant=True)
 
 # RandomSampler with replacement draws its indices in chunks of this size.
 _CHUNK = 32
+# BatchSampler(drop_last=True) batches with the zip of batch_size references to one
+# iterator (torch's way, fast for usual sizes); above this size it slices instead, so
+# that an absurd batch_size does not build a tuple of batch_size references first.
+_ZIP_MAX = 1 << 16
+
+
+class WeightsError(ValueError, RuntimeError):
+    """:class:`WeightedRandomSampler` weights from which no draw can be made.
+
+    Raised at construction. torch raises :class:`RuntimeError` for these at the first
+    draw (from ``torch.multinomial``); this error is one, so ``except RuntimeError``
+    keeps working, and also a :class:`ValueError`, the type of a bad argument.
+    """
+
+
+def _not_positive_int(name: str, value: object, hint: str) -> ValueError:
+    """torch's ValueError for a ``num_samples``/``batch_size`` that is not a positive int,
+    saying what to do (numpy integers are refused by torch's samplers too)."""
+    if not isinstance(value, (bool, int)) and hasattr(type(value), "__index__"):
+        hint = (f"pass a Python int: {name}=int({name}) ({type(value).__name__} is not an "
+                f"int; torch's samplers refuse it too)")
+    return ValueError(f"{name} should be a positive integer value, but got "
+                      f"{name}={value!r}; {hint}.")
 
 
 class Sampler(_tud.Sampler[T_co]):
@@ -92,7 +116,8 @@ class RandomSampler(Sampler[int], _tud.RandomSampler):
 
     Raises:
         TypeError: ``replacement`` is not a bool.
-        ValueError: ``num_samples`` (or the length) is not a positive int.
+        ValueError: ``num_samples`` (or the length) is not a positive int (a bool
+            is refused too; torch takes ``num_samples=True`` as 1).
 
     Example:
         >>> g = torch.Generator().manual_seed(0)
@@ -121,12 +146,12 @@ class RandomSampler(Sampler[int], _tud.RandomSampler):
                 "replacement should be a boolean value, but got "
                 f"replacement={replacement!r}; pass True or False."
             )
-        if not isinstance(self.num_samples, int) or self.num_samples <= 0:
-            raise ValueError(
-                "num_samples should be a positive integer value, but got "
-                f"num_samples={self.num_samples!r}; pass num_samples >= 1 "
-                "(or leave it None with a non-empty data_source)."
-            )
+        # torch accepts num_samples=True (one sample); bool is refused as by the other
+        # samplers (WeightedRandomSampler, BatchSampler), with the same ValueError.
+        if (not isinstance(self.num_samples, int) or isinstance(self.num_samples, bool)
+                or self.num_samples <= 0):
+            raise _not_positive_int("num_samples", self.num_samples, "pass num_samples >= 1 "
+                                    "(or leave it None with a non-empty data_source)")
 
     @property
     def num_samples(self) -> int:
@@ -196,12 +221,17 @@ class WeightedRandomSampler(Sampler[int], _tud.WeightedRandomSampler):
         num_samples: how many indices to draw.
         replacement: draw with replacement (default); without it, an index is
             drawn at most once, so ``num_samples`` may not exceed
-            ``len(weights)`` (torch raises ``RuntimeError`` on iteration).
+            ``len(weights)`` (torch raises ``RuntimeError`` on iteration; this
+            sampler :class:`WeightsError`, also a ``RuntimeError``, at construction).
         generator: a ``torch.Generator``; torch's global RNG when ``None``.
 
     Raises:
         ValueError: ``num_samples`` is not a positive int, ``replacement`` is
             not a bool, or ``weights`` is not one-dimensional.
+        WeightsError: (a ``ValueError`` and a ``RuntimeError``) ``weights``
+            holds a negative, inf or NaN weight, or only zeros, or (without
+            replacement) fewer entries than ``num_samples``. torch checks these
+            only at the first draw (``RuntimeError`` from ``torch.multinomial``).
 
     Example:
         >>> g = torch.Generator().manual_seed(0)
@@ -221,10 +251,7 @@ class WeightedRandomSampler(Sampler[int], _tud.WeightedRandomSampler):
         generator: torch.Generator | None = None,
     ) -> None:
         if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples <= 0:
-            raise ValueError(
-                "num_samples should be a positive integer value, but got "
-                f"num_samples={num_samples!r}; pass num_samples >= 1."
-            )
+            raise _not_positive_int("num_samples", num_samples, "pass num_samples >= 1")
         if not isinstance(replacement, bool):
             raise ValueError(
                 "replacement should be a boolean value, but got "
@@ -236,6 +263,26 @@ class WeightedRandomSampler(Sampler[int], _tud.WeightedRandomSampler):
                 "weights should be a 1d sequence but given weights have shape "
                 f"{tuple(weights_tensor.shape)}; pass one weight per index."
             )
+        # torch.multinomial refuses these at the first draw (RuntimeError); said here.
+        if not bool(torch.isfinite(weights_tensor).all()):
+            raise WeightsError(
+                "weights should be finite, but weights hold inf or NaN (at index "
+                f"{int((~torch.isfinite(weights_tensor)).nonzero()[0])}); pass finite, "
+                "non-negative weights (0 never draws an index).")
+        if bool((weights_tensor < 0).any()):
+            raise WeightsError(
+                "weights should be non-negative, but weights hold a negative weight (at "
+                f"index {int((weights_tensor < 0).nonzero()[0])}); a weight is a relative "
+                "probability: pass weights >= 0.")
+        if not bool((weights_tensor > 0).any()):
+            raise WeightsError(
+                "weights should have a positive sum, but every weight is 0 (or weights is "
+                "empty), so no index can be drawn; give at least one index a weight > 0.")
+        if not replacement and num_samples > len(weights_tensor):
+            raise WeightsError(
+                f"num_samples should be at most len(weights) without replacement, but got "
+                f"num_samples={num_samples} for {len(weights_tensor)} weights: each index "
+                f"is drawn at most once; pass replacement=True or a smaller num_samples.")
         self.weights = weights_tensor
         self.num_samples = num_samples
         self.replacement = replacement
@@ -260,8 +307,8 @@ class BatchSampler(Sampler[list[int]], _tud.BatchSampler):
         drop_last: drop a final batch shorter than ``batch_size``.
 
     Raises:
-        ValueError: ``batch_size`` is not a positive int or ``drop_last`` is
-            not a bool.
+        ValueError: ``batch_size`` is not a positive int (at most
+            ``sys.maxsize``) or ``drop_last`` is not a bool.
 
     Example:
         >>> list(BatchSampler(range(7), batch_size=3, drop_last=False))
@@ -279,10 +326,13 @@ class BatchSampler(Sampler[list[int]], _tud.BatchSampler):
         # No isinstance(sampler, Iterable) check: objects iterable through
         # __getitem__ alone are valid samplers too.
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+            raise _not_positive_int("batch_size", batch_size, "pass batch_size >= 1")
+        if batch_size > sys.maxsize:
+            # torch accepts it and fails at the first batch (ValueError from islice).
             raise ValueError(
-                "batch_size should be a positive integer value, but got "
-                f"batch_size={batch_size!r}; pass batch_size >= 1."
-            )
+                f"batch_size should be at most sys.maxsize ({sys.maxsize}), but got "
+                f"batch_size={batch_size}; for one batch of everything pass "
+                f"batch_size=len(dataset).")
         if not isinstance(drop_last, bool):
             raise ValueError(
                 "drop_last should be a boolean value, but got "
@@ -294,11 +344,16 @@ class BatchSampler(Sampler[list[int]], _tud.BatchSampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         indices = iter(self.sampler)
-        if self.drop_last:
+        if self.drop_last and self.batch_size <= _ZIP_MAX:
             # zip over batch_size references to one iterator stops at the
             # first incomplete batch, which is exactly what is dropped.
             for batch in zip(*itertools.repeat(indices, self.batch_size), strict=False):
                 yield list(batch)
+            return
+        if self.drop_last:
+            while len(batch_list := list(itertools.islice(indices, self.batch_size))) == (
+                    self.batch_size):
+                yield batch_list
             return
         while batch_list := list(itertools.islice(indices, self.batch_size)):
             yield batch_list

@@ -422,7 +422,10 @@ def test_unsupported_type_message_matches_torch() -> None:
 
 
 def test_empty_batch() -> None:
-    check_collate([])
+    """An empty batch raises torch's IndexError, with a message saying where it comes from
+    and what to do (regression test for issue 18)."""
+    _, message = check_collate([], same_message=False)
+    assert "empty batch" in message and "batch_sampler" in message
 
 
 def test_random_nested_structures() -> None:

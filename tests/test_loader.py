@@ -256,12 +256,15 @@ def test_bad_types_raise_torchs_exception_type(kw: dict[str, Any]) -> None:
         next(iter(DataLoader(range(4), **kw)))
 
 
-def test_prefetch_factor_zero_is_refused_at_iter() -> None:
-    """prefetch_factor=0 with workers: AssertionError (torch's type) and ValueError, at iter()."""
-    loader = DataLoader(range(4), num_workers=1, prefetch_factor=0)  # accepted, as torch
+def test_prefetch_factor_zero_is_refused_at_construction() -> None:
+    """prefetch_factor=0 with workers: AssertionError (torch's type, which torch raises at
+    iter()) and ValueError, at construction (regression test for issue 18); set later on
+    the loader, at iter()."""
     with pytest.raises(AssertionError, match="prefetch_factor=1 or more") as err:
-        iter(loader)
+        DataLoader(range(4), num_workers=1, prefetch_factor=0)
     assert isinstance(err.value, ValueError)
+    loader = DataLoader(range(4), num_workers=1)
+    loader.prefetch_factor = 0  # torch's attribute is writable
     with pytest.raises(ValueError, match="prefetch_factor"):
         aiter(loader)
 

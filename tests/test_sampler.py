@@ -22,6 +22,7 @@ from aioloader.sampler import (
     SequentialSampler,
     SubsetRandomSampler,
     WeightedRandomSampler,
+    WeightsError,
 )
 
 SEEDS = range(20)
@@ -189,11 +190,15 @@ def test_weighted_random_sampler_validation_matches_torch():
         raises_like_torch(ValueError, WeightedRandomSampler, tud.WeightedRandomSampler, *args)
 
 
-def test_weighted_random_sampler_bad_draw_fails_on_iteration():
-    """Too many draws without replacement, or a negative weight, fail on iteration."""
+def test_weighted_random_sampler_bad_draw_fails_at_construction_with_torchs_type():
+    """Too many draws without replacement, or a negative weight: torch's RuntimeError of
+    the first draw, raised at construction (also a ValueError; regression test for issue 18)."""
     for args in [([1, 0, 1], 4, False), ([1, -1, 1], 2, True)]:
-        raises_like_torch(RuntimeError, lambda *a: list(WeightedRandomSampler(*a)),
-                          lambda *a: list(tud.WeightedRandomSampler(*a)), *args)
+        with pytest.raises(RuntimeError):
+            list(tud.WeightedRandomSampler(*args))
+        with pytest.raises(WeightsError) as info:
+            WeightedRandomSampler(*args)
+        assert isinstance(info.value, RuntimeError) and isinstance(info.value, ValueError)
 
 
 def test_sequential_sampler_matches_torch():

@@ -225,9 +225,13 @@ def test_table_and_periodic_log(caplog: pytest.LogCaptureFixture) -> None:
     assert f"hint: {s.hint}" in text
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, "1", True])
-def test_bad_stats_interval(bad: Any) -> None:
-    with pytest.raises(ValueError, match="stats_interval"):
+@pytest.mark.parametrize(("bad", "error"), [(0, ValueError), (-1.0, ValueError),
+                                            (float("inf"), ValueError), ("1", TypeError),
+                                            (True, TypeError)])
+def test_bad_stats_interval(bad: Any, error: type[Exception]) -> None:
+    """A wrong stats_interval raises at construction: TypeError for a wrong type,
+    ValueError for a wrong number (issue 18)."""
+    with pytest.raises(error, match="stats_interval"):
         DataLoader(Slow(4), stats_interval=bad)
 
 
