@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ._dataset_state import _stateful, worker_state
+from .sampler import _iter_index_sampler
 
 __all__ = ["FORMAT_KEY", "FORMAT_VERSION", "EpochTracker", "generators"]
 
@@ -165,7 +166,7 @@ class EpochTracker:
         st = self.resume
         if self.drain:
             self.drain = False
-            for _ in iter(index_sampler):
+            for _ in _iter_index_sampler(index_sampler):
                 pass
         if st is None or self.iterable:
             if st is not None:
@@ -173,23 +174,23 @@ class EpochTracker:
                 self._set_gens(st.get("generators") or {})
                 if not self.discard:
                     self.drawn = self.prefix  # batch numbers go on where the epoch stood
-            return _TrackedIter(self, iter(index_sampler))
+            return _TrackedIter(self, _iter_index_sampler(index_sampler))
         if self.sampler_obj is not None and self.sampler_state is not None:
             # The sampler keeps its own position; the generators are as they were then.
             self._set_gens(st.get("generators") or {})
             self.sampler_obj.load_state_dict(self.sampler_state)
             if self.prefix == 0:
                 # Taken before the epoch's first draw: the state closes the previous epoch.
-                for _ in iter(index_sampler):
+                for _ in _iter_index_sampler(index_sampler):
                     pass
-            base = iter(index_sampler)
+            base = _iter_index_sampler(index_sampler)
             self.started = True
             self.drawn = self.prefix
             return _TrackedIter(self, base)
         rng = st.get("rng")
         if rng is None:  # the sampler had not drawn yet: it draws as the original would
             self._set_gens(st.get("generators") or {})
-            return _TrackedIter(self, iter(index_sampler))
+            return _TrackedIter(self, _iter_index_sampler(index_sampler))
         self.rng = rng
         self.started = True
         saved_global = torch.get_rng_state()
@@ -197,7 +198,7 @@ class EpochTracker:
             if rng.get("global") is not None:
                 torch.set_rng_state(_to_tensor(rng["global"]))
             self._set_gens(rng.get("generators") or {})
-            base = iter(index_sampler)
+            base = _iter_index_sampler(index_sampler)
             # Draw the consumed batches again (not fetched) and the next one, all under the
             # epoch's own RNG: a sampler seeds itself at its first draw.
             last: list[Any] = []

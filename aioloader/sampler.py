@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Iterable, Iterator, Sequence, Sized
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.data as _tud
@@ -343,23 +343,39 @@ class BatchSampler(Sampler[list[int]], _tud.BatchSampler):
         self.drop_last = drop_last
 
     def __iter__(self) -> Iterator[list[int]]:
-        indices = iter(self.sampler)
-        if self.drop_last and self.batch_size <= _ZIP_MAX:
-            # zip over batch_size references to one iterator stops at the
-            # first incomplete batch, which is exactly what is dropped.
-            for batch in zip(*itertools.repeat(indices, self.batch_size), strict=False):
-                yield list(batch)
-            return
-        if self.drop_last:
-            while len(batch_list := list(itertools.islice(indices, self.batch_size))) == (
-                    self.batch_size):
-                yield batch_list
-            return
-        while batch_list := list(itertools.islice(indices, self.batch_size)):
-            yield batch_list
+        return _iter_batches(self.sampler, self.batch_size, self.drop_last)
 
     def __len__(self) -> int:
         n = len(self.sampler)  # type: ignore[arg-type]
         if self.drop_last:
             return n // self.batch_size
         return -(-n // self.batch_size)
+
+
+def _iter_batches(sampler: Iterable[Any], batch_size: int, drop_last: bool) -> Iterator[list[Any]]:
+    """torch's ``BatchSampler.__iter__``: the same batches, drawn from ``sampler`` at the
+    same points, with C-level slicing instead of a Python loop per index."""
+    indices = iter(sampler)
+    if drop_last and batch_size <= _ZIP_MAX:
+        # zip over batch_size references to one iterator stops at the
+        # first incomplete batch, which is exactly what is dropped.
+        for batch in zip(*itertools.repeat(indices, batch_size), strict=False):
+            yield list(batch)
+        return
+    if drop_last:
+        while len(batch_list := list(itertools.islice(indices, batch_size))) == batch_size:
+            yield batch_list
+        return
+    while batch_list := list(itertools.islice(indices, batch_size)):
+        yield batch_list
+
+
+def _iter_index_sampler(index_sampler: Iterable[Any]) -> Iterator[Any]:
+    """``iter(index_sampler)``; for exactly torch's ``BatchSampler`` (what the loader builds
+    for ``batch_size=``) the same batches through :func:`_iter_batches`: torch's loop costs
+    a Python step per index and allocates ``[0] * batch_size`` up front (a ``MemoryError``
+    for a huge ``batch_size`` with ``drop_last=True``, where no batch is ever full)."""
+    if type(index_sampler) is _tud.BatchSampler:
+        return _iter_batches(index_sampler.sampler, index_sampler.batch_size,
+                             index_sampler.drop_last)
+    return iter(index_sampler)
