@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ._datapipes import apply_shuffle, is_iter_datapipe
 from ._fetch import dataset_kind
 from ._ray_pool import check_ray_options
 from .sampler import BatchSampler, RandomSampler, Sampler, SequentialSampler
@@ -160,7 +161,10 @@ def resolve_sampling(
     (``batch_sampler=`` turns off ``batch_size`` and ``drop_last``).
     """
     if iterable:
-        if shuffle not in {False, None}:
+        if is_iter_datapipe(dataset):
+            # torch: shuffle= turns the graph's shufflers on or off; no sampler shuffles.
+            apply_shuffle(dataset, shuffle)
+        elif shuffle not in {False, None}:
             raise ValueError(
                 "DataLoader with IterableDataset: expected unspecified shuffle "
                 f"option, but got shuffle={shuffle}"

@@ -32,6 +32,14 @@ import anyio
 from ._afetch_iter import AsyncIterFetcher
 from ._backend import _LoopHandle
 from ._core import _draw_base_seed, _unwrap
+from ._datapipes import (
+    is_datapipe,
+    is_iter_datapipe,
+    seed_graph,
+    seed_group,
+    shard_main,
+    share_seed,
+)
 from ._dispatch import Dispatcher, ReorderBuffer
 from ._errors import (
     EpochSupersededError,
@@ -125,14 +133,26 @@ class _PipelineCore(_Stages):
         self.lease: _PoolLease | None = None
         self.after: threading.Event | None = None  # the superseded epoch's `stopped`
         self.pid = os.getpid()  # its loop and threads exist in this process only
+        # An IterDataPipe's shared seed (aioloader._datapipes): drawn where torch draws it,
+        # before the base seed; the reset of a persistent epoch carries it to the workers.
+        iter_dp = is_iter_datapipe(self.dataset)
+        self.reset_seed: int | None = None
         if self.num_workers > 0:
             lease = loader._pool_lease if self.persistent else None
             if lease is not None and lease.closed:  # shut down by _shutdown_workers()
                 lease = None
             if lease is None:
+                group = seed_group() if iter_dp else None
+                # torch's fresh iterator: one shared seed for its workers, then its _reset
+                # draws another for the main process's graph (the workers never see it).
+                worker_seed = self._shared_seed(loader, group) if iter_dp else None
                 base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
-                lease = _PoolLease(_start_pool(loader, base_seed, self.track.worker_states),
+                lease = _PoolLease(_start_pool(loader, base_seed, self.track.worker_states,
+                                               worker_seed),
                                    base_seed)
+                lease.seed_group = group
+                if iter_dp:
+                    self._shared_seed(loader, group)
                 if self.persistent:
                     loader._pool_lease = lease
                     # The workers belong to the loader: they stop when it is collected (or,
@@ -142,6 +162,8 @@ class _PipelineCore(_Stages):
             else:
                 lease.epoch += 1
                 self.fresh_epoch = True
+                if iter_dp:
+                    self.reset_seed = self._shared_seed(loader, lease.seed_group)
             previous = lease.holder() if lease.holder is not None else None
             if previous is not None and previous is not self:
                 previous.detach()
@@ -157,8 +179,12 @@ class _PipelineCore(_Stages):
                 per_worker = max(per_worker, async_depth)
             self.window = per_worker * self.num_workers
         else:
+            if iter_dp:
+                self._shared_seed(loader, seed_group())
             self.base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
             self.track.seed = self.base_seed
+            if is_datapipe(self.dataset):
+                shard_main(self.dataset)  # over the distributed ranks, at every iter()
             self.fresh_epoch = False
             self.epoch = 0
             # The in-process worker fetches each batch in the call that drew it: window 1.
@@ -180,6 +206,12 @@ class _PipelineCore(_Stages):
         if self.inline:
             self.worker = _InProcessWorker(self, loader, sampler_iter)
             self.sampled_waits = self.worker.sampled_waits
+
+    def _shared_seed(self, loader: DataLoaderCore[Any], group: Any) -> int:
+        """Draw an ``IterDataPipe``'s shared seed and seed the main process's graph with it."""
+        seed = share_seed(loader.generator, group)
+        seed_graph(self.dataset, seed)
+        return seed
 
     # -- lifecycle ---------------------------------------------------------------------------
 

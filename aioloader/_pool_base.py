@@ -75,6 +75,11 @@ class PoolBase(Generic[W]):
         self._owner_pid = os.getpid()
         self._close_lock = threading.Lock()
 
+    def set_shared_seed(self, shared_seed: int) -> None:
+        """An ``IterDataPipe``'s shared seed for a new epoch: a respawned worker starts with it."""
+        for cfg in self._configs:
+            cfg.shared_seed = shared_seed
+
     # ------------------------------------------------------------------ info
 
     @property
