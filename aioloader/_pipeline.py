@@ -145,14 +145,18 @@ class _PipelineCore(_Stages):
                 group = seed_group() if iter_dp else None
                 # torch's fresh iterator: one shared seed for its workers, then its _reset
                 # draws another for the main process's graph (the workers never see it).
+                # Persistent workers restarted by a resume keep the draws of the run they
+                # continue: one seed for the epoch, as the reset of a live pool draws.
+                continues = self.track.keeps_base_seed
                 worker_seed = self._shared_seed(loader, group) if iter_dp else None
                 base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
                 lease = _PoolLease(_start_pool(loader, base_seed, self.track.worker_states,
                                                worker_seed),
                                    base_seed)
                 lease.seed_group = group
-                if iter_dp:
+                if iter_dp and not continues:
                     self._shared_seed(loader, group)
+                self.track.shared = worker_seed
                 if self.persistent:
                     loader._pool_lease = lease
                     # The workers belong to the loader: they stop when it is collected (or,
@@ -164,6 +168,7 @@ class _PipelineCore(_Stages):
                 self.fresh_epoch = True
                 if iter_dp:
                     self.reset_seed = self._shared_seed(loader, lease.seed_group)
+                    self.track.shared = self.reset_seed
             previous = lease.holder() if lease.holder is not None else None
             if previous is not None and previous is not self:
                 previous.detach()
@@ -180,7 +185,7 @@ class _PipelineCore(_Stages):
             self.window = per_worker * self.num_workers
         else:
             if iter_dp:
-                self._shared_seed(loader, seed_group())
+                self.track.shared = self._shared_seed(loader, seed_group())
             self.base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
             self.track.seed = self.base_seed
             if is_datapipe(self.dataset):
@@ -209,7 +214,7 @@ class _PipelineCore(_Stages):
 
     def _shared_seed(self, loader: DataLoaderCore[Any], group: Any) -> int:
         """Draw an ``IterDataPipe``'s shared seed and seed the main process's graph with it."""
-        seed = share_seed(loader.generator, group)
+        seed = self.track.shared_seed(lambda: share_seed(loader.generator, group))
         seed_graph(self.dataset, seed)
         return seed
 
