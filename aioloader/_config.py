@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.utils.data as _tud
 
+from ._datapipes import apply_shuffle, is_iter_datapipe
 from ._errors import PrefetchFactorError
 from ._fetch import dataset_kind
 from ._ray_pool import check_ray_options
@@ -380,7 +381,10 @@ def resolve_sampling(
     (``batch_sampler=`` turns off ``batch_size`` and ``drop_last``).
     """
     if iterable:
-        if shuffle not in {False, None}:
+        if is_iter_datapipe(dataset):
+            # torch: shuffle= turns the graph's shufflers on or off; no sampler shuffles.
+            apply_shuffle(dataset, shuffle)
+        elif shuffle not in {False, None}:
             raise ValueError(
                 "DataLoader with IterableDataset: expected unspecified shuffle "
                 f"option, but got shuffle={shuffle}"

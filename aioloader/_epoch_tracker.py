@@ -108,8 +108,10 @@ class EpochTracker:
         self.finished = False
         self.discard = 0  # iterable datasets without state: batches to fetch and drop
         self._seed: int | None = None
+        self._shared: int | None = None  # a resumed IterDataPipe epoch's shared seed
         self._pushback: list[Any] = []
         self.seed: int | None = None  # the epoch's base seed (set by the iterator)
+        self.shared: int | None = None  # an IterDataPipe's shared seed (set by the iterator)
         self.replaying = False
         self.fifo: deque[tuple[int, int | None, Any]] = deque()  # taken, not yet yielded
         if resume is not None:
@@ -132,6 +134,7 @@ class EpochTracker:
             self.resume = None
             return
         self._seed = int(st["base_seed"]) if st.get("base_seed") is not None else None
+        self._shared = int(st["shared_seed"]) if st.get("shared_seed") is not None else None
         self.prefix = int(st.get("prefix", 0))
         self.extra = {int(x) for x in st.get("extra", ())}
         self.skip = set(self.extra)
@@ -159,6 +162,21 @@ class EpochTracker:
         if self._seed is not None:
             seed, self._seed = self._seed, None
             return seed
+        return draw()
+
+    @property
+    def keeps_base_seed(self) -> bool:
+        """The next :meth:`base_seed` is a saved one (nothing is drawn for it)."""
+        return self._seed is not None
+
+    def shared_seed(self, draw: Callable[[], int]) -> int:
+        """An ``IterDataPipe``'s shared seed: the resumed epoch's (no draw), else ``draw()``.
+
+        A resumed epoch's generators are as they were after its draws, so it draws none
+        again: every call returns the saved seed, which orders the graph as it was.
+        """
+        if self._shared is not None:
+            return self._shared
         return draw()
 
     def sampler_iter(self, index_sampler: Any) -> Iterator[Any]:
@@ -328,6 +346,7 @@ class EpochTracker:
             "config": config,
             "finished": self.finished,
             "base_seed": base_seed,
+            "shared_seed": self.shared,
             "yielded": self.yielded,
             "prefix": self.prefix,
             "extra": sorted(self.extra),

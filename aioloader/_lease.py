@@ -13,6 +13,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from ._datapipes import is_datapipe, sharding_init_fn, thread_copy
 from ._pool import WorkerPool
 from ._ray_pool import RayWorkerPool
 from ._thread_pool import ThreadWorkerPool
@@ -40,6 +41,9 @@ class _PoolLease:
     def __init__(self, pool: AnyPool, base_seed: int) -> None:
         self.pool = pool
         self.base_seed = base_seed
+        # torch's iterator keeps one gloo group for an IterDataPipe's shared seed (None when
+        # torch.distributed is not initialised), made when its workers start.
+        self.seed_group: Any = None
         self.epoch = 0
         self.started = False
         self.closed = False
@@ -90,19 +94,30 @@ def _resolve_context(loader: DataLoaderCore[Any]) -> multiprocessing.context.Bas
 
 
 def _start_pool(loader: DataLoaderCore[Any], base_seed: int,
-                resume_states: dict[int, Any] | None = None) -> AnyPool:
-    """The pool factory: the one place that picks the kind of workers (``worker_method``)."""
+                resume_states: dict[int, Any] | None = None,
+                shared_seed: int | None = None) -> AnyPool:
+    """The pool factory: the one place that picks the kind of workers (``worker_method``).
+
+    A DataPipe's workers shard it first (torch's ``_sharding_worker_init_fn`` wraps
+    ``worker_init_fn``) and an ``IterDataPipe``'s are seeded from ``shared_seed``; thread
+    workers each get their own copy of the graph (:mod:`aioloader._datapipes`).
+    """
+    worker_init_fn = loader.worker_init_fn
+    datapipe = is_datapipe(loader.dataset)
+    if datapipe:
+        worker_init_fn = sharding_init_fn(worker_init_fn)
+    copy_per_thread = datapipe and loader.worker_method == "thread"
     configs = [
         WorkerConfig(
             worker_id=i,
             num_workers=loader.num_workers,
-            dataset=loader.dataset,
+            dataset=thread_copy(loader.dataset) if copy_per_thread else loader.dataset,
             kind=loader._kind,
             auto_collation=loader._auto_collation,
             collate_fn=loader.collate_fn,
             drop_last=loader.drop_last,
             base_seed=base_seed,
-            worker_init_fn=loader.worker_init_fn,
+            worker_init_fn=worker_init_fn,
             fetch_concurrency=loader.fetch_concurrency,
             fetch_threads=loader.fetch_threads,
             parent_pid=os.getpid(),
@@ -110,6 +125,7 @@ def _start_pool(loader: DataLoaderCore[Any], base_seed: int,
             failure=loader._failure_policy if loader._failure_policy.guards_reads else None,
             resume_state=(resume_states or {}).get(i),
             stats=loader.collect_stats,
+            shared_seed=shared_seed,
         )
         for i in range(loader.num_workers)
     ]

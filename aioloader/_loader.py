@@ -44,6 +44,7 @@ from ._config import (
     resolve_mp_context,
     resolve_sampling,
 )
+from ._datapipes import wrap as wrap_datapipe
 from ._failure import DEFAULT_RETRY_DELAY, FailureReport, make_policy
 from ._fetch import dataset_kind
 from ._inprocess import _InProcessWorker
@@ -122,7 +123,9 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
             dataset, worker_method, ray_options)
         self.ray_options = ray_options
 
-        self.dataset = dataset
+        # torch wraps a DataPipe in its serialization wrapper (what loader.dataset is then);
+        # shuffle= below applies to the graph inside.
+        self.dataset = wrap_datapipe(dataset)
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
         self.pin_memory = pin_memory

@@ -32,6 +32,14 @@ import anyio
 from ._afetch_iter import AsyncIterFetcher
 from ._backend import _LoopHandle
 from ._core import _draw_base_seed, _unwrap
+from ._datapipes import (
+    is_datapipe,
+    is_iter_datapipe,
+    seed_graph,
+    seed_group,
+    shard_main,
+    share_seed,
+)
 from ._dispatch import Dispatcher, ReorderBuffer
 from ._errors import (
     EpochSupersededError,
@@ -154,14 +162,30 @@ class _PipelineCore(_Stages):
         self.lease: _PoolLease | None = None
         self.after: threading.Event | None = None  # the superseded epoch's `stopped`
         self.pid = os.getpid()  # its loop and threads exist in this process only
+        # An IterDataPipe's shared seed (aioloader._datapipes): drawn where torch draws it,
+        # before the base seed; the reset of a persistent epoch carries it to the workers.
+        iter_dp = is_iter_datapipe(self.dataset)
+        self.reset_seed: int | None = None
         if self.num_workers > 0:
             lease = loader._pool_lease if self.persistent else None
             if lease is not None and lease.closed:  # shut down by _shutdown_workers()
                 lease = None
             if lease is None:
+                group = seed_group() if iter_dp else None
+                # torch's fresh iterator: one shared seed for its workers, then its _reset
+                # draws another for the main process's graph (the workers never see it).
+                # Persistent workers restarted by a resume keep the draws of the run they
+                # continue: one seed for the epoch, as the reset of a live pool draws.
+                continues = self.track.keeps_base_seed
+                worker_seed = self._shared_seed(loader, group) if iter_dp else None
                 base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
-                lease = _PoolLease(_start_pool(loader, base_seed, self.track.worker_states),
+                lease = _PoolLease(_start_pool(loader, base_seed, self.track.worker_states,
+                                               worker_seed),
                                    base_seed)
+                lease.seed_group = group
+                if iter_dp and not continues:
+                    self._shared_seed(loader, group)
+                self.track.shared = worker_seed
                 if self.persistent:
                     loader._pool_lease = lease
                     # The workers belong to the loader: they stop when it is collected (or,
@@ -171,6 +195,9 @@ class _PipelineCore(_Stages):
             else:
                 lease.epoch += 1
                 self.fresh_epoch = True
+                if iter_dp:
+                    self.reset_seed = self._shared_seed(loader, lease.seed_group)
+                    self.track.shared = self.reset_seed
             previous = lease.holder() if lease.holder is not None else None
             if previous is not None and previous is not self:
                 previous.detach()
@@ -187,8 +214,12 @@ class _PipelineCore(_Stages):
             self.window = bound_window(per_worker * self.num_workers, loader._index_sampler,
                                        self.num_workers)
         else:
+            if iter_dp:
+                self.track.shared = self._shared_seed(loader, seed_group())
             self.base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
             self.track.seed = self.base_seed
+            if is_datapipe(self.dataset):
+                shard_main(self.dataset)  # over the distributed ranks, at every iter()
             self.fresh_epoch = False
             self.epoch = 0
             # The in-process worker fetches each batch in the call that drew it: window 1.
@@ -211,6 +242,12 @@ class _PipelineCore(_Stages):
         if self.inline:
             self.worker = _InProcessWorker(self, loader, sampler_iter)
             self.sampled_waits = self.worker.sampled_waits
+
+    def _shared_seed(self, loader: DataLoaderCore[Any], group: Any) -> int:
+        """Draw an ``IterDataPipe``'s shared seed and seed the main process's graph with it."""
+        seed = self.track.shared_seed(lambda: share_seed(loader.generator, group))
+        seed_graph(self.dataset, seed)
+        return seed
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -80,6 +80,11 @@ class PoolBase(Generic[W]):
         #: message of a failed start; None once every worker started.
         self._starting: int | None = None
 
+    def set_shared_seed(self, shared_seed: int) -> None:
+        """An ``IterDataPipe``'s shared seed for a new epoch: a respawned worker starts with it."""
+        for cfg in self._configs:
+            cfg.shared_seed = shared_seed
+
     # ------------------------------------------------------------------ info
 
     @property

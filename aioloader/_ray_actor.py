@@ -17,6 +17,7 @@ from typing import Any
 
 from ._errors import RemoteError
 from ._worker import WorkerConfig, _SyncEpoch, _where, seed_worker
+from ._worker_config import reseed_datapipe
 
 __all__ = ["DEFAULT_ACTOR_OPTIONS", "RAY_INSTALL_HINT", "RayWorker", "check_ray_options",
            "import_ray", "require_ray"]
@@ -107,8 +108,9 @@ class RayWorker:
         """``("data", ...)``, ``("error", ...)`` or ``("exhausted", ...)`` for one batch."""
         return self._epoch.fetch(self._cfg, epoch, seq, index)
 
-    def reset(self, epoch: Any) -> tuple[Any, ...]:
-        """Start a new epoch (persistent workers): a fresh fetcher."""
+    def reset(self, epoch: Any, shared_seed: int | None = None) -> tuple[Any, ...]:
+        """Start a new epoch (persistent workers): a fresh fetcher (a DataPipe reseeded)."""
         self._epoch.close()
+        reseed_datapipe(self._cfg, shared_seed)
         self._epoch = _SyncEpoch(self._cfg, self._init_error)
         return ("reset", epoch)

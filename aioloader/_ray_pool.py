@@ -191,7 +191,7 @@ class RayWorkerPool(PoolBase[_Actor]):
             _, epoch, seq, index = command
             actor.pending.append(_Entry(epoch, seq, actor.handle.fetch.remote(epoch, seq, index)))
         elif op == "reset":
-            actor.pending.append(_Entry(command[1], None, actor.handle.reset.remote(command[1])))
+            actor.pending.append(_Entry(command[1], None, actor.handle.reset.remote(*command[1:])))
         else:
             raise RuntimeError(f"unknown command {command!r}")
         wake = actor.wake

@@ -52,6 +52,7 @@ class _Stages(_CoreBase):
     epoch: int
     window: int
     fresh_epoch: bool
+    reset_seed: int | None  # an IterDataPipe's shared seed, sent with a persistent epoch's reset
     runner: ThreadRunner
 
     def __init__(self, loader: DataLoaderCore[Any]) -> None:
@@ -95,8 +96,12 @@ class _Stages(_CoreBase):
         pool = lease.pool
         if self.fresh_epoch:
             self.fresh_epoch = False
+            seed = self.reset_seed  # an IterDataPipe's shared seed for the epoch
+            if seed is not None:
+                pool.set_shared_seed(seed)
             for w in range(self.num_workers):
-                pool.send_nowait(w, ("reset", self.epoch))
+                pool.send_nowait(w, ("reset", self.epoch) if seed is None
+                                 else ("reset", self.epoch, seed))
         rec = self.rec
         while self.pending_cmds:
             worker, cmd = self.pending_cmds.popleft()

@@ -380,7 +380,9 @@ _POSITION_FIELDS: dict[str, Check] = {
     "rng": _rng,
     "generators": _rng_map,
 }
-_V2 = _record({FORMAT_KEY: _int(), "config": _record(_CONFIG_FIELDS), **_POSITION_FIELDS})
+#: Version 2 adds an ``IterDataPipe`` epoch's shared seed (version 1 states have none).
+_V2_FIELDS: dict[str, Check] = {**_POSITION_FIELDS, "shared_seed": _optional(_int(0, _MAX_SEED))}
+_V2 = _record({FORMAT_KEY: _int(), "config": _record(_CONFIG_FIELDS), **_V2_FIELDS})
 _V1 = _record({FORMAT_KEY: _int(), "num_workers": _int(), **_POSITION_FIELDS})
 
 
@@ -454,7 +456,7 @@ def _read_v2(state: dict[str, Any], loader: Any) -> dict[str, Any]:
     _compare_config(state["config"], "state['config']", loader)
     _check_against_loader(state, loader, exact_generators=True)
     return {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
-            **{name: state[name] for name in _POSITION_FIELDS}}
+            **{name: state[name] for name in _V2_FIELDS}}
 
 
 def _read_v1(state: dict[str, Any], loader: Any) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import torch
 
 from ._errors import RemoteError
 from ._worker import WorkerConfig, _where, generate_numpy_seed, serve_commands
+from ._worker_config import reseed_datapipe
 from ._worker_info import WorkerInfo, _set_thread_worker_info
 
 __all__ = ["Channel", "thread_worker_main", "torch_thread_local"]
@@ -94,6 +95,7 @@ def thread_worker_main(cfg: WorkerConfig, commands: queue.SimpleQueue[tuple[Any,
     try:
         rng = _seed_thread(cfg)
         seed = cfg.base_seed + worker_id
+        reseed_datapipe(cfg, cfg.shared_seed)  # its own copy of the graph (_datapipes)
         _set_thread_worker_info(WorkerInfo(
             id=worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset,
             rng=rng, worker_method="thread"))

@@ -12,8 +12,9 @@ command (parent -> worker)            reply (worker -> parent)
 ``("fetch", epoch, seq, index)``      ``("data", epoch, seq, batch)``,
                                       ``("error", epoch, seq, RemoteError)`` or
                                       ``("exhausted", epoch, seq)``
-``("reset", epoch)``                  ``("reset", epoch)`` once the fetcher of
-                                      the new epoch exists
+``("reset", epoch)`` or                ``("reset", epoch)`` once the fetcher of
+``("reset", epoch, shared_seed)``     the new epoch exists (an ``IterDataPipe``
+                                      reseeded from ``shared_seed`` first)
 ``("exit",)`` (or EOF)                none: the process leaves with code 0
 ====================================  ========================================
 

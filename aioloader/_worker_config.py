@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from ._datapipes import is_iter_datapipe, seed_graph
 from ._failure import FailurePolicy
 from ._fetch import DatasetKind
 from ._worker_info import WorkerInfo, _set_worker_info
 
-__all__ = ["WorkerConfig", "generate_numpy_seed", "seed_worker"]
+__all__ = ["WorkerConfig", "generate_numpy_seed", "reseed_datapipe", "seed_worker"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -53,6 +54,9 @@ class WorkerConfig:
             loaded into its first epoch (:mod:`aioloader._state`).
         stats: stamp each ``"data"`` reply with this worker's timings (a 4-int
             tuple appended to the message; see :class:`aioloader._recorder.WorkerClock`).
+        shared_seed: an ``IterDataPipe``'s shared seed for the epoch (the same in every
+            worker and rank; ``None`` for other datasets): its random pipes are seeded from
+            it before ``worker_init_fn``, as torch's workers do (:mod:`aioloader._datapipes`).
     """
 
     worker_id: int
@@ -72,6 +76,7 @@ class WorkerConfig:
     failure: FailurePolicy | None = None
     resume_state: Any = None
     stats: bool = False
+    shared_seed: int | None = None
 
 
 def generate_numpy_seed(base_seed: int, worker_id: int) -> list[int]:
@@ -126,6 +131,7 @@ def seed_worker(cfg: WorkerConfig) -> int:
     import numpy as np
 
     np.random.seed(generate_numpy_seed(cfg.base_seed, cfg.worker_id))
+    reseed_datapipe(cfg, cfg.shared_seed)
 
     _set_worker_info(WorkerInfo(id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed,
                                 dataset=cfg.dataset))
@@ -135,6 +141,17 @@ def seed_worker(cfg: WorkerConfig) -> int:
     torch_worker._worker_info = torch_worker.WorkerInfo(
         id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset)
     return seed
+
+
+def reseed_datapipe(cfg: WorkerConfig, shared_seed: int | None) -> None:
+    """Seed an ``IterDataPipe``'s random pipes from the epoch's shared seed (torch's workers).
+
+    At a worker's start and at each persistent epoch's ``reset`` (torch's
+    ``_ResumeIteration``); a respawned worker starts from the latest one.
+    """
+    if shared_seed is not None and is_iter_datapipe(cfg.dataset):
+        cfg.shared_seed = shared_seed
+        seed_graph(cfg.dataset, shared_seed)
 
 
 def _where(cfg: WorkerConfig) -> str:

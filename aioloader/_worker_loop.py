@@ -20,7 +20,7 @@ from ._failure import guard_fetcher
 from ._fetch import IterFetcher, MapFetcher, make_fetcher
 from ._recorder import WorkerClock
 from ._transport import encode
-from ._worker_config import WorkerConfig, _where
+from ._worker_config import WorkerConfig, _where, reseed_datapipe
 
 __all__ = ["serve_commands"]
 
@@ -142,6 +142,7 @@ def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
                 del reply  # free the batch (and its shared memory) before waiting again
             elif op == "reset":
                 state.close()
+                reseed_datapipe(cfg, cmd[2] if len(cmd) > 2 else None)
                 state = _SyncEpoch(cfg, init_error)
                 if clock is not None:
                     clock.reset()

@@ -188,6 +188,29 @@ def test_iterable_sharding_async_for(ray: Any, backend: str) -> None:
     assert got == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9]]
 
 
+def test_datapipe_shards_and_reseeds_as_torch_workers(ray: Any) -> None:
+    """Regression test for issue 18: an IterDataPipe's sharding_filter splits over the actors and
+    each epoch's shared seed reaches them (persistent: through the reset), as torch's workers."""
+    from torch.utils.data import DataLoader as TorchDataLoader
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    def epochs(loader_cls: Any, **kwargs: Any) -> list[list[list[int]]]:
+        torch.manual_seed(11)
+        pipe = IterableWrapper(range(17)).shuffle().sharding_filter()
+        loader = loader_cls(pipe, batch_size=3, shuffle=True, num_workers=2,
+                            persistent_workers=True, timeout=60, **kwargs)
+        try:
+            return [[b.tolist() for b in loader] for _ in range(2)]
+        finally:
+            if hasattr(loader, "close"):
+                loader.close()
+
+    ours = epochs(DataLoader, worker_method="ray")
+    # forkserver: forking next to Ray's client threads can hang (see above).
+    assert ours == epochs(TorchDataLoader, multiprocessing_context="forkserver")
+    assert sorted(x for b in ours[1] for x in b) == list(range(17))
+
+
 def test_actor_killed_mid_epoch_is_named(ray: Any) -> None:
     loader = DataLoader(Counting(200), batch_size=2, num_workers=2, worker_method="ray",
                         timeout=60)

@@ -153,7 +153,7 @@ def _refused(make: Callable[[], DataLoader[Any]], state: State, exc: type[Except
     loader.close()
 
 
-_TOP = ["config", "finished", "base_seed", "yielded", "prefix", "extra", "last_worker",
+_TOP = ["config", "finished", "base_seed", "shared_seed", "yielded", "prefix", "extra", "last_worker",
         "worker_states", "sampler_state", "rng", "generators"]
 _CONFIG = ["dataset_kind", "dataset_len", "batches", "batch_size", "drop_last", "shuffle",
            "sampler", "batch_sampler", "num_workers", "persistent_workers", "generators"]
@@ -459,7 +459,7 @@ def test_version_1_state_loads_with_a_warning() -> None:
     def to_v1(state: State) -> State:
         st = json.loads(json.dumps(state))
         config = st.pop("config")
-        del st["aioloader_state"]
+        del st["aioloader_state"], st["shared_seed"]
         return {"aioloader_state": 1, "num_workers": config["num_workers"], **st}
     with pytest.warns(UserWarning, match="version 1"):
         _resume_check(_map_loader, 2, to_v1)

@@ -1,0 +1,140 @@
+"""torch's DataPipe handling, at the points torch's DataLoader does it.
+
+``IterDataPipe``/``MapDataPipe`` graphs get from the loader what torch's DataLoader gives
+them (``torch/utils/data/dataloader.py`` and ``_utils/worker.py``):
+
+* ``__init__``: the dataset is wrapped in torch's serialization wrapper (pickle, or dill
+  when pickle fails, for the trip to a worker); with an ``IterDataPipe``, ``shuffle=`` is
+  not a sampler option but turns every ``.shuffle()`` of the graph on or off
+  (:func:`apply_shuffle`).
+* each epoch (``iter()``): an ``IterDataPipe`` draws a *shared seed* from the loader's
+  ``generator`` (broadcast from rank 0 when ``torch.distributed`` is initialised) and seeds
+  the graph's random pipes from it (:func:`share_seed`, :func:`seed_graph`), so every
+  worker and rank shuffles alike; without workers, the graph is sharded over the
+  distributed ranks (:func:`shard_main`).
+* in each worker: the graph is seeded again from the shared seed before
+  ``worker_init_fn``, and the ``sharding_filter`` keeps this worker's share of this rank's
+  share (:func:`sharding_init_fn`, torch's ``_sharding_worker_init_fn``).
+
+torch's own functions do the work wherever they exist, so that a graph behaves exactly as
+under torch's DataLoader (and ``_get_distributed_settings`` patched in torch applies here).
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.data.dataloader as _tdl
+import torch.utils.data.graph_settings as _graph_settings
+from torch.utils.data.datapipes.datapipe import (
+    IterDataPipe,
+    MapDataPipe,
+    _IterDataPipeSerializationWrapper,
+    _MapDataPipeSerializationWrapper,
+)
+
+__all__ = [
+    "apply_shuffle",
+    "distributed_settings",
+    "is_datapipe",
+    "is_iter_datapipe",
+    "seed_graph",
+    "seed_group",
+    "shard_main",
+    "sharding_init_fn",
+    "share_seed",
+    "thread_copy",
+    "wrap",
+]
+
+
+def is_iter_datapipe(dataset: object) -> bool:
+    """An ``IterDataPipe`` (torch's serialization wrapper of one included)."""
+    return isinstance(dataset, IterDataPipe)
+
+
+def is_datapipe(dataset: object) -> bool:
+    """An ``IterDataPipe`` or a ``MapDataPipe``."""
+    return isinstance(dataset, (IterDataPipe, MapDataPipe))
+
+
+def wrap(dataset: Any) -> Any:
+    """torch's ``_DataPipeSerializationWrapper`` around a DataPipe (what ``loader.dataset`` is)."""
+    if isinstance(dataset, IterDataPipe):
+        return _IterDataPipeSerializationWrapper(dataset)  # type: ignore[no-untyped-call]
+    if isinstance(dataset, MapDataPipe):
+        return _MapDataPipeSerializationWrapper(dataset)  # type: ignore[no-untyped-call]
+    return dataset
+
+
+def apply_shuffle(dataset: Any, shuffle: bool | None) -> None:
+    """``shuffle=`` for an ``IterDataPipe``: every shuffler of the graph on or off.
+
+    ``None`` leaves the graph as built; ``True`` on a graph without a shuffler appends one
+    (with torch's warning). The graph is changed in place, as torch does; the shuffler
+    torch appends in that case is not part of the loader's dataset (torch's behaviour too).
+    """
+    if shuffle is not None:
+        _graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)
+
+
+def distributed_settings() -> tuple[int, int]:
+    """``(world_size, rank)`` of the initialised default group, else ``(1, 0)`` (torch's)."""
+    ws, rank = _tdl._get_distributed_settings()  # type: ignore[no-untyped-call]
+    return int(ws), int(rank)
+
+
+def seed_group() -> Any:
+    """The process group torch broadcasts the shared seed over (a new gloo group), or None.
+
+    A collective call: every rank makes it, at every ``iter()`` that starts workers (or
+    runs without them), as torch does.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.new_group(backend="gloo")
+    return None
+
+
+def share_seed(generator: torch.Generator | None, group: Any) -> int:
+    """Draw the epoch's shared seed from ``generator`` (rank 0's, when distributed)."""
+    return int(_tdl._share_dist_seed(generator, group))  # type: ignore[no-untyped-call]
+
+
+def seed_graph(dataset: Any, shared_seed: int) -> None:
+    """Seed every random pipe of the graph from ``shared_seed`` (torch's ``apply_random_seed``)."""
+    rng = torch.Generator()
+    rng.manual_seed(shared_seed)
+    _graph_settings.apply_random_seed(dataset, rng)
+
+
+def shard_main(dataset: Any) -> None:
+    """``num_workers=0``: shard the graph over the distributed ranks (each ``iter()``)."""
+    ws, rank = distributed_settings()
+    _graph_settings.apply_sharding(dataset, ws, rank)
+
+
+def sharding_init_fn(worker_init_fn: Callable[[int], Any] | None) -> Callable[[int], Any]:
+    """The ``worker_init_fn`` a DataPipe's workers run: shard, then the user's function.
+
+    torch's ``_sharding_worker_init_fn`` with this rank's settings, taken at ``iter()``:
+    worker ``i`` of rank ``r`` keeps element ``i * world_size + r`` of every
+    ``num_workers * world_size``.
+    """
+    ws, rank = distributed_settings()
+    return functools.partial(_tdl._sharding_worker_init_fn, worker_init_fn, ws, rank)
+
+
+def thread_copy(dataset: Any) -> Any:
+    """A thread worker's own copy of a DataPipe graph, as a worker process receives it.
+
+    A graph shards and iterates per worker (one live iterator per ``IterDataPipe``), so
+    thread workers cannot share the loader's: each gets it through the pickle round trip
+    torch's serialization wrapper defines (pickle, or dill where pickle fails).
+    """
+    return pickle.loads(pickle.dumps(dataset))
