@@ -8,12 +8,17 @@ must not need a ``gc.collect()``.
 
 from __future__ import annotations
 
+import _posixshmem
+import itertools
+import os
+import random
 import threading
 from typing import Any
 
 import pytest
+import torch
 from _loader_datasets import Dies, Slow
-from conftest import LEAK_GRACE_S, open_fds, wait_until
+from conftest import LEAK_GRACE_S, open_fds, shm_entries, wait_until
 
 import aioloader
 from aioloader import DataLoader, WorkerDiedError
@@ -111,3 +116,67 @@ def test_device_path_fetch_threads_end_with_the_epoch_no_leak(monkeypatch: Any) 
     assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
                                             [12, 13, 14, 15]]
     assert _new_threads(threads) == []
+
+
+# ---------------------------------------------------------------- /dev/shm full (issue 18)
+
+_segments = itertools.count()
+
+
+def _create_segment_then_fail() -> None:
+    """Do what torch's allocator does when /dev/shm is full: create the file, then fail."""
+    name = f"/torch_{os.getpid()}_{random.getrandbits(32)}_{next(_segments)}"
+    os.close(_posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    raise RuntimeError(f"unable to allocate shared memory(shm) for file <{name}>: "
+                       "No space left on device (28)")
+
+
+def _new_shared_fails(cls: Any, size: int) -> Any:
+    _create_segment_then_fail()
+
+
+class BigSamples(aioloader.Dataset[Any]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.full((64 * 1024,), float(i))  # 256 KiB: sent by fd, not inline
+
+
+def _stack(batch: list[Any]) -> Any:
+    return torch.stack(batch)  # a plain (not shared) tensor: moved to shm when sent
+
+
+@pytest.mark.parametrize("method", ["multiprocessing", "thread"])
+def test_a_full_dev_shm_leaves_no_segment_leak(monkeypatch: Any, method: str) -> None:
+    """Regression test for issue 18: a batch whose shared memory cannot be allocated
+    (/dev/shm full) raises torch's error, and the file torch created is removed."""
+    monkeypatch.setattr(torch.UntypedStorage, "_new_using_fd_cpu", classmethod(_new_shared_fails))
+    shm = shm_entries()
+    loader = DataLoader(BigSamples(), batch_size=2, num_workers=2, worker_method=method,
+                        **(FORK if method == "multiprocessing" else {}))
+    it = iter(loader)
+    for _ in range(4):  # every batch fails, and each failure is raised
+        with pytest.raises(RuntimeError, match=r"unable to allocate shared memory\(shm\)"):
+            next(it)
+    assert next(it, None) is None
+    it.close()
+    assert shm_entries() <= shm, "segments of failed allocations left in /dev/shm"
+
+
+def test_a_full_dev_shm_while_sending_inlines_the_batch_no_leak(monkeypatch: Any) -> None:
+    """Regression test for issue 18: a batch that cannot be moved to shared memory to be
+    sent (/dev/shm full) travels inline, and the file torch created is removed."""
+    original = torch.UntypedStorage._share_fd_cpu_
+
+    def share_fails(self: Any, *args: Any) -> Any:
+        if self.is_shared():  # already in shared memory: only its fd is asked for
+            return original(self, *args)
+        _create_segment_then_fail()
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_fd_cpu_", share_fails)
+    shm = shm_entries()
+    loader = DataLoader(BigSamples(), batch_size=2, num_workers=2, collate_fn=_stack, **FORK)
+    batches = [b[:, 0].tolist() for b in loader]
+    assert batches == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+    assert shm_entries() <= shm, "segments of failed allocations left in /dev/shm"
