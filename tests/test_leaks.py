@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import _posixshmem
 import itertools
+import multiprocessing
 import os
 import random
+import socket
+import tempfile
 import threading
 from typing import Any
 
@@ -180,3 +183,84 @@ def test_a_full_dev_shm_while_sending_inlines_the_batch_no_leak(monkeypatch: Any
     batches = [b[:, 0].tolist() for b in loader]
     assert batches == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
     assert shm_entries() <= shm, "segments of failed allocations left in /dev/shm"
+
+
+# ------------------------------------------------- descriptors inherited by workers (issue 18)
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    """Inodes of the sockets process ``pid`` holds (from /proc/<pid>/fd)."""
+    out = set()
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            out.add(int(target[len("socket:["):-1]))
+    return out
+
+
+def _parent_ends(it: Any) -> set[int]:
+    return {os.fstat(conn.sock.fileno()).st_ino for conn in it._core.lease.pool._workers}
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn", "forkserver"])
+def test_a_port_the_parent_closes_is_not_held_by_its_workers_leak(ctx: str) -> None:
+    """Regression test for issue 18: a listening socket the parent closes while its
+    workers run is closed (connections are refused), whatever the start method."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        it = iter(DataLoader(Slow(8, 0.0), batch_size=2, num_workers=2,
+                             multiprocessing_context=ctx))
+        assert next(it).tolist() == [0, 1]  # the workers run
+    with socket.socket() as client, pytest.raises(ConnectionRefusedError):
+        client.connect(("127.0.0.1", port))
+    assert all(p.is_alive() for p in it._workers)
+    assert [int(i) for batch in it for i in batch] == [2, 3, 4, 5, 6, 7]
+    it.close()
+
+
+def test_workers_do_not_hold_another_loaders_sockets_leak() -> None:
+    """Regression test for issue 18: a forked worker holds no loader's parent-side worker
+    socket (its own loader's or another's), so every worker sees its parent hang up."""
+    first = iter(DataLoader(Slow(8, 0.0), batch_size=2, num_workers=2, **FORK))
+    assert next(first).tolist() == [0, 1]
+    second = iter(DataLoader(Slow(8, 0.0), batch_size=2, num_workers=2, **FORK))
+    assert next(second).tolist() == [0, 1]
+    parent_ends = _parent_ends(first) | _parent_ends(second)
+    for proc in [*first._workers, *second._workers]:
+        held = _socket_inodes(proc.pid)
+        assert held and not held & parent_ends, (proc.pid, held & parent_ends)
+    second.close()
+    first.close()
+
+
+class KeepsFileAndQueue(aioloader.Dataset[int]):
+    """Reads an inherited open file and reports to an inherited multiprocessing queue."""
+
+    def __init__(self, fd: int, queue: Any) -> None:
+        self.fd, self.queue = fd, queue
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        self.queue.put(i)
+        return os.pread(self.fd, 1, i)[0]
+
+
+def test_forked_workers_keep_the_files_and_pipes_their_dataset_holds() -> None:
+    """Regression test for issue 18: what a dataset holds (an open file, a multiprocessing
+    queue's pipe) still works in forked workers, as with torch."""
+    queue = multiprocessing.get_context("fork").SimpleQueue()
+    with tempfile.TemporaryFile() as f:
+        f.write(bytes([10, 11, 12, 13]))
+        f.flush()
+        loader = DataLoader(KeepsFileAndQueue(f.fileno(), queue), batch_size=2,
+                            num_workers=2, **FORK)
+        assert [b.tolist() for b in loader] == [[10, 11], [12, 13]]
+    assert sorted(queue.get() for _ in range(4)) == [0, 1, 2, 3]
+    queue.close()
