@@ -23,9 +23,11 @@ import multiprocessing.context
 import os
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
+import anyio
 import torch
 import torch.utils.data as _tud
 
@@ -364,6 +366,42 @@ def _shutdown_persistent_pool(core: _PipelineCore, _getpid: Callable[[], int] = 
     lease.close()
 
 
+class _Turns:
+    """One task at a time in an iterator's ``__anext__``; the others wait, first come first.
+
+    Tasks sharing one iterator each get different batches, every batch once, and all of
+    them ``StopAsyncIteration`` once the epoch ends. A turn ends by handing it to the
+    first waiter (:attr:`busy` stays set, so a newcomer cannot slip in between);
+    a waiter cancelled after it was handed the turn passes it on.
+    """
+
+    __slots__ = ("busy", "waiters")
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.waiters: deque[anyio.Event] = deque()
+
+    async def wait(self) -> None:
+        """Wait until the turn is handed to this task (it then holds it: ``busy``)."""
+        event = anyio.Event()
+        self.waiters.append(event)
+        try:
+            await event.wait()
+        except BaseException:
+            if event.is_set():  # handed the turn, but leaving: pass it on
+                if self.waiters:
+                    self.hand_over()
+                else:
+                    self.busy = False
+            else:
+                self.waiters.remove(event)
+            raise
+
+    def hand_over(self) -> None:
+        """End the turn by giving it to the first waiter."""
+        self.waiters.popleft().set()
+
+
 class AsyncLoaderIter(Generic[T_co]):
     """One epoch of ``async for batch in loader``.
 
@@ -373,6 +411,7 @@ class AsyncLoaderIter(Generic[T_co]):
 
     def __init__(self, core: _PipelineCore) -> None:
         self._core = core
+        self._turns = _Turns()
         # Where batches come from: the in-process worker itself when there is one (its
         # few attributes are read faster per batch than the core's), else the core.
         self._source: _PipelineCore | _InProcessWorker = (
@@ -383,30 +422,41 @@ class AsyncLoaderIter(Generic[T_co]):
 
     async def __anext__(self) -> T_co:
         core = self._source
+        turns = self._turns
         del self  # tracebacks must not keep the iterator (and its workers) alive
-        rec = core.rec
-        if rec is None:
-            return await core.anext()  # type: ignore[no-any-return]
-        if core.sampled_waits:  # num_workers=0, plain batches: time 1 wait in time_every
-            rec.wait_countdown -= 1
-            timed = rec.wait_countdown <= 0  # sampled_wait() sets the next countdown
-            t0 = _ns() if timed else 0
+        if turns.busy:  # another task is in __anext__: wait for its turn to end
+            await turns.wait()
+        else:
+            turns.busy = True
+        try:
+            rec = core.rec
+            if rec is None:
+                return await core.anext()  # type: ignore[no-any-return]
+            if core.sampled_waits:  # num_workers=0, plain batches: time 1 wait in time_every
+                rec.wait_countdown -= 1
+                timed = rec.wait_countdown <= 0  # sampled_wait() sets the next countdown
+                t0 = _ns() if timed else 0
+                try:
+                    batch = await core.anext()
+                except BaseException:
+                    rec.inline_end(_ns())  # the wall time ends here (or pauses: cancelled)
+                    raise
+                if timed:
+                    rec.sampled_wait(t0, _ns())
+                return batch  # type: ignore[no-any-return]
+            t0 = rec.begin_wait()
             try:
                 batch = await core.anext()
             except BaseException:
-                rec.inline_end(_ns())  # the wall time ends here (or pauses: cancelled)
+                rec.end_wait(t0, False)
                 raise
-            if timed:
-                rec.sampled_wait(t0, _ns())
+            rec.end_wait(t0, True)
             return batch  # type: ignore[no-any-return]
-        t0 = rec.begin_wait()
-        try:
-            batch = await core.anext()
-        except BaseException:
-            rec.end_wait(t0, False)
-            raise
-        rec.end_wait(t0, True)
-        return batch  # type: ignore[no-any-return]
+        finally:
+            if turns.waiters:
+                turns.hand_over()
+            else:
+                turns.busy = False
 
     async def aclose(self) -> None:
         """Stop the epoch and release everything it holds. Idempotent."""

@@ -92,6 +92,14 @@ def bound_window(window: int, index_sampler: Any, num_workers: int) -> int:
     return min(window, max(cap, _SMALL_WINDOW))
 
 
+def superseded_error() -> EpochSupersededError:
+    """What ``next()`` raises on an epoch whose persistent workers a newer epoch took."""
+    return EpochSupersededError(
+        "this iterator was superseded: a new epoch was started on the same loader with "
+        "persistent_workers=True (its workers serve one epoch at a time); iterate the newest "
+        "iterator, or give each concurrent consumer a loader of its own")
+
+
 class PipelineState(enum.Enum):
     """Where a pipeline epoch is in its life (the table in docs/pipeline.md, "Shutdown")."""
 
@@ -459,9 +467,7 @@ class _PipelineCore(_Stages):
             if self.state is _NEW:
                 self._start()
             if self.state is _SUPERSEDED:
-                raise EpochSupersededError(
-                    "this iterator was superseded: a new epoch was started on the same "
-                    "loader with persistent_workers=True")
+                raise superseded_error()
             if self.state is not _RUNNING and self.fatal is None:
                 raise StopAsyncIteration
         if self.track.discard and not self.track.replaying:
@@ -477,6 +483,10 @@ class _PipelineCore(_Stages):
             self.track.finished = True
             await self.aclose()
             self.failures.end_of_epoch()
+            raise
+        except IteratorClosedError:
+            if self.state is _SUPERSEDED:  # superseded while this call waited for a batch
+                raise superseded_error() from None
             raise
         except (TooManyFailuresError, WorkerDiedError):
             # Raised now, and the epoch is over: a kept WorkerDiedError would tie this core

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
 import signal
 import socket
+import weakref
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -79,8 +81,10 @@ class Conn:
         """
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            # fd numbers mean nothing in a fresh interpreter: only a forked child closes some.
-            close_fds = [*inherited, parent_sock.fileno()] if method == "fork" else []
+            # fd numbers mean nothing in a fresh interpreter: only a forked child closes some:
+            # this pool's parent ends and those of every other pool (other loaders) here.
+            close_fds = (_identities([*inherited, parent_sock.fileno(), *_live_parent_ends()])
+                         if method == "fork" else [])
             cfg = dataclasses.replace(cfg, parent_pid=parent_pid, close_fds=close_fds,
                                       start_method=method)
             proc = ctx.Process(target=worker_main, args=(child_sock, cfg),
@@ -97,6 +101,7 @@ class Conn:
         finally:
             child_sock.close()
         parent_sock.setblocking(False)
+        _register_parent_end(parent_sock)
         return cls(worker_id, proc, parent_sock)
 
     # ------------------------------------------------------------------ read
@@ -196,6 +201,7 @@ class Conn:
         """Hang up (a worker blocked writing to us gets EPIPE); wakes serve()'s waiters."""
         if self.sock.fileno() < 0:
             return
+        _parent_ends.pop(id(self.sock), None)
         try:
             anyio.notify_closing(self.sock)  # wake serve()'s waiters before the fd goes
         except Exception:  # no event loop in this thread
@@ -221,6 +227,42 @@ class Conn:
             popen = getattr(proc, "_popen", None)
             if popen is not None and popen.returncode is not None:
                 popen.close()
+
+
+# The parent end of every live worker socket of this process, whatever its pool or loader,
+# by id: a worker forked later lets go of the copies it inherits (a dict, not a WeakSet:
+# snapshotting its values is one C call, safe against other threads without a lock, which
+# a forked child could inherit held).
+_parent_ends: dict[int, weakref.ref[socket.socket]] = {}
+
+
+def _register_parent_end(sock: socket.socket) -> None:
+    key = id(sock)
+
+    def forget(ref: weakref.ref[socket.socket]) -> None:  # collected without close_socket()
+        if _parent_ends.get(key) is ref:
+            del _parent_ends[key]
+
+    _parent_ends[key] = weakref.ref(sock, forget)
+
+
+def _live_parent_ends() -> list[int]:
+    """The fds of the parent ends registered now (closed ones are left out)."""
+    socks = (ref() for ref in list(_parent_ends.values()))
+    return [sock.fileno() for sock in socks if sock is not None and sock.fileno() >= 0]
+
+
+def _identities(fds: list[int]) -> list[tuple[int, int, int]]:
+    """``(fd, st_dev, st_ino)`` of each open fd: a forked child closes an fd only if it is
+    still the same file (another thread may close one and reuse its number meanwhile)."""
+    out: list[tuple[int, int, int]] = []
+    for fd in dict.fromkeys(fds):
+        try:
+            st = os.fstat(fd)
+        except OSError:  # closed meanwhile
+            continue
+        out.append((fd, st.st_dev, st.st_ino))
+    return out
 
 
 def _decode_into(out: list[Any], frame: Frame) -> None:

@@ -25,7 +25,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -33,7 +33,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDat
 
 from ._failure import FailureReport
 from ._loader import DataLoaderCore, _shutdown_persistent_pool, _worker_processes
-from ._pipeline import _PipelineCore
+from ._pipeline import PipelineState, _PipelineCore, superseded_error
 
 __all__ = ["DataLoader", "SyncLoaderIter"]
 
@@ -119,8 +119,13 @@ class DataLoader(DataLoaderCore[T_co]):
         With persistent workers the iterator is also kept in ``self._iterator``, as torch
         does, so that frameworks can shut the workers down through it.
         """
-        iterator = self._get_iterator()
-        if self.persistent_workers and self.num_workers > 0:
+        if not (self.persistent_workers and self.num_workers > 0):
+            return self._get_iterator()
+        # Persistent workers serve one epoch at a time: epochs begun by two threads at once
+        # take the pool one after the other (the later one supersedes the earlier one),
+        # never both while it starts.
+        with _iter_lock(self):
+            iterator = self._get_iterator()
             self._iterator = iterator
         return iterator
 
@@ -133,6 +138,21 @@ class DataLoader(DataLoaderCore[T_co]):
     def close(self) -> None:
         """Shut down persistent workers now (they are also closed at exit/GC)."""
         self._close_pool_sync()
+
+
+_iter_locks: weakref.WeakKeyDictionary[DataLoader[Any], threading.Lock] = (
+    weakref.WeakKeyDictionary())
+_iter_locks_guard = threading.Lock()
+
+
+def _iter_lock(loader: DataLoader[Any]) -> threading.Lock:
+    """The lock that orders a persistent loader's ``iter()`` calls (not an attribute of the
+    loader, which stays picklable and deep-copyable)."""
+    with _iter_locks_guard:
+        lock = _iter_locks.get(loader)
+        if lock is None:
+            lock = _iter_locks[loader] = threading.Lock()
+        return lock
 
 
 class _PortalDriver:
@@ -189,8 +209,15 @@ class _PortalDriver:
         return self.portal
 
     def next(self) -> Any:
+        if self.closed:  # exhausted, closed, or ended by a fatal error: the loop is gone
+            self._raise_ended()
         portal = self.start()
-        ok, value = portal.call(_anext_boxed, self.core)
+        try:
+            ok, value = portal.call(_anext_boxed, self.core)
+        except RuntimeError:  # "This portal is not running": closed from another thread
+            if not self.closed:
+                raise
+            self._raise_ended()
         if ok:
             return value
         if value is None:
@@ -202,6 +229,12 @@ class _PortalDriver:
             del value  # no frame -> exception -> traceback -> frame cycle
             if self.core.closed:  # a fatal error (a worker died): the epoch is over
                 self.close()
+
+    def _raise_ended(self) -> NoReturn:
+        """What ``next()`` raises once the loop thread is gone, as ``async for`` would."""
+        if self.core.state is PipelineState.SUPERSEDED:
+            raise superseded_error()
+        raise StopIteration
 
     def close(self) -> None:
         if os.getpid() != self.pid:
@@ -323,6 +356,9 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
 
     def __init__(self, core: _PipelineCore) -> None:
         self._core = core
+        # One next() at a time: threads sharing the iterator take turns, each batch goes to
+        # one of them, and once the epoch ends every one of them gets StopIteration.
+        self._lock = threading.RLock()  # re-entered from the same thread: no deadlock
         self._driver: _PortalDriver | None = None
         self._worker = core.worker  # the in-process worker: batches made in this thread
         if self._worker is None:
@@ -340,24 +376,27 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
 
     def __next__(self) -> T_co:
         worker = self._worker
+        lock = self._lock
         if worker is not None:  # statistics are kept by the in-process worker itself
             del self  # a traceback must not keep the iterator alive
-            return worker.next_sync()  # type: ignore[no-any-return]
+            with lock:
+                return worker.next_sync()  # type: ignore[no-any-return]
         driver = self._driver
         core = self._core
         del self
         assert driver is not None
         rec = core.rec
-        if rec is None:
-            return driver.next()  # type: ignore[no-any-return]
-        t0 = rec.begin_wait()  # statistics: the consumer's wait (docs/stats.md)
-        try:
-            batch = driver.next()
-        except BaseException:
-            rec.end_wait(t0, False)
-            raise
-        rec.end_wait(t0, True)
-        return batch  # type: ignore[no-any-return]
+        with lock:
+            if rec is None:
+                return driver.next()  # type: ignore[no-any-return]
+            t0 = rec.begin_wait()  # statistics: the consumer's wait (docs/stats.md)
+            try:
+                batch = driver.next()
+            except BaseException:
+                rec.end_wait(t0, False)
+                raise
+            rec.end_wait(t0, True)
+            return batch  # type: ignore[no-any-return]
 
     def __len__(self) -> int:
         return len(self._core.index_sampler)

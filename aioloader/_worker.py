@@ -45,6 +45,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -73,12 +74,9 @@ _EXIT_HANDLERS_LIMIT = 10.0  # most seconds a parentless worker spends in its ex
 
 
 def _setup_process(cfg: WorkerConfig) -> int:
-    """Close inherited fds, fix signals, seed RNGs, install worker info; return the seed."""
-    for fd in cfg.close_fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    """Let go of inherited fds, fix signals, seed RNGs, install worker info; return the seed."""
+    if cfg.start_method == "fork":
+        _drop_inherited(cfg.close_fds)
     # The parent owns Ctrl-C and shuts workers down; SIGTERM must kill (the
     # pool's last resort), whatever handler a forked parent had installed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -99,6 +97,71 @@ def _setup_process(cfg: WorkerConfig) -> int:
             pass
     torch.set_num_threads(1)
     return seed_worker(cfg)
+
+
+def _drop_inherited(known: list[tuple[int, int, int]]) -> None:
+    """Let go of what a forked worker must not hold: the parent-side worker sockets of
+    every pool (``known``: this loader's and other loaders'), and every listening socket
+    (a port the parent closes must close, not stay open in its workers).
+
+    Files, pipes and connected sockets a dataset may use (open files, a
+    ``multiprocessing.Queue``, a logging handler) are kept, as with torch. Each fd let
+    go of is pointed at ``/dev/null`` rather than closed: its number stays taken, so a
+    copy of the parent's object that still names it (and may close it when collected)
+    can never reach a file this worker opens later.
+    """
+    targets = [fd for fd, dev, ino in known if _is_file(fd, dev, ino)]
+    targets.extend(fd for fd in _listening_sockets() if fd not in targets)
+    if not targets:
+        return
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for fd in targets:
+            os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
+
+
+def _is_file(fd: int, dev: int, ino: int) -> bool:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
+def _listening_sockets() -> list[int]:
+    """This process's listening sockets (stdin/stdout/stderr excepted)."""
+    accepting = getattr(socket, "SO_ACCEPTCONN", None)
+    if accepting is None:  # pragma: no cover - Linux and macOS have it
+        return []
+    for fd_dir in ("/proc/self/fd", "/dev/fd"):
+        try:
+            names = os.listdir(fd_dir)
+            break
+        except OSError:
+            continue
+    else:  # pragma: no cover - no way to list fds here
+        return []
+    found = []
+    for name in names:
+        fd = int(name)
+        if fd <= 2:
+            continue
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:  # closed (the listing's own fd), or not a usable socket
+            continue
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, accepting):
+                found.append(fd)
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+    return found
 
 
 def _parent_alive(cfg: WorkerConfig, watch_ppid: bool) -> bool:

@@ -43,8 +43,9 @@ class WorkerConfig:
         fetch_concurrency: most ``await dataset[...]`` in flight (async datasets).
         fetch_threads: threads reading one batch's samples (sync map datasets; 0 = off).
         parent_pid: the pool's pid (set by the pool at start).
-        close_fds: parent-side fds inherited through ``fork`` that the child
-            closes at once, so that EOF and parent death are seen (set by the pool).
+        close_fds: ``(fd, st_dev, st_ino)`` of parent-side worker sockets inherited
+            through ``fork`` (this pool's and other loaders'), which the child lets go of
+            at once, so that EOF and parent death are seen (set by the pool).
         start_method: how the process was started (set by the pool); a forked
             worker drops the ``atexit`` handlers it inherited from the parent.
             ``"thread"`` for a thread worker (:mod:`aioloader._thread_pool`).
@@ -71,7 +72,7 @@ class WorkerConfig:
     fetch_concurrency: int = 1
     fetch_threads: int = 0
     parent_pid: int = 0
-    close_fds: list[int] = field(default_factory=list)
+    close_fds: list[tuple[int, int, int]] = field(default_factory=list)
     start_method: str = ""
     failure: FailurePolicy | None = None
     resume_state: Any = None

@@ -10,11 +10,13 @@ fetcher; Ray actors call it directly (:mod:`aioloader._ray_pool`).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from . import _state
+from ._codec import unlink_failed_segments
 from ._errors import RemoteError
 from ._failure import guard_fetcher
 from ._fetch import IterFetcher, MapFetcher, make_fetcher
@@ -26,7 +28,12 @@ __all__ = ["serve_commands"]
 
 
 def _error_reply(cfg: WorkerConfig, epoch: Any, seq: Any) -> tuple[Any, ...]:
-    """An ("error", ...) reply for the exception being handled."""
+    """An ("error", ...) reply for the exception being handled.
+
+    A batch that failed to allocate its shared memory (``/dev/shm`` full) leaves no file
+    behind: torch's allocator keeps the one it created, so it is removed here.
+    """
+    unlink_failed_segments(sys.exc_info()[1])
     return ("error", epoch, seq, RemoteError.from_current(_where(cfg)))
 
 

@@ -8,12 +8,20 @@ must not need a ``gc.collect()``.
 
 from __future__ import annotations
 
+import _posixshmem
+import itertools
+import multiprocessing
+import os
+import random
+import socket
+import tempfile
 import threading
 from typing import Any
 
 import pytest
+import torch
 from _loader_datasets import Dies, Slow
-from conftest import LEAK_GRACE_S, open_fds, wait_until
+from conftest import LEAK_GRACE_S, open_fds, shm_entries, wait_until
 
 import aioloader
 from aioloader import DataLoader, WorkerDiedError
@@ -111,3 +119,148 @@ def test_device_path_fetch_threads_end_with_the_epoch_no_leak(monkeypatch: Any) 
     assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
                                             [12, 13, 14, 15]]
     assert _new_threads(threads) == []
+
+
+# ---------------------------------------------------------------- /dev/shm full (issue 18)
+
+_segments = itertools.count()
+
+
+def _create_segment_then_fail() -> None:
+    """Do what torch's allocator does when /dev/shm is full: create the file, then fail."""
+    name = f"/torch_{os.getpid()}_{random.getrandbits(32)}_{next(_segments)}"
+    os.close(_posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    raise RuntimeError(f"unable to allocate shared memory(shm) for file <{name}>: "
+                       "No space left on device (28)")
+
+
+def _new_shared_fails(cls: Any, size: int) -> Any:
+    _create_segment_then_fail()
+
+
+class BigSamples(aioloader.Dataset[Any]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.full((64 * 1024,), float(i))  # 256 KiB: sent by fd, not inline
+
+
+def _stack(batch: list[Any]) -> Any:
+    return torch.stack(batch)  # a plain (not shared) tensor: moved to shm when sent
+
+
+@pytest.mark.parametrize("method", ["multiprocessing", "thread"])
+def test_a_full_dev_shm_leaves_no_segment_leak(monkeypatch: Any, method: str) -> None:
+    """Regression test for issue 18: a batch whose shared memory cannot be allocated
+    (/dev/shm full) raises torch's error, and the file torch created is removed."""
+    monkeypatch.setattr(torch.UntypedStorage, "_new_using_fd_cpu", classmethod(_new_shared_fails))
+    shm = shm_entries()
+    loader = DataLoader(BigSamples(), batch_size=2, num_workers=2, worker_method=method,
+                        **(FORK if method == "multiprocessing" else {}))
+    it = iter(loader)
+    for _ in range(4):  # every batch fails, and each failure is raised
+        with pytest.raises(RuntimeError, match=r"unable to allocate shared memory\(shm\)"):
+            next(it)
+    assert next(it, None) is None
+    it.close()
+    assert shm_entries() <= shm, "segments of failed allocations left in /dev/shm"
+
+
+def test_a_full_dev_shm_while_sending_inlines_the_batch_no_leak(monkeypatch: Any) -> None:
+    """Regression test for issue 18: a batch that cannot be moved to shared memory to be
+    sent (/dev/shm full) travels inline, and the file torch created is removed."""
+    original = torch.UntypedStorage._share_fd_cpu_
+
+    def share_fails(self: Any, *args: Any) -> Any:
+        if self.is_shared():  # already in shared memory: only its fd is asked for
+            return original(self, *args)
+        _create_segment_then_fail()
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_fd_cpu_", share_fails)
+    shm = shm_entries()
+    loader = DataLoader(BigSamples(), batch_size=2, num_workers=2, collate_fn=_stack, **FORK)
+    batches = [b[:, 0].tolist() for b in loader]
+    assert batches == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+    assert shm_entries() <= shm, "segments of failed allocations left in /dev/shm"
+
+
+# ------------------------------------------------- descriptors inherited by workers (issue 18)
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    """Inodes of the sockets process ``pid`` holds (from /proc/<pid>/fd)."""
+    out = set()
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            out.add(int(target[len("socket:["):-1]))
+    return out
+
+
+def _parent_ends(it: Any) -> set[int]:
+    return {os.fstat(conn.sock.fileno()).st_ino for conn in it._core.lease.pool._workers}
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn", "forkserver"])
+def test_a_port_the_parent_closes_is_not_held_by_its_workers_leak(ctx: str) -> None:
+    """Regression test for issue 18: a listening socket the parent closes while its
+    workers run is closed (connections are refused), whatever the start method."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        it = iter(DataLoader(Slow(8, 0.0), batch_size=2, num_workers=2,
+                             multiprocessing_context=ctx))
+        assert next(it).tolist() == [0, 1]  # the workers run
+    with socket.socket() as client, pytest.raises(ConnectionRefusedError):
+        client.connect(("127.0.0.1", port))
+    assert all(p.is_alive() for p in it._workers)
+    assert [int(i) for batch in it for i in batch] == [2, 3, 4, 5, 6, 7]
+    it.close()
+
+
+def test_workers_do_not_hold_another_loaders_sockets_leak() -> None:
+    """Regression test for issue 18: a forked worker holds no loader's parent-side worker
+    socket (its own loader's or another's), so every worker sees its parent hang up."""
+    first = iter(DataLoader(Slow(8, 0.0), batch_size=2, num_workers=2, **FORK))
+    assert next(first).tolist() == [0, 1]
+    second = iter(DataLoader(Slow(8, 0.0), batch_size=2, num_workers=2, **FORK))
+    assert next(second).tolist() == [0, 1]
+    parent_ends = _parent_ends(first) | _parent_ends(second)
+    for proc in [*first._workers, *second._workers]:
+        held = _socket_inodes(proc.pid)
+        assert held and not held & parent_ends, (proc.pid, held & parent_ends)
+    second.close()
+    first.close()
+
+
+class KeepsFileAndQueue(aioloader.Dataset[int]):
+    """Reads an inherited open file and reports to an inherited multiprocessing queue."""
+
+    def __init__(self, fd: int, queue: Any) -> None:
+        self.fd, self.queue = fd, queue
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        self.queue.put(i)
+        return os.pread(self.fd, 1, i)[0]
+
+
+def test_forked_workers_keep_the_files_and_pipes_their_dataset_holds() -> None:
+    """Regression test for issue 18: what a dataset holds (an open file, a multiprocessing
+    queue's pipe) still works in forked workers, as with torch."""
+    queue = multiprocessing.get_context("fork").SimpleQueue()
+    with tempfile.TemporaryFile() as f:
+        f.write(bytes([10, 11, 12, 13]))
+        f.flush()
+        loader = DataLoader(KeepsFileAndQueue(f.fileno(), queue), batch_size=2,
+                            num_workers=2, **FORK)
+        assert [b.tolist() for b in loader] == [[10, 11], [12, 13]]
+    assert sorted(queue.get() for _ in range(4)) == [0, 1, 2, 3]
+    queue.close()
