@@ -34,6 +34,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDat
 from ._failure import FailureReport
 from ._loader import DataLoaderCore, _shutdown_persistent_pool, _worker_processes
 from ._pipeline import _PipelineCore
+from ._threads import join_ending_threads, track_ending
 
 __all__ = ["DataLoader", "SyncLoaderIter"]
 
@@ -201,9 +202,17 @@ class _PortalDriver:
         finally:
             del value  # no frame -> exception -> traceback -> frame cycle
             if self.core.closed:  # a fatal error (a worker died): the epoch is over
-                self.close()
+                # Raised at once: the teardown (the other workers may be in a long batch)
+                # finishes on the loop thread, which then ends (see close()).
+                self.close(wait=False)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Tear the epoch down and end the loop thread.
+
+        ``wait=False``: schedule both on the loop thread and return at once; the thread
+        is then one of the loader's ending threads, joined before the next fork
+        (:func:`aioloader._threads.join_ending_threads`) and at interpreter exit.
+        """
         if os.getpid() != self.pid:
             return  # a forked copy: the loop thread and the workers are the parent's
         with self.lock:
@@ -217,12 +226,17 @@ class _PortalDriver:
         if portal is None or thread is None:
             self.core.close_from_gc()
             return
-        if thread is threading.current_thread():
+        if thread is threading.current_thread() or not wait:
             # Collected on the loop thread itself (a reference cycle that the cyclic GC
-            # broke there): never wait on ourselves. Schedule the teardown, then the end
-            # of the portal: the loop thread leaves and its loop's fds are closed.
+            # broke there; never wait on ourselves), or asked not to wait: schedule the
+            # teardown, then the end of the portal: the loop thread leaves and its loop's
+            # fds are closed.
             assert self.loop is not None
-            self.loop.call_soon(_spawn_closer, self.loop, self.core, portal)
+            track_ending(thread)
+            try:
+                self.loop.call_soon_threadsafe(_spawn_closer, self.loop, self.core, portal)
+            except RuntimeError:  # the loop is closed: the thread has ended
+                pass
             return
         try:
             portal.call(self.core.aclose)
@@ -302,6 +316,7 @@ _open_drivers: weakref.WeakSet[_PortalDriver] = weakref.WeakSet()
 def _close_open_drivers() -> None:
     for driver in list(_open_drivers):
         driver.close()
+    join_ending_threads()  # teardowns that were left to finish on their loop threads
 
 
 try:  # run at exit before threads are joined or abandoned (the loop threads are daemons)
