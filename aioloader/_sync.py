@@ -204,15 +204,21 @@ class _PortalDriver:
             if self.core.closed:  # a fatal error (a worker died): the epoch is over
                 # Raised at once: the teardown (the other workers may be in a long batch)
                 # finishes on the loop thread, which then ends (see close()).
-                self.close(wait=False)
+                self.close_soon()
 
-    def close(self, wait: bool = True) -> None:
-        """Tear the epoch down and end the loop thread.
+    def close(self) -> None:
+        """Tear the epoch down and end the loop thread; returns when both are done."""
+        self._close(wait=True)
 
-        ``wait=False``: schedule both on the loop thread and return at once; the thread
-        is then one of the loader's ending threads, joined before the next fork
-        (:func:`aioloader._threads.join_ending_threads`) and at interpreter exit.
+    def close_soon(self) -> None:
+        """Schedule :meth:`close` on the loop thread and return at once.
+
+        The loop thread is then one of the loader's ending threads, joined before the
+        next fork (:func:`aioloader._threads.join_ending_threads`) and at interpreter exit.
         """
+        self._close(wait=False)
+
+    def _close(self, wait: bool) -> None:
         if os.getpid() != self.pid:
             return  # a forked copy: the loop thread and the workers are the parent's
         with self.lock:
