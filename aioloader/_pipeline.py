@@ -332,6 +332,7 @@ class _PipelineCore(_Stages):
         except BaseException as exc:  # trio system tasks must never raise
             if not isinstance(exc, anyio.get_cancelled_exc_class()):
                 self.fatal = _unwrap(exc)
+                self._forget_failed_lease()
                 self._wake()  # raised by the consumer at once, while the teardown runs
         finally:
             failed = self.fatal is not None  # a failed epoch closes even persistent workers
@@ -350,6 +351,13 @@ class _PipelineCore(_Stages):
             _LG.warning("the previous epoch's pipeline did not stop within %.0f s; "
                         "starting the new epoch anyway", PREVIOUS_EPOCH_WAIT_S)
         self.after = None
+
+    def _forget_failed_lease(self) -> None:
+        """A failed epoch closes its persistent workers: the loader's next epoch must not
+        take them, even while this epoch's teardown (which closes them) still runs."""
+        loader = self.loader() if self.loader is not None else None
+        if self.persistent and loader is not None and loader._pool_lease is self.lease:
+            loader._pool_lease = None
 
     def _release(self, failed: bool) -> _PoolLease | None:
         """Let go of batches, the loader and the pool; the lease this epoch must close."""
@@ -489,9 +497,14 @@ class _PipelineCore(_Stages):
                 raise superseded_error() from None
             raise
         except (TooManyFailuresError, WorkerDiedError):
-            # Raised now, and the epoch is over: a kept WorkerDiedError would tie this core
-            # to the consumer's frames (its traceback) in a cycle only the cyclic GC breaks.
-            await self.aclose()
+            # Raised now, and the epoch is over. The teardown (the background task's, already
+            # under way when a worker died) is not waited for: the other workers may be deep
+            # in a long batch, and the death is named at once whatever they do (aclose(),
+            # garbage collection or the next fork wait for it). The error is not kept: a kept
+            # one would tie this core to the consumer's frames (its traceback) in a cycle
+            # only the cyclic GC breaks.
+            self._stop(_STOPPING)
+            self._drop_fatal()
             raise
         self._count_yield()
         self.track.delivered()

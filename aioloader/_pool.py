@@ -45,7 +45,7 @@ from ._errors import IteratorClosedError, WorkerDiedError
 from ._ladder import climb, is_alive, process_steps, wait_exit, wait_exit_blocking
 from ._pool_base import ConfigSource, PoolBase
 from ._pool_conn import Conn
-from ._threads import ThreadRunner
+from ._threads import ThreadRunner, join_ending_threads
 from ._worker import WorkerConfig
 
 __all__ = ["DEFAULT_GRACE", "WorkerPool"]
@@ -122,6 +122,8 @@ class WorkerPool(PoolBase[Conn]):
         self._configs = configs
         method = self.start_method
         parent_pid = os.getpid()
+        if method == "fork":
+            join_ending_threads()  # never fork while a thread of ours is alive
         for worker_id, cfg in enumerate(configs):
             self._starting = worker_id
             self._start_one(worker_id, cfg, method, parent_pid)

@@ -34,6 +34,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDat
 from ._failure import FailureReport
 from ._loader import DataLoaderCore, _shutdown_persistent_pool, _worker_processes
 from ._pipeline import PipelineState, _PipelineCore, superseded_error
+from ._threads import join_ending_threads, track_ending
 
 __all__ = ["DataLoader", "SyncLoaderIter"]
 
@@ -228,7 +229,9 @@ class _PortalDriver:
         finally:
             del value  # no frame -> exception -> traceback -> frame cycle
             if self.core.closed:  # a fatal error (a worker died): the epoch is over
-                self.close()
+                # Raised at once: the teardown (the other workers may be in a long batch)
+                # finishes on the loop thread, which then ends (see close()).
+                self.close_soon()
 
     def _raise_ended(self) -> NoReturn:
         """What ``next()`` raises once the loop thread is gone, as ``async for`` would."""
@@ -237,6 +240,18 @@ class _PortalDriver:
         raise StopIteration
 
     def close(self) -> None:
+        """Tear the epoch down and end the loop thread; returns when both are done."""
+        self._close(wait=True)
+
+    def close_soon(self) -> None:
+        """Schedule :meth:`close` on the loop thread and return at once.
+
+        The loop thread is then one of the loader's ending threads, joined before the
+        next fork (:func:`aioloader._threads.join_ending_threads`) and at interpreter exit.
+        """
+        self._close(wait=False)
+
+    def _close(self, wait: bool) -> None:
         if os.getpid() != self.pid:
             return  # a forked copy: the loop thread and the workers are the parent's
         with self.lock:
@@ -250,12 +265,17 @@ class _PortalDriver:
         if portal is None or thread is None:
             self.core.close_from_gc()
             return
-        if thread is threading.current_thread():
+        if thread is threading.current_thread() or not wait:
             # Collected on the loop thread itself (a reference cycle that the cyclic GC
-            # broke there): never wait on ourselves. Schedule the teardown, then the end
-            # of the portal: the loop thread leaves and its loop's fds are closed.
+            # broke there; never wait on ourselves), or asked not to wait: schedule the
+            # teardown, then the end of the portal: the loop thread leaves and its loop's
+            # fds are closed.
             assert self.loop is not None
-            self.loop.call_soon(_spawn_closer, self.loop, self.core, portal)
+            track_ending(thread)
+            try:
+                self.loop.call_soon_threadsafe(_spawn_closer, self.loop, self.core, portal)
+            except RuntimeError:  # the loop is closed: the thread has ended
+                pass
             return
         try:
             portal.call(self.core.aclose)
@@ -335,6 +355,7 @@ _open_drivers: weakref.WeakSet[_PortalDriver] = weakref.WeakSet()
 def _close_open_drivers() -> None:
     for driver in list(_open_drivers):
         driver.close()
+    join_ending_threads()  # teardowns that were left to finish on their loop threads
 
 
 try:  # run at exit before threads are joined or abandoned (the loop threads are daemons)

@@ -17,6 +17,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ import anyio.from_thread
 import anyio.lowlevel
 import sniffio
 
-__all__ = ["ThreadRunner", "close_at_exit"]
+__all__ = ["ThreadRunner", "close_at_exit", "join_ending_threads", "track_ending"]
 
 _LG = logging.getLogger(__name__)
 
@@ -190,6 +191,45 @@ class ThreadRunner:
         self.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+
+#: Longest wait, before a fork, for the loader's threads that are ending (a teardown left to
+#: finish on its loop thread climbs the workers' ladder: seconds at most).
+ENDING_WAIT_S = 30.0
+
+_ending: set[threading.Thread] = set()
+_ending_lock = threading.Lock()
+
+
+def track_ending(thread: threading.Thread) -> None:
+    """Note a loader thread that was told to end but is not waited for by its owner.
+
+    :func:`join_ending_threads` waits for it before the loader forks again (a thread
+    alive at fork time may hold a lock the child then waits on forever) and at exit.
+    """
+    with _ending_lock:
+        _ending.add(thread)
+
+
+def join_ending_threads(limit: float = ENDING_WAIT_S) -> None:
+    """Block up to ``limit`` s in all until every thread of :func:`track_ending` ended.
+
+    The calling thread is never waited for. A thread still alive after ``limit`` is
+    logged (a warning) and kept for the next call.
+    """
+    with _ending_lock:
+        threads = [t for t in _ending if t is not threading.current_thread()]
+    if not threads:
+        return
+    deadline = time.monotonic() + limit
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with _ending_lock:
+        for thread in threads:
+            if not thread.is_alive():
+                _ending.discard(thread)
+            else:
+                _LG.warning("loader thread %s still running after %.0f s", thread.name, limit)
 
 
 def close_at_exit(pools: weakref.WeakSet[Any], **close_kwargs: Any) -> None:

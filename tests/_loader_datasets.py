@@ -174,3 +174,42 @@ class AsyncFailsAt:
         if i == self.at:
             raise LookupError(f"remote sample {i} missing")
         return i
+
+
+class DiesWhileTheOtherWaits(aioloader.Dataset[int]):
+    """Worker 0 kills itself (SIGKILL) while worker 1 is inside a batch the test holds.
+
+    Two samples, ``batch_size=1``: worker 0 reads 0, worker 1 reads 1. They meet on
+    the FIFO ``meet`` (worker 1 opens it to write, worker 0 to read: each open blocks
+    until the other end is opened), so worker 0 writes its pid to ``victim`` and dies
+    only once worker 1 is in its batch. Worker 1 then reads one byte from the FIFO
+    ``gate`` (the test holds it open and writes the byte when it chooses), creates
+    ``released`` and returns. Worker 1's watchdog is told to give its main thread a
+    minute, not a second, once the parent hangs up, so that only the test's byte (or
+    the parent's SIGTERM) ends its batch.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.dir = directory
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> int:
+        info = aioloader.get_worker_info()
+        assert info is not None
+        meet = os.path.join(self.dir, "meet")
+        if info.id == 0:
+            with open(os.path.join(self.dir, "victim"), "w") as f:
+                f.write(str(os.getpid()))
+            with open(meet, "rb"):
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+        from aioloader import _worker
+        _worker._PARENT_CHECK_INTERVAL = 60.0
+        with open(meet, "wb"):
+            pass
+        with open(os.path.join(self.dir, "gate"), "rb") as gate:
+            gate.read(1)
+        open(os.path.join(self.dir, "released"), "w").close()
+        return i

@@ -21,6 +21,24 @@ except ImportError:  # pragma: no cover
     uvloop = None
 
 
+START_METHOD_ENV = "AIOLOADER_TEST_START_METHOD"
+
+
+def _set_default_start_method() -> None:
+    """``AIOLOADER_TEST_START_METHOD=fork|spawn|forkserver``: the suite's default start method.
+
+    Loaders that pass no ``multiprocessing_context`` start their workers with it, as
+    they would under Python 3.14, whose Linux default is ``forkserver``. Unset: the
+    interpreter's default.
+    """
+    method = os.environ.get(START_METHOD_ENV, "")
+    if not method:
+        return
+    if method not in ("fork", "spawn", "forkserver"):
+        raise pytest.UsageError(f"{START_METHOD_ENV}={method!r}: use fork, spawn or forkserver")
+    multiprocessing.set_start_method(method, force=True)
+
+
 def pytest_asyncio_loop_factories(config: Any, item: Any) -> Mapping[str, Callable[[], Any]]:
     factories: dict[str, Callable[[], Any]] = {"asyncio": asyncio.new_event_loop}
     if uvloop is not None:
@@ -177,6 +195,7 @@ _GC_FREE_WORDS = ("break", "close", "cancel", "leak", "kill", "dead", "die")
 
 
 def pytest_configure(config: Any) -> None:
+    _set_default_start_method()
     config.addinivalue_line(
         "markers", "no_cycle_gc: run with the cyclic GC disabled and check for leaks without "
         "collecting: clean-up must not depend on gc.collect() (applied automatically to "
@@ -224,3 +243,7 @@ def _no_leaks(request: Any) -> Iterator[None]:
         if no_gc and gc_was_enabled:
             gc.enable()
     assert not found, f"leaked{' (cyclic GC off)' if no_gc else ''}: {found}"
+
+
+def pytest_report_header(config: Any) -> str:
+    return f"multiprocessing start method: {multiprocessing.get_start_method()}"

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from _loader_datasets import (
     AsyncRemote,
     Augmented,
     Dies,
+    DiesWhileTheOtherWaits,
     HangsAt,
     InitSeen,
     Raises,
@@ -181,6 +183,68 @@ def test_dead_worker_is_named_within_a_second(how: str, pattern: str) -> None:
         assert len(seen) < 32
         del info
     assert sorted(took)[1] < 1.0, took
+
+
+def _held_gate(directory: Any) -> int:
+    os.mkfifo(directory / "meet")
+    os.mkfifo(directory / "gate")
+    return os.open(directory / "gate", os.O_RDWR)  # a writer: worker 1's read waits for us
+
+
+def _check_named_before_the_other_left(directory: Any, error: WorkerDiedError) -> None:
+    victim = int((directory / "victim").read_text())
+    assert error.pid == victim and error.worker_id == 0
+    assert error.exitcode == -signal.SIGKILL
+    assert f"DataLoader worker (pid {victim}) is killed by signal: Killed" in str(error)
+    for proc in multiprocessing.active_children():  # worker 1, once released, leaves
+        proc.join(30)
+    # Worker 1 finished the batch the test released only after the error: the error
+    # did not wait for it to leave.
+    assert (directory / "released").exists()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_dead_worker_is_named_while_the_other_is_in_a_long_batch(method: str,
+                                                                  tmp_path: Any) -> None:
+    """Regression test for issue 18: a SIGKILLed worker is named (for) while another
+    worker is still inside its batch, not once that worker has left."""
+    gate = _held_gate(tmp_path)
+    loader = DataLoader(DiesWhileTheOtherWaits(str(tmp_path)), batch_size=1, num_workers=2,
+                        multiprocessing_context=method)
+    guard = threading.Timer(30.0, os.write, (gate, b"t"))  # never a hang: release anyway
+    guard.start()
+    try:
+        with pytest.raises(WorkerDiedError) as info:
+            for _ in loader:
+                pass
+        os.write(gate, b"x")  # now, and only now, worker 1's batch may end
+        guard.cancel()
+        _check_named_before_the_other_left(tmp_path, info.value)
+        del info
+    finally:
+        guard.cancel()
+        guard.join()
+        os.close(gate)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+async def test_dead_worker_is_named_in_async_for_while_the_other_is_in_a_long_batch(
+        method: str, tmp_path: Any) -> None:
+    """Regression test for issue 18: a SIGKILLed worker is named (async for) while
+    another worker is still inside its batch, not once that worker has left."""
+    gate = _held_gate(tmp_path)
+    loader = DataLoader(DiesWhileTheOtherWaits(str(tmp_path)), batch_size=1, num_workers=2,
+                        multiprocessing_context=method)
+    try:
+        with anyio.fail_after(30), pytest.raises(WorkerDiedError) as info:
+            async for _ in loader:
+                pass
+        os.write(gate, b"x")  # now, and only now, worker 1's batch may end
+        error = info.value
+        del info
+        await anyio.to_thread.run_sync(_check_named_before_the_other_left, tmp_path, error)
+    finally:
+        os.close(gate)
 
 
 def test_worker_exception_type_traceback_and_continuation() -> None:
