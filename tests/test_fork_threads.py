@@ -157,9 +157,6 @@ def test_a_fork_after_a_worker_death_waits_for_the_old_teardown(fork_spy: _ForkS
     _assert_forked_alone(fork_spy, 4)
 
 
-@pytest.mark.xfail(reason="issue 18, not done yet: the first iterator's facade loop thread "
-                          "runs while the second forks (needs a facade loop that can be parked "
-                          "around a fork, or none)", strict=True)
 def test_two_loaders_alive_at_once_for(fork_spy: _ForkSpy) -> None:
     """Regression test for issue 18: zip() of two `for` loaders forks the second's
     workers with no thread of the first alive."""
