@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import enum
 import inspect
+import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,6 +26,9 @@ from typing import Any
 import torch.utils.data as _tud
 
 from . import dataset as _ds
+from ._park import register
+
+_LG = logging.getLogger(__name__)
 
 __all__ = [
     "CHAIN_TYPES",
@@ -149,7 +154,11 @@ class MapFetcher:
         [12, 10]
     """
 
-    __slots__ = ("_getitems", "_pool", "auto_collation", "collate_fn", "dataset", "drop_last")
+    __slots__ = ("__weakref__", "_getitems", "_parked", "_pool", "_pool_lock", "_threads",
+                 "auto_collation", "collate_fn", "dataset", "drop_last")
+
+    #: Parked after the threads that call :meth:`read` (see :mod:`aioloader._park`).
+    park_order = 2
 
     def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
                  drop_last: bool, fetch_threads: int = 0) -> None:
@@ -159,8 +168,14 @@ class MapFetcher:
         self.drop_last = drop_last
         getitems = getattr(dataset, "__getitems__", None)
         self._getitems = getitems if getitems else None
-        self._pool = (ThreadPoolExecutor(fetch_threads, thread_name_prefix="aioloader-fetch")
-                      if fetch_threads > 1 else None)
+        self._threads = fetch_threads if fetch_threads > 1 else 0
+        self._pool: ThreadPoolExecutor | None = None  # started on first use
+        # Held for each pooled read, and from park() to unpark(): no pool thread around a
+        # fork (the loader forks inside aioloader._park.quiet_for_fork).
+        self._pool_lock = threading.Lock()
+        self._parked = False
+        if self._threads and register(self):
+            self.park(0.0)
 
     def read(self, index: Any) -> Any:
         """The samples for ``index``, not collated (one sample without auto-collation)."""
@@ -168,8 +183,13 @@ class MapFetcher:
             return self.dataset[index]
         if self._getitems is not None:
             return self._getitems(index)
-        if self._pool is not None:
-            return list(self._pool.map(self.dataset.__getitem__, index))
+        if self._threads:
+            with self._pool_lock:
+                pool = self._pool
+                if pool is None:
+                    pool = self._pool = ThreadPoolExecutor(
+                        self._threads, thread_name_prefix="aioloader-fetch")
+                return list(pool.map(self.dataset.__getitem__, index))
         ds = self.dataset
         return [ds[i] for i in index]
 
@@ -186,9 +206,27 @@ class MapFetcher:
 
     def close(self, wait: bool = True) -> None:
         """Stop the fetch threads, if any; ``wait``: join them (after running reads end)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=wait, cancel_futures=True)
-            self._pool = None
+        self._threads = 0
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=wait, cancel_futures=True)
+
+    def park(self, limit: float) -> None:
+        """Before a fork: wait (up to ``limit`` s) for the running read, then join the
+        pool's threads; reads wait until :meth:`unpark` (a new pool on the next read)."""
+        if not self._pool_lock.acquire(timeout=limit):
+            _LG.warning("fetch threads still busy after %.0f s; forking beside them", limit)
+            return
+        self._parked = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def unpark(self) -> None:
+        """Undo :meth:`park`."""
+        if self._parked:
+            self._parked = False
+            self._pool_lock.release()
 
 
 class IterFetcher:

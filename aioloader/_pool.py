@@ -32,6 +32,7 @@ Example (``fork`` start method, a sync map-style dataset)::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -45,7 +46,7 @@ from ._errors import IteratorClosedError, WorkerDiedError
 from ._ladder import climb, is_alive, process_steps, wait_exit, wait_exit_blocking
 from ._pool_base import ConfigSource, PoolBase
 from ._pool_conn import Conn
-from ._threads import ThreadRunner, join_ending_threads
+from ._threads import ThreadRunner, quiet_for_fork
 from ._worker import WorkerConfig
 
 __all__ = ["DEFAULT_GRACE", "WorkerPool"]
@@ -122,11 +123,11 @@ class WorkerPool(PoolBase[Conn]):
         self._configs = configs
         method = self.start_method
         parent_pid = os.getpid()
-        if method == "fork":
-            join_ending_threads()  # never fork while a thread of ours is alive
-        for worker_id, cfg in enumerate(configs):
-            self._starting = worker_id
-            self._start_one(worker_id, cfg, method, parent_pid)
+        # Never fork while a thread of ours is alive: the loader's threads are parked.
+        with quiet_for_fork() if method == "fork" else contextlib.nullcontext():
+            for worker_id, cfg in enumerate(configs):
+                self._starting = worker_id
+                self._start_one(worker_id, cfg, method, parent_pid)
         self._starting = None
         logger.debug("started %d %s workers: pids %s", len(self._workers), method, self.pids)
 
@@ -280,8 +281,9 @@ class WorkerPool(PoolBase[Conn]):
         wid = conn.worker_id
         cfg, method, parent_pid = self._configs[wid], self.start_method, os.getpid()
         logger.debug("respawning worker %d after: %s", wid, error)
-        if method == "fork":
-            self._start_one(wid, cfg, method, parent_pid)
+        if method == "fork":  # on the loop: this thread stays, the loader's others are parked
+            with quiet_for_fork():
+                self._start_one(wid, cfg, method, parent_pid)
         else:  # a new interpreter takes a while to start: not on the loop
             runner = ThreadRunner("aioloader-respawn")
             try:

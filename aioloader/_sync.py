@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 import os
 import threading
@@ -27,12 +28,12 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
-import anyio
 from anyio.from_thread import BlockingPortal
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
 from ._failure import FailureReport
 from ._loader import DataLoaderCore, _shutdown_persistent_pool, _worker_processes
+from ._park import forking_here, register
 from ._pipeline import PipelineState, _PipelineCore, superseded_error
 from ._threads import join_ending_threads, track_ending
 
@@ -162,12 +163,12 @@ class _PortalDriver:
     def __init__(self, core: _PipelineCore) -> None:
         self.core = core
         self.portal: BlockingPortal | None = None
-        self.thread: threading.Thread | None = None  # runs the portal's event loop
+        #: The loop and its thread (``join``/``is_alive`` span the loop's whole life, parks
+        #: around other loaders' forks included).
+        self.thread: _FacadeLoop | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # that thread's loop
         self.closed = False
         self.lock = threading.Lock()
-        self.starter: threading.Thread | None = None
-        self.start_error: BaseException | None = None
         # The loop thread exists only in this process. A forked child (a worker of another
         # loader) inherits this object and may run its finalizer when it collects garbage:
         # there, closing must not wait on a loop thread that is not there.
@@ -175,38 +176,17 @@ class _PortalDriver:
 
     def start_soon(self) -> None:
         """Bring the loop thread up in the background while workers make the first batch."""
-        self.starter = threading.Thread(target=self._start_quietly, name="aioloader-facade-start",
-                                        daemon=True)
-        self.starter.start()
-
-    def _start_quietly(self) -> None:
-        try:
-            self._start_portal()
-        except BaseException as exc:  # re-raised by start() in the caller's thread
-            self.start_error = exc
-
-    def _start_portal(self) -> None:
-        # A plain thread, not anyio's start_blocking_portal(): that one is a generator, and
-        # a forked child that garbage-collects an inherited copy would run its `finally`,
-        # which waits on the parent's loop thread (absent in the child) forever.
-        ready: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]] = (
-            concurrent.futures.Future())
-        thread = threading.Thread(target=_run_portal_loop, args=(ready,),
-                                  name="aioloader-facade-loop", daemon=True)
-        thread.start()
-        self.portal, self.loop = ready.result()
-        self.thread = thread
-        _LG.debug("facade loop thread started")
+        facade = _FacadeLoop()
+        self.thread, self.loop = facade, facade.loop
+        facade.start()
 
     def start(self) -> BlockingPortal:
-        if self.starter is not None:
-            self.starter.join()
-            self.starter = None
-            if self.start_error is not None:
-                raise self.start_error
+        if self.thread is None:
+            self.start_soon()
         if self.portal is None:
-            self._start_portal()
-        assert self.portal is not None
+            assert self.thread is not None
+            self.portal = self.thread.ready.result()  # raises what stopped the loop's start
+            _LG.debug("facade loop thread started")
         return self.portal
 
     def next(self) -> Any:
@@ -258,24 +238,26 @@ class _PortalDriver:
             if self.closed:
                 return
             self.closed = True
-        if self.starter is not None and self.starter is not threading.current_thread():
-            self.starter.join()
-            self.starter = None
-        portal, thread = self.portal, self.thread
-        if portal is None or thread is None:
+        facade = self.thread
+        if facade is None:
             self.core.close_from_gc()
             return
-        if thread is threading.current_thread() or not wait:
+        if facade.runs_here() or not wait or forking_here():
             # Collected on the loop thread itself (a reference cycle that the cyclic GC
-            # broke there; never wait on ourselves), or asked not to wait: schedule the
-            # teardown, then the end of the portal: the loop thread leaves and its loop's
-            # fds are closed.
-            assert self.loop is not None
-            track_ending(thread)
+            # broke there; never wait on ourselves), or in the thread that forks while the
+            # loop is parked (it runs again after the fork), or asked not to wait: schedule
+            # the teardown, then the end of the portal: the loop thread leaves and its
+            # loop's fds are closed.
+            track_ending(facade)
             try:
-                self.loop.call_soon_threadsafe(_spawn_closer, self.loop, self.core, portal)
+                facade.loop.call_soon_threadsafe(_spawn_closer, facade, self.core)
             except RuntimeError:  # the loop is closed: the thread has ended
                 pass
+            return
+        try:
+            portal = self.start()
+        except BaseException:  # the loop never served: nothing runs on it
+            self.core.close_from_gc()
             return
         try:
             portal.call(self.core.aclose)
@@ -288,7 +270,7 @@ class _PortalDriver:
                 pass
             except Exception:
                 _LG.debug("stopping the facade loop failed", exc_info=True)
-            thread.join()
+            facade.join()
             _LG.debug("facade loop thread stopped")
 
 
@@ -311,8 +293,7 @@ async def _anext_boxed(core: _PipelineCore) -> tuple[bool, Any]:
 _closers: set[asyncio.Task[None]] = set()  # strong references until each task is done
 
 
-def _spawn_closer(loop: asyncio.AbstractEventLoop, core: _PipelineCore,
-                  portal: BlockingPortal) -> None:
+def _spawn_closer(facade: _FacadeLoop, core: _PipelineCore) -> None:
     """On the facade's loop: tear the pipeline down, then stop the portal (and its thread)."""
 
     async def close_then_stop() -> None:
@@ -321,32 +302,160 @@ def _spawn_closer(loop: asyncio.AbstractEventLoop, core: _PipelineCore,
         except Exception:
             _LG.debug("closing the pipeline failed", exc_info=True)
         finally:
-            await portal.stop(False)
+            if facade.portal is not None:
+                await facade.portal.stop(False)
 
-    task = loop.create_task(close_then_stop())
+    task = facade.loop.create_task(close_then_stop())
     _closers.add(task)
     task.add_done_callback(_closers.discard)
 
 
-def _run_portal_loop(
-        ready: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]],
-) -> None:
-    """The facade's loop thread: serve a blocking portal until it is stopped."""
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop: uvloop's when installed (see :func:`_backend_options`)."""
+    if _backend_options().get("use_uvloop"):
+        import uvloop
 
-    async def serve() -> None:
-        async with BlockingPortal() as portal:
-            ready.set_result((portal, asyncio.get_running_loop()))
-            await portal.sleep_until_stopped()
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
-    if not ready.set_running_or_notify_cancel():
-        return
-    try:
-        anyio.run(serve, backend="asyncio", backend_options=_backend_options())
-    except BaseException as exc:
-        if not ready.done():
-            ready.set_exception(exc)
-        else:
-            _LG.debug("the facade loop ended with an error", exc_info=True)
+
+class _FacadeLoop:
+    """The facade's event loop and the thread that runs it, parked around the loader's forks.
+
+    The loop runs one task that serves a blocking portal until the portal is stopped; that
+    task's end stops the loop, which is then shut down as ``asyncio.run`` does (leftover
+    tasks cancelled and awaited, async generators and the default executor shut down, the
+    loop closed). Parking (:mod:`aioloader._park`, while another loader forks) stops the
+    loop between two callbacks and ends its thread; its tasks stay as they are. Unparking
+    runs the same loop in a new thread of the same name. Calls through the portal while
+    parked are queued (``call_soon_threadsafe``) and run once it is unparked.
+    """
+
+    park_order = 0  # the loops first: parked, they hand no new work to the job threads
+    name = "aioloader-facade-loop"
+
+    def __init__(self) -> None:
+        self.loop = _new_loop()
+        self.ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+        self.portal: BlockingPortal | None = None
+        self.ended = threading.Event()  # the loop is closed and its last thread gone
+        self._thread: threading.Thread | None = None
+        self._parked = False
+        self._lock = threading.Lock()  # orders parks, unparks and the thread's own exit
+        # In a fresh context, as a new thread's anyio.run() had it (not the caller's).
+        self._task = contextvars.Context().run(self.loop.create_task, self._serve())
+        self._task.add_done_callback(self._stop_loop)
+
+    async def _serve(self) -> None:
+        try:
+            async with BlockingPortal() as portal:
+                self.portal = portal
+                self.ready.set_result(portal)
+                await portal.sleep_until_stopped()
+        except BaseException as exc:
+            if not self.ready.done():
+                self.ready.set_exception(exc)
+            else:
+                _LG.debug("the facade loop ended with an error", exc_info=True)
+
+    def _stop_loop(self, _task: object) -> None:
+        self.loop.stop()
+
+    def start(self) -> None:
+        """Start the loop thread (once the fork is done, if a fork is under way)."""
+        with self._lock:
+            if register(self):
+                self._parked = True
+            else:
+                self._spawn()
+
+    def _spawn(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        loop = self.loop
+        while True:
+            portal = self.portal
+            # anyio's portal remembers the loop's thread (calls from it are refused): now
+            # this one (a thread started later may get the ident of the one that ended).
+            if portal is not None and getattr(portal, "_event_loop_thread_id", None) is not None:
+                portal._event_loop_thread_id = threading.get_ident()
+            try:
+                loop.run_forever()
+            except BaseException:
+                _LG.debug("the facade loop ended with an error", exc_info=True)
+                break
+            with self._lock:
+                if self._task.done():
+                    break
+                if self._parked:
+                    self._thread = None
+                    return
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        loop = self.loop
+        try:
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            for task in tasks:
+                if not task.cancelled() and task.exception() is not None:
+                    loop.call_exception_handler({
+                        "message": "unhandled exception in the facade loop's shutdown",
+                        "exception": task.exception(), "task": task})
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            shutdown_executor = getattr(loop, "shutdown_default_executor", None)
+            if shutdown_executor is not None:
+                loop.run_until_complete(shutdown_executor())
+        except BaseException:
+            _LG.debug("shutting the facade loop down failed", exc_info=True)
+        finally:
+            loop.close()
+            if not self.ready.done():
+                self.ready.set_exception(RuntimeError("the facade's event loop ended"))
+            self.ended.set()
+
+    def park(self, limit: float) -> None:
+        """Stop the loop and end its thread (up to ``limit`` s); never the calling thread."""
+        with self._lock:
+            thread = self._thread
+            if thread is threading.current_thread():
+                return
+            self._parked = True
+            if thread is None:
+                return
+        try:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:  # closed: the thread is ending
+            pass
+        thread.join(limit)
+        if thread.is_alive():
+            _LG.warning("facade loop thread still busy after %.0f s; forking beside it", limit)
+
+    def unpark(self) -> None:
+        """Run the loop again in a new thread."""
+        with self._lock:
+            if not self._parked:
+                return
+            self._parked = False
+            if self._thread is None and not self.ended.is_set():
+                self._spawn()
+
+    def runs_here(self) -> bool:
+        """True on the loop's thread."""
+        return self._thread is threading.current_thread()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the loop has ended (not just parked)."""
+        self.ended.wait(timeout)
+
+    def is_alive(self) -> bool:
+        """True until the loop has ended."""
+        return not self.ended.is_set()
 
 
 _open_drivers: weakref.WeakSet[_PortalDriver] = weakref.WeakSet()

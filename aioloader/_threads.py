@@ -6,8 +6,11 @@ instead owns one :class:`ThreadRunner` (fetch + collate for sync datasets,
 pinning), starts it lazily and joins it on close.
 
 Waiting is readiness-based: the thread hands the result back with
-``loop.call_soon_threadsafe`` (asyncio, uvloop) or the anyio token (trio);
-the loop never blocks.
+``loop.call_soon_threadsafe`` (asyncio, uvloop) or ``TrioToken.run_sync_soon``
+(trio); the loop never blocks, and neither does the thread.
+
+Around a fork the thread is *parked* (:mod:`aioloader._park`): it ends after its
+current job and a new one serves the jobs handed over meanwhile once the fork is done.
 """
 
 from __future__ import annotations
@@ -17,21 +20,22 @@ import atexit
 import logging
 import queue
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import sniffio
 
-__all__ = ["ThreadRunner", "close_at_exit", "join_ending_threads", "track_ending"]
+from ._park import join_ending_threads, quiet_for_fork, register, track_ending
+
+__all__ = ["ThreadRunner", "close_at_exit", "join_ending_threads", "quiet_for_fork",
+           "track_ending"]
 
 _LG = logging.getLogger(__name__)
 
 _STOP = object()
+_PARK = object()  # park(): the thread ends after the jobs before this one
 
 
 def _noop() -> None:
@@ -76,24 +80,74 @@ class ThreadRunner:
         6
     """
 
+    #: Parked after the event loops that hand it work (see :mod:`aioloader._park`).
+    park_order = 1
+
     def __init__(self, name: str = "aioloader-thread") -> None:
         self._name = name
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._registered = False
+        # Parking (around a fork): the thread ends after its current job; jobs handed over
+        # meanwhile wait in the queue until unpark() starts a new thread.
+        self._parked = False
+        self._lock = threading.Lock()  # orders starts, parks and the thread's own exit
 
     @property
     def thread(self) -> threading.Thread | None:
-        """The thread, once started."""
+        """The thread, while one runs."""
         return self._thread
 
-    def _ensure_started(self) -> None:
-        if self._closed:
-            raise RuntimeError("ThreadRunner is closed")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._main, name=self._name, daemon=True)
-            self._thread.start()
-            _LG.debug("started thread %s", self._name)
+    def _submit(self, job: Any) -> None:
+        """Queue ``job``, starting the thread if none runs (unless parked)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("ThreadRunner is closed")
+            if self._thread is None and not self._parked:
+                if not self._registered:
+                    self._registered = True
+                    if register(self):  # a fork is under way: start once it is done
+                        self._parked = True
+                if not self._parked:
+                    self._spawn()
+            self._jobs.put(job)
+
+    def _spawn(self) -> None:
+        """Start the thread (``self._lock`` held)."""
+        self._thread = threading.Thread(target=self._main, name=self._name, daemon=True)
+        self._thread.start()
+        _LG.debug("started thread %s", self._name)
+
+    def park(self, limit: float) -> None:
+        """Let the thread finish the jobs queued so far, then end it (waits up to ``limit`` s).
+
+        Jobs handed over while parked wait for :meth:`unpark`. Never parks the calling
+        thread itself; a thread still busy after ``limit`` is logged and left running.
+        """
+        with self._lock:
+            thread = self._thread
+            if thread is threading.current_thread():
+                return
+            self._parked = True
+            if thread is None:
+                return
+            self._jobs.put(_PARK)
+        thread.join(limit)
+        if thread.is_alive():
+            _LG.warning("thread %s still busy after %.0f s; forking beside it", self._name,
+                        limit)
+
+    def unpark(self) -> None:
+        """Undo :meth:`park`: a new thread serves the jobs that were handed over meanwhile."""
+        with self._lock:
+            if not self._parked:
+                return
+            self._parked = False
+            if self._thread is None and not self._jobs.empty():
+                self._spawn()
+                if self._closed:
+                    self._jobs.put(_STOP)
 
     def _main(self) -> None:
         jobs = self._jobs
@@ -101,6 +155,12 @@ class ThreadRunner:
             job = jobs.get()
             if job is _STOP:
                 return
+            if job is _PARK:
+                with self._lock:
+                    if self._parked:  # not unparked meanwhile (a park that gave up waiting)
+                        self._thread = None
+                        return
+                continue
             fn, args, deliver = job
             try:
                 value = fn(*args)
@@ -119,7 +179,6 @@ class ThreadRunner:
         If the waiting task is cancelled, the call still finishes in the
         thread (Python threads cannot be interrupted); its result is dropped.
         """
-        self._ensure_started()
         if sniffio.current_async_library() == "asyncio":
             loop = asyncio.get_running_loop()
             fut = loop.create_future()
@@ -127,16 +186,20 @@ class ThreadRunner:
             def deliver(ok: bool, value: Any) -> None:
                 loop.call_soon_threadsafe(_resolve, fut, ok, value)
 
-            self._jobs.put((fn, args, deliver))
+            self._submit((fn, args, deliver))
             return await fut
-        token = anyio.lowlevel.current_token()
+        import trio  # anyio's only other backend
+
+        token = trio.lowlevel.current_trio_token()
         waiter = _Waiter()
 
         def deliver_generic(ok: bool, value: Any) -> None:
+            # Never blocks on the loop (so the thread can always finish its job and park,
+            # even while that loop is the one forking).
             waiter.ok, waiter.value = ok, value
-            anyio.from_thread.run_sync(waiter.event.set, token=token)
+            token.run_sync_soon(waiter.event.set)
 
-        self._jobs.put((fn, args, deliver_generic))
+        self._submit((fn, args, deliver_generic))
         await waiter.event.wait()
         if waiter.ok:
             return waiter.value
@@ -144,7 +207,6 @@ class ThreadRunner:
 
     def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` in the thread and block the caller until it returns."""
-        self._ensure_started()
         done = threading.Event()
         box: list[Any] = []
 
@@ -152,7 +214,7 @@ class ThreadRunner:
             box.append((ok, value))
             done.set()
 
-        self._jobs.put((fn, args, deliver))
+        self._submit((fn, args, deliver))
         done.wait()
         ok, value = box[0]
         if ok:
@@ -161,10 +223,11 @@ class ThreadRunner:
 
     def close(self) -> None:
         """Ask the thread to exit after its current call (never blocks)."""
-        if not self._closed:
-            self._closed = True
-            if self._thread is not None:
-                self._jobs.put(_STOP)
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                if self._thread is not None:
+                    self._jobs.put(_STOP)
 
     async def aclose(self, grace: float = 10.0) -> None:
         """Stop the thread and wait (up to ``grace`` s) for it to end, without blocking the loop.
@@ -173,63 +236,25 @@ class ThreadRunner:
         interrupted; after ``grace`` the daemon thread is abandoned and a
         warning is logged.
         """
-        thread = self._thread
-        if thread is None or self._closed:
+        if self._closed or (self._thread is None and not self._parked):
             self.close()
             return
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(grace) as scope:
-                await self.run(_noop)  # every earlier call has returned
+                await self.run(_noop)  # every earlier call has returned (parked: once unparked)
+        thread = self._thread
         self.close()
         if scope.cancelled_caught:
             _LG.warning("thread %s still busy after %.1f s; abandoning it", self._name, grace)
             return
-        thread.join(1.0)  # idle thread: exits as soon as it reads the stop marker
+        if thread is not None:
+            thread.join(1.0)  # idle thread: exits as soon as it reads the stop marker
 
     def join(self, timeout: float | None = None) -> None:
         """Block until the thread has exited (sync callers only)."""
         self.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-
-
-#: Longest wait, before a fork, for the loader's threads that are ending (a teardown left to
-#: finish on its loop thread climbs the workers' ladder: seconds at most).
-ENDING_WAIT_S = 30.0
-
-_ending: set[threading.Thread] = set()
-_ending_lock = threading.Lock()
-
-
-def track_ending(thread: threading.Thread) -> None:
-    """Note a loader thread that was told to end but is not waited for by its owner.
-
-    :func:`join_ending_threads` waits for it before the loader forks again (a thread
-    alive at fork time may hold a lock the child then waits on forever) and at exit.
-    """
-    with _ending_lock:
-        _ending.add(thread)
-
-
-def join_ending_threads(limit: float = ENDING_WAIT_S) -> None:
-    """Block up to ``limit`` s in all until every thread of :func:`track_ending` ended.
-
-    The calling thread is never waited for. A thread still alive after ``limit`` is
-    logged (a warning) and kept for the next call.
-    """
-    with _ending_lock:
-        threads = [t for t in _ending if t is not threading.current_thread()]
-    if not threads:
-        return
-    deadline = time.monotonic() + limit
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    with _ending_lock:
-        for thread in threads:
-            if not thread.is_alive():
-                _ending.discard(thread)
-            else:
-                _LG.warning("loader thread %s still running after %.0f s", thread.name, limit)
 
 
 def close_at_exit(pools: weakref.WeakSet[Any], **close_kwargs: Any) -> None:

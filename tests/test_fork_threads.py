@@ -11,6 +11,7 @@ thread born during the test count as well), and the test asserts there were none
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import threading
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import pytest
 import torch
 from _loader_datasets import AsyncCount, DiesWhileTheOtherWaits, Slow
 
-from aioloader import DataLoader, TensorDataset, WorkerDiedError
+from aioloader import DataLoader, Dataset, TensorDataset, WorkerDiedError
 
 FORK = {"multiprocessing_context": "fork"}
 PIN_WARNING = "ignore:.*no accelerator is found:UserWarning"
@@ -157,16 +158,100 @@ def test_a_fork_after_a_worker_death_waits_for_the_old_teardown(fork_spy: _ForkS
     _assert_forked_alone(fork_spy, 4)
 
 
-@pytest.mark.xfail(reason="issue 18, not done yet: the first iterator's facade loop thread "
-                          "runs while the second forks (needs a facade loop that can be parked "
-                          "around a fork, or none)", strict=True)
 def test_two_loaders_alive_at_once_for(fork_spy: _ForkSpy) -> None:
     """Regression test for issue 18: zip() of two `for` loaders forks the second's
     workers with no thread of the first alive."""
     a = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
     b = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
     for _ in range(2):
-        assert len(list(zip(a, b))) == 6
+        pairs = list(zip(a, b))
+        assert _values([x for x, _ in pairs]) == _values([y for _, y in pairs]) == list(range(24))
+    _assert_forked_alone(fork_spy, 8)
+
+
+def _values(batches: list[Any]) -> list[int]:
+    """The sample values of ``batches`` in the order they came."""
+    return [int(v) for batch in batches for v in batch[0]]
+
+
+def _second_forks_beside_first(a: DataLoader[Any], b: DataLoader[Any],
+                               thread_prefix: str) -> tuple[list[Any], list[Any]]:
+    """One epoch of ``a`` and one of ``b``, interleaved; ``b`` forks its workers once
+    ``a`` has made its first batch (so ``a``'s threads, ``thread_prefix``*, run)."""
+    ia = iter(a)
+    got_a, got_b = [next(ia)], []
+    assert any(t.name.startswith(thread_prefix) for t in threading.enumerate())
+    for x, y in itertools.zip_longest(ia, iter(b)):
+        if x is not None:
+            got_a.append(x)
+        if y is not None:
+            got_b.append(y)
+    return got_a, got_b
+
+
+def test_for_with_fetch_threads_beside_a_forking_loader(fork_spy: _ForkSpy) -> None:
+    """Regression test for issue 18: a `for` loader's fetch_threads pool (num_workers=0)
+    is parked while a second loader forks; both deliver every batch once, in order."""
+    a = DataLoader(TensorDataset(torch.arange(16)), batch_size=2, fetch_threads=2)
+    b = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
+    for _ in range(2):
+        got_a, got_b = _second_forks_beside_first(a, b, "aioloader-fetch")
+        assert _values(got_a) == list(range(16))
+        assert _values(got_b) == list(range(24))
+    _assert_forked_alone(fork_spy, 4)
+
+
+class _BigSamples(Dataset[tuple[torch.Tensor, list[str]]]):
+    """Samples that pickle to more than a megabyte: decoded in a job thread (ThreadRunner)."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, list[str]]:
+        return torch.tensor([i]), [f"sample {i} string {k}" for k in range(60_000)]
+
+
+@pytest.mark.filterwarnings(PIN_WARNING)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of pin_memory")
+def test_for_with_pin_memory_beside_a_forking_loader(fork_spy: _ForkSpy) -> None:
+    """Regression test for issue 18: a `for` loader with pin_memory=True (CPU: no pinning)
+    and its job thread (large samples decoded off the loop) is parked while a second loader
+    forks; both deliver every batch once, in order."""
+    a = DataLoader(_BigSamples(), batch_size=None, num_workers=2, pin_memory=True, **FORK)
+    b = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
+    for _ in range(2):
+        got_a, got_b = _second_forks_beside_first(a, b, "aioloader-decode")
+        assert _values(got_a) == list(range(6))
+        assert _values(got_b) == list(range(24))
+    _assert_forked_alone(fork_spy, 8)
+
+
+def test_persistent_loader_beside_a_non_persistent_one(fork_spy: _ForkSpy) -> None:
+    """Regression test for issue 18: a persistent `for` loader's threads are parked at each
+    epoch's fork of a non-persistent one; every batch of both arrives once, in order."""
+    a = DataLoader(_data(), batch_size=4, num_workers=2, persistent_workers=True, **FORK)
+    b = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
+    for _ in range(2):
+        got_a, got_b = _second_forks_beside_first(a, b, "aioloader-facade-loop")
+        assert _values(got_a) == _values(got_b) == list(range(24))
+    _assert_forked_alone(fork_spy, 6)
+    a.close()
+
+
+def test_async_for_inside_a_for_loop(fork_spy: _ForkSpy) -> None:
+    """Regression test for issue 18: an `async for` loader run (asyncio.run) inside a `for`
+    loop's body forks with the outer loader's loop thread parked."""
+    a = DataLoader(TensorDataset(torch.arange(6)), batch_size=2, num_workers=2, **FORK)
+    b = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
+
+    async def one_epoch() -> list[Any]:
+        return [batch async for batch in b]
+
+    got_a = []
+    for batch in a:
+        got_a.append(batch)
+        assert _values(asyncio.run(one_epoch())) == list(range(24))
+    assert _values(got_a) == list(range(6))
     _assert_forked_alone(fork_spy, 8)
 
 
