@@ -44,9 +44,10 @@ from anyio.abc import ObjectSendStream
 
 from ._errors import IteratorClosedError, WorkerDiedError
 from ._ladder import climb, is_alive, process_steps, wait_exit, wait_exit_blocking
+from ._park import quiet_for_fork
 from ._pool_base import ConfigSource, PoolBase
 from ._pool_conn import Conn
-from ._threads import ThreadRunner, quiet_for_fork
+from ._threads import ThreadRunner
 from ._worker import WorkerConfig
 
 __all__ = ["DEFAULT_GRACE", "WorkerPool"]

@@ -33,9 +33,8 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDat
 
 from ._failure import FailureReport
 from ._loader import DataLoaderCore, _shutdown_persistent_pool, _worker_processes
-from ._park import forking_here, register
+from ._park import forking_here, join_ending_threads, register, track_ending
 from ._pipeline import PipelineState, _PipelineCore, superseded_error
-from ._threads import join_ending_threads, track_ending
 
 __all__ = ["DataLoader", "SyncLoaderIter"]
 

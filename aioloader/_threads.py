@@ -27,10 +27,9 @@ from typing import Any
 import anyio
 import sniffio
 
-from ._park import join_ending_threads, quiet_for_fork, register, track_ending
+from ._park import register
 
-__all__ = ["ThreadRunner", "close_at_exit", "join_ending_threads", "quiet_for_fork",
-           "track_ending"]
+__all__ = ["ThreadRunner", "close_at_exit"]
 
 _LG = logging.getLogger(__name__)
 
