@@ -21,6 +21,18 @@ except ImportError:  # pragma: no cover
     uvloop = None
 
 
+START_METHOD_ENV = "AIOLOADER_TEST_START_METHOD"
+"""Env var naming the default multiprocessing start method for the whole run (CI runs the
+worker tests once with ``forkserver``, Python 3.14's default on Linux)."""
+
+if os.environ.get(START_METHOD_ENV):
+    multiprocessing.set_start_method(os.environ[START_METHOD_ENV], force=True)
+
+
+def pytest_report_header(config: Any) -> str:
+    return f"multiprocessing default start method: {multiprocessing.get_start_method()}"
+
+
 def pytest_asyncio_loop_factories(config: Any, item: Any) -> Mapping[str, Callable[[], Any]]:
     factories: dict[str, Callable[[], Any]] = {"asyncio": asyncio.new_event_loop}
     if uvloop is not None:
