@@ -191,7 +191,7 @@ class _ErrorBox:
 
 if sys.version_info >= (3, 11):
     _ExceptionGroup = BaseExceptionGroup  # noqa: F821 - a builtin from 3.11 on
-else:  # pragma: no cover - anyio depends on the backport on 3.10
+else:  # pragma: no cover - the backport, a declared dependency on 3.10
     from exceptiongroup import BaseExceptionGroup as _ExceptionGroup
 
 

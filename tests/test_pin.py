@@ -16,6 +16,12 @@ from torch.utils.data._utils import pin_memory as torch_pin_mod
 
 from aioloader import _pin
 
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+mirrors_torch_2_13 = pytest.mark.skipif(
+    TORCH_VERSION < (2, 13),
+    reason="aioloader's pin_memory walk and warnings are torch 2.13's; this older torch's "
+           "differ (torch 2.4 turns tuples into lists, has no pin_memory_device deprecation)")
+
 
 def accelerator_available() -> bool:
     acc = getattr(torch, "accelerator", None)
@@ -182,6 +188,7 @@ def test_pin_memory_without_accelerator_returns_data_untouched() -> None:
     assert _pin.pin_memory(t) is t
 
 
+@mirrors_torch_2_13
 def test_warning_texts_match_torch() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -193,6 +200,7 @@ def test_warning_texts_match_torch() -> None:
         assert _pin.PIN_WITHOUT_ACCELERATOR_WARNING in messages
 
 
+@mirrors_torch_2_13
 def test_mps_warning_text_is_torchs() -> None:
     import inspect
 
@@ -258,6 +266,7 @@ def test_pin_dataclass_does_not_rerun_init() -> None:
     assert out.derived is not item.derived
 
 
+@mirrors_torch_2_13
 def test_pin_matches_torch_walk(monkeypatch: pytest.MonkeyPatch) -> None:
     """With Tensor.pin_memory faked, torch's walk and ours give the same result."""
     def fake_pin(self: torch.Tensor, *args: Any) -> torch.Tensor:

@@ -28,6 +28,11 @@ from aioloader._errors import LoaderTimeoutError, WorkerDiedError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "ray_workers.py")
 
+# torch 2.4.0 unpickles a tensor's storage (Ray does, for every batch) with a bare
+# torch.load(), which warns about its weights_only default; later torch passes it explicitly.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:You are using `torch.load` with `weights_only=False`:FutureWarning")
+
 
 # --------------------------------------------------------------------------- datasets
 

@@ -46,6 +46,17 @@ def flat(batches: list[Any]) -> list[Any]:
     return out
 
 
+def thread_safe_generator() -> torch.Generator | None:
+    """torch.thread_safe_generator(); on a torch without it (2.4 has none) what it returns,
+    read where docs/migration.md says: the thread worker's info.rng (None in processes)."""
+    if hasattr(torch, "thread_safe_generator"):
+        return torch.thread_safe_generator()
+    info = aioloader.get_worker_info()
+    if info is not None and info.worker_method == "thread" and info.rng is not None:
+        return info.rng.torch_generator  # type: ignore[no-any-return]
+    return None
+
+
 class Drawing(aioloader.Dataset[Any]):
     """Draws from the worker's generator: torch.thread_safe_generator() (None in processes)."""
 
@@ -58,7 +69,7 @@ class Drawing(aioloader.Dataset[Any]):
     def __getitem__(self, i: int) -> Any:
         info = aioloader.get_worker_info()
         assert info is not None
-        gen = torch.thread_safe_generator()
+        gen = thread_safe_generator()
         return torch.rand(2, generator=gen) + i, info.id, info.seed
 
 
