@@ -168,8 +168,9 @@ def test_hint_names_workers_when_the_consumer_is_fast(use_async: bool) -> None:
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["for", "async_for"])
 def test_hint_names_the_training_step_when_the_consumer_is_slow(use_async: bool) -> None:
-    # one worker needs 20 ms per batch; the consumer needs 80 ms
-    loader = DataLoader(Slow(32), batch_size=4, num_workers=1)
+    # one worker needs 2 ms per batch; the consumer needs 80 ms (a margin of 40x, so a
+    # loaded machine that slows the worker does not turn the worker into the bottleneck)
+    loader = DataLoader(Slow(32, 0.0005), batch_size=4, num_workers=1)
     _consume(loader, use_async, step_s=0.08)
     s = loader.stats()
     assert "training step is the bottleneck" in s.hint, s.hint
