@@ -107,12 +107,19 @@ async def test_skip_async_for_drops_whole_failed_batch(num_workers: int) -> None
     assert any(issubclass(w.category, SkippedSamplesWarning) for w in caught)
 
 
+# Python 3.12+ warns at any fork of a process with more than one OS thread. Threads that are
+# not the loader's can exist by then (torch's OpenMP pool once an earlier test ran a parallel
+# op; libuv's resolver threads once a dataset resolved a host on uvloop), and this test counts
+# the warnings it sees: tests/test_fork_threads.py is where the loader's own threads are checked.
+@pytest.mark.filterwarnings(r"ignore:This process \(pid=\d+\) is multi-threaded:DeprecationWarning")
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_skip_without_automatic_batching(num_workers: int) -> None:
     loader = DataLoader(BadAt(8, {2, 5}), batch_size=None, num_workers=num_workers,
                         on_error="skip")
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", r"This process \(pid=\d+\) is multi-threaded",
+                                DeprecationWarning)
         out = [int(x) for x in loader]
     assert out == [0, 1, 3, 4, 6, 7]
     assert loader.failures is not None and loader.failures.failed == 2

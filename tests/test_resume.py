@@ -402,6 +402,11 @@ def test_exports_stateful() -> None:
     assert not isinstance(aioloader.SequentialSampler(range(3)), Stateful)
 
 
+# Python 3.12+ warns at any fork of a process with more than one OS thread. Threads that are
+# not the loader's can exist by then (torch's OpenMP pool once an earlier test ran a parallel
+# op; libuv's resolver threads once a dataset resolved a host on uvloop), and this test counts
+# the warnings it sees: tests/test_fork_threads.py is where the loader's own threads are checked.
+@pytest.mark.filterwarnings(r"ignore:This process \(pid=\d+\) is multi-threaded:DeprecationWarning")
 @pytest.mark.parametrize("use_async", [False, True])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_skipped_samples_resume_exactly(num_workers: int, use_async: bool) -> None:

@@ -94,6 +94,11 @@ def test_in_order_false_delivers_every_batch_once() -> None:
     assert got == [tuple(range(i, i + 4)) for i in range(0, 40, 4)]
 
 
+# Python 3.12+ warns at any fork of a process with more than one OS thread. Threads that are
+# not the loader's can exist by then (torch's OpenMP pool once an earlier test ran a parallel
+# op; libuv's resolver threads once a dataset resolved a host on uvloop), and this test counts
+# the warnings it sees: tests/test_fork_threads.py is where the loader's own threads are checked.
+@pytest.mark.filterwarnings(r"ignore:This process \(pid=\d+\) is multi-threaded:DeprecationWarning")
 def test_iterable_sharding_examples_from_torch_docs() -> None:
     """The documented outputs: [3, 5, 4, 6] with 2 workers; [3, 4, 5, 6] with 20; duplicates unsharded."""
     two = [int(x) for x in DataLoader(ShardedRange(3, 7), num_workers=2, **FORK)]
