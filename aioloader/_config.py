@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.utils.data as _tud
 
+from . import _torch_data as _tud
 from ._datapipes import apply_shuffle, is_iter_datapipe
 from ._errors import PrefetchFactorError
 from ._fetch import dataset_kind
@@ -399,9 +399,9 @@ def resolve_sampling(
                 "DataLoader with IterableDataset: expected unspecified batch_sampler "
                 f"option, but got batch_sampler={batch_sampler}"
             )
-    else:
-        shuffle = bool(as_flag("shuffle", shuffle, allow_none=True))
 
+    # torch's conflicts first, judged by truth value as torch does: shuffle=3 beside a
+    # sampler is the ValueError torch raises (its own tests rely on it), not our TypeError.
     if sampler is not None and shuffle:
         raise ValueError("sampler option is mutually exclusive with shuffle")
     if batch_sampler is not None:
@@ -417,6 +417,8 @@ def resolve_sampling(
             "batch_size=None option disables auto-batching and is mutually "
             "exclusive with drop_last"
         )
+    if not iterable:
+        shuffle = bool(as_flag("shuffle", shuffle, allow_none=True))
 
     if sampler is None:
         if iterable:

@@ -23,8 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch.utils.data as _tud
-
+from . import _torch_data as _tud
 from . import dataset as _ds
 from ._park import register
 

@@ -29,9 +29,9 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 import torch
-import torch.utils.data as _tud
 
 from . import _state
+from . import _torch_data as _tud
 from ._config import (
     DEFAULT_FETCH_CONCURRENCY,
     as_flag,

@@ -38,8 +38,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils.data as _tud
 
+from . import _torch_data as _tud
 from ._dataset_state import (
     _DATASET_ITER_STATE,
     _DATASET_STATE,

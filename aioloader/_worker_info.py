@@ -101,8 +101,10 @@ def get_worker_info() -> WorkerInfo | None:
         return info
     if _worker_info is not None:
         return _worker_info
-    tud = sys.modules.get("torch.utils.data")
-    return tud.get_worker_info() if tud is not None else None
+    # torch's own function, from the module that defines it: `torch.utils.data.get_worker_info`
+    # may be this very function where aioloader's names are substituted for torch's.
+    torch_worker = sys.modules.get("torch.utils.data._utils.worker")
+    return torch_worker.get_worker_info() if torch_worker is not None else None
 
 
 def _set_worker_info(info: WorkerInfo | None) -> None:

@@ -18,8 +18,9 @@ from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any, TypeVar, cast
 
 import torch
-import torch.utils.data as _tud
 from torch import Generator, Tensor, default_generator
+
+from . import _torch_data as _tud
 
 __all__ = [
     "BufferedShuffleDataset",

@@ -15,7 +15,8 @@ from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any, TypeVar
 
 import torch
-import torch.utils.data as _tud
+
+from . import _torch_data as _tud
 
 __all__ = [
     "BatchSampler",

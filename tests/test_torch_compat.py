@@ -335,3 +335,65 @@ def test_two_epochs_same_batches_and_rng_as_torch(make: Any, gen: bool,
         theirs_kw = {k: v for k, v in kw.items() if k != "in_order"}
     assert _two_epochs(aioloader, make, kw, gen, unordered) == _two_epochs(tud, make, theirs_kw,
                                                                             gen, unordered)
+
+
+# -- aioloader's names put in torch.utils.data (how torch's test-suite is run) ---------------
+
+
+def _four_long(row: list[int]) -> bool:
+    return len(row) == 4
+
+
+@pytest.fixture
+def names_substituted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.utils.data's public names are aioloader's, as when torch's test_dataloader.py runs."""
+    for name in aioloader.__all__:
+        if hasattr(tud, name):
+            monkeypatch.setattr(tud, name, getattr(aioloader, name))
+    monkeypatch.setattr(tud.dataloader, "DataLoader", aioloader.DataLoader)
+
+
+@pytest.mark.usefixtures("names_substituted")
+def test_substituted_get_worker_info_and_collate_do_not_call_themselves() -> None:
+    """Regression test for issue 18: with aioloader's get_worker_info as torch.utils.data's,
+    get_worker_info() and default_collate in the main process returned a RecursionError."""
+    assert tud.get_worker_info is aioloader.get_worker_info
+    assert aioloader.get_worker_info() is None
+    loader = DataLoader(TensorDataset(torch.arange(6)), batch_size=4)
+    assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5]]
+
+
+@pytest.mark.usefixtures("names_substituted")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_substituted_names_still_load_a_datapipe_as_iterable(num_workers: int) -> None:
+    """Regression test for issue 18: with aioloader's IterableDataset as torch.utils.data's, a
+    torch DataPipe was taken for a map-style dataset (TypeError: no len())."""
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    pipe = IterableWrapper([[1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [5, 6, 7, 8]])
+    pipe = pipe.filter(_four_long).sharding_filter()
+    kw = FORK if num_workers else {}
+    loader = DataLoader(pipe, batch_size=2, num_workers=num_workers, **kw)
+    rows = sorted(r for batch in loader for r in torch.stack(batch, 1).tolist())
+    assert rows == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert type(DataLoader(list(range(3)), batch_size=2).batch_sampler) is \
+        torch.utils.data.sampler.BatchSampler  # torch's own class, not the substituted name
+
+
+# -- shuffle: torch's conflicts come before aioloader's type check -----------------------
+
+
+def test_truthy_non_bool_shuffle_beside_a_sampler_is_torchs_value_error() -> None:
+    """Regression test for issue 18: shuffle=3 beside a sampler or batch_sampler raised our
+    TypeError; torch (and its test_invalid_ctor_args_combinations) raises the conflict's
+    ValueError. shuffle=3 alone is still refused as not a bool."""
+    data = list(range(10))
+    sampler = tud.SequentialSampler(data)
+    with pytest.raises(ValueError, match="sampler option is mutually exclusive with shuffle"):
+        DataLoader(data, batch_size=2, sampler=sampler, shuffle=3)
+    with pytest.raises(ValueError, match="batch_sampler option is mutually exclusive with"):
+        DataLoader(data, batch_sampler=tud.BatchSampler(sampler, 3, False), shuffle=3)
+    with pytest.raises(ValueError, match="batch_sampler option is mutually exclusive with"):
+        DataLoader(data, batch_sampler=tud.BatchSampler(sampler, 3, False), drop_last=3)
+    with pytest.raises(TypeError, match="shuffle should be True, False or None"):
+        DataLoader(data, shuffle=3)
