@@ -242,6 +242,12 @@ def torch_outcome_in_child(case: Case) -> type[BaseException] | None:
 DIFFERENTIAL = [c for c in CASES if c.torch is not None]
 
 
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+@pytest.mark.skipif(TORCH_VERSION < (2, 13), reason="the table holds torch 2.13's behaviour "
+                    "(aioloader follows it on every torch); older torch raises other types for "
+                    "some rows (e.g. torch 2.4 accepts in_order='yes': it has no in_order)")
 @pytest.mark.parametrize("case", DIFFERENTIAL, ids=[c.id for c in DIFFERENTIAL])
 def test_torch_raises_the_same_type_where_it_raises(case: Case) -> None:
     """Regression test for issue 18: torch raises the same type (or, where the table says,
