@@ -389,17 +389,17 @@ class _Turns:
             await event.wait()
         except BaseException:
             if event.is_set():  # handed the turn, but leaving: pass it on
-                if self.waiters:
-                    self.hand_over()
-                else:
-                    self.busy = False
+                self.release()
             else:
                 self.waiters.remove(event)
             raise
 
-    def hand_over(self) -> None:
-        """End the turn by giving it to the first waiter."""
-        self.waiters.popleft().set()
+    def release(self) -> None:
+        """End the turn: hand it to the first waiter, or free it when nobody waits."""
+        if self.waiters:
+            self.waiters.popleft().set()
+        else:
+            self.busy = False
 
 
 class AsyncLoaderIter(Generic[T_co]):
@@ -453,10 +453,7 @@ class AsyncLoaderIter(Generic[T_co]):
             rec.end_wait(t0, True)
             return batch  # type: ignore[no-any-return]
         finally:
-            if turns.waiters:
-                turns.hand_over()
-            else:
-                turns.busy = False
+            turns.release()
 
     async def aclose(self) -> None:
         """Stop the epoch and release everything it holds. Idempotent."""

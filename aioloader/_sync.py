@@ -226,7 +226,7 @@ class _PortalDriver:
         """Schedule :meth:`close` on the loop thread and return at once.
 
         The loop thread is then one of the loader's ending threads, joined before the
-        next fork (:func:`aioloader._threads.join_ending_threads`) and at interpreter exit.
+        next fork (:func:`aioloader._park.join_ending_threads`) and at interpreter exit.
         """
         self._close(wait=False)
 

@@ -180,10 +180,7 @@ async def test_a_task_cancelled_while_waiting_its_turn_passes_it_on() -> None:
                 await anyio.lowlevel.checkpoint()
                 order.append(name)
             finally:
-                if turns.waiters:
-                    turns.hand_over()
-                else:
-                    turns.busy = False
+                turns.release()
 
     with anyio.fail_after(JOIN_S):
         async with anyio.create_task_group() as tg:
@@ -193,7 +190,7 @@ async def test_a_task_cancelled_while_waiting_its_turn_passes_it_on() -> None:
                 await anyio.wait_all_tasks_blocked()
             scopes["a"][0].cancel()  # cancelled while waiting: leaves the queue
             await anyio.wait_all_tasks_blocked()
-            turns.hand_over()  # to "b": cancelled before its call runs, so it passes the turn
+            turns.release()  # to "b": cancelled before its call runs, so it passes the turn
             scopes["b"][0].cancel()
     assert order == ["c"] and not turns.busy and not turns.waiters
 
