@@ -25,13 +25,13 @@ from ._errors import (
     TransportError,
     WorkerDiedError,
 )
-from ._failure import (
+from ._fetch.report import (
     FailureReport,
     SampleFailure,
     SkippedSamplesWarning,
     TooManyFailuresError,
 )
-from ._stats import LoaderStats, StageStats, WorkerStats
+from ._stats.book import LoaderStats, StageStats, WorkerStats
 from ._worker_info import WorkerInfo, get_worker_info
 from .collate import default_collate, default_convert
 from .dataset import (
@@ -98,12 +98,12 @@ __all__ = [
 
 
 if _typing.TYPE_CHECKING:
-    from ._sync import DataLoader
+    from ._facade import DataLoader
 
 # Imported on first use (PEP 562): the loader machinery (anyio, the pipeline, the
 # worker pools) is not loaded by a worker process, which imports this package only to
-# reach aioloader._worker, nor by code that uses the datasets and samplers alone.
-_LAZY = {"DataLoader": "._sync"}
+# reach aioloader._worker.main, nor by code that uses the datasets and samplers alone.
+_LAZY = {"DataLoader": "._facade"}
 
 
 def __getattr__(name: str) -> _typing.Any:

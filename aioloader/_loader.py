@@ -1,17 +1,17 @@
 """The DataLoader core: wiring the pieces together, and ``async for``.
 
 :class:`DataLoaderCore` keeps the arguments (checked by :mod:`aioloader._config`) and,
-per epoch, builds the pipeline (:mod:`aioloader._pipeline`). With workers, or an async
+per epoch, builds the pipeline (:mod:`aioloader._pipeline.epoch`). With workers, or an async
 dataset, a background task owns an anyio task group with the intake stages (worker reader
 or in-process async fetches, pinning); the consumer's ``__anext__`` does the sampling and
 the dispatch (so global RNG draws happen while the consumer waits, at the points torch
 makes them), then waits for the next batch in order. With ``num_workers=0`` and a sync
-dataset the pipeline's in-process worker (:mod:`aioloader._inprocess`) fetches each batch
-inside the call that drew it, as torch does: in the iterator's own thread, or on the loop
-when batches are measured to be tiny (see :class:`aioloader._core._InlinePolicy`); no
+dataset the pipeline's in-process worker (:mod:`~aioloader._pipeline.source_inline`) fetches
+each batch inside the call that drew it, as torch does: in the iterator's own thread, or on the loop
+when batches are measured to be tiny (see :class:`aioloader._pipeline.offload._InlinePolicy`); no
 background task, nothing runs between calls.
 
-The sync facade (``for batch in loader``) is added on top by :mod:`aioloader._sync`,
+The sync facade (``for batch in loader``) is added on top by :mod:`aioloader._facade`,
 the only module that knows about its thread.
 """
 
@@ -30,7 +30,6 @@ from typing import Any, Generic, TypeVar
 import anyio
 import torch
 
-from . import _state
 from . import _torch_data as _tud
 from ._config import (
     DEFAULT_FETCH_CONCURRENCY,
@@ -47,12 +46,13 @@ from ._config import (
     resolve_sampling,
 )
 from ._datapipes import wrap as wrap_datapipe
-from ._failure import DEFAULT_RETRY_DELAY, FailureReport, make_policy
-from ._fetch import dataset_kind
-from ._inprocess import _InProcessWorker
-from ._lease import _PoolLease
-from ._pipeline import _PipelineCore
-from ._stats import LoaderStats, StatsBook
+from ._fetch.report import DEFAULT_RETRY_DELAY, FailureReport, make_policy
+from ._fetch.sync import dataset_kind
+from ._pipeline.epoch import _PipelineCore
+from ._pipeline.source_inline import _InProcessWorker
+from ._pools.lease import _PoolLease
+from ._resume import state as _state
+from ._stats.book import LoaderStats, StatsBook
 from .collate import default_collate, default_convert
 from .sampler import Sampler
 
@@ -77,7 +77,7 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
     #: torch's persistent-workers iterator slot: the latest ``for`` iterator of a loader with
     #: persistent workers (frameworks call its ``_shutdown_workers()`` at teardown).
     _iterator: Any = None
-    #: Resume (aioloader._state): a loaded state for the next iter(), the latest epoch's tracker.
+    #: Resume (aioloader._resume.state): a loaded state for the next iter(), the latest epoch's tracker.
     _resume_pending: Any = None
     _resume_tracker: Any = None
 

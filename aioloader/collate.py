@@ -38,10 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._collate_dispatch import CollateFn as CollateFn
-from ._collate_dispatch import CollateFnMap as CollateFnMap
-from ._collate_dispatch import collate, default_collate_err_msg_format, np_str_obj_array_pattern
-from ._collate_fns import (
+from ._collate.dispatch import CollateFn as CollateFn
+from ._collate.dispatch import CollateFnMap as CollateFnMap
+from ._collate.dispatch import collate, default_collate_err_msg_format, np_str_obj_array_pattern
+from ._collate.fns import (
     collate_float_fn,
     collate_int_fn,
     collate_numpy_array_fn,
@@ -49,8 +49,8 @@ from ._collate_fns import (
     collate_str_fn,
     collate_tensor_fn,
 )
-from ._rebuild import _rebuild_mapping as _rebuild_mapping
-from ._rebuild import _rebuild_sequence as _rebuild_sequence
+from ._collate.rebuild import _rebuild_mapping as _rebuild_mapping
+from ._collate.rebuild import _rebuild_sequence as _rebuild_sequence
 
 __all__ = [
     "collate",

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from ._sync import DataLoader
+from ._facade import DataLoader
 from ._worker_info import get_worker_info
 from .collate import default_collate, default_convert
 

@@ -205,7 +205,7 @@ class DiesWhileTheOtherWaits(aioloader.Dataset[int]):
             with open(meet, "rb"):
                 pass
             os.kill(os.getpid(), signal.SIGKILL)
-        from aioloader import _worker
+        from aioloader._worker import main as _worker
         _worker._PARENT_CHECK_INTERVAL = 60.0
         with open(meet, "wb"):
             pass

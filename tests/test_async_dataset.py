@@ -227,8 +227,7 @@ def test_worker_reply_queue_full_holds_fetches_and_loses_none(monkeypatch: pytes
     # A worker's queue of encoded replies is bounded (_worker_async.REPLY_QUEUE). With a bound
     # of 1 and instant fetches, most replies find it full and wait for the writer: every batch
     # must still arrive once, in order. Fork, so the worker sees the patched bound.
-    from aioloader import _worker_async
-
+    from aioloader._worker import aserver as _worker_async
     monkeypatch.setattr(_worker_async, "REPLY_QUEUE", 1)
     loader = DataLoader(AsyncItems(48, max_delay=0.0), batch_size=2, num_workers=2,
                         prefetch_factor=8, fetch_concurrency=8, multiprocessing_context="fork")

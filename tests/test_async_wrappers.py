@@ -12,7 +12,7 @@ import torch.utils.data as tud
 
 import aioloader
 from aioloader import DataLoader
-from aioloader._fetch import DatasetKind, dataset_kind
+from aioloader._fetch.sync import DatasetKind, dataset_kind
 
 
 class AsyncSquares:

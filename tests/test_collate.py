@@ -18,7 +18,7 @@ from _containers import FrozenMapping, ImmutableSeq, MyTuple, OddMapping
 from torch.utils.data._utils import collate as torch_collate_mod
 
 from aioloader import collate as ac
-from aioloader._collate_fns import _stack_numpy_fast
+from aioloader._collate.fns import _stack_numpy_fast
 from aioloader._worker_info import WorkerInfo, _set_worker_info, get_worker_info
 
 # ---------------------------------------------------------------------------

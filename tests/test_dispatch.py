@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from aioloader._dispatch import DRAINED, Dispatcher, ReorderBuffer, Slot
+from aioloader._pipeline.dispatch import DRAINED, Dispatcher, ReorderBuffer, Slot
 
 
 class Drawn:
-    """A sampler iterator that numbers its draws, as aioloader._state's tracker does."""
+    """A sampler iterator that numbers its draws, as aioloader._resume.state's tracker does."""
 
     def __init__(self, n: int) -> None:
         self.last_drawn = -1

@@ -50,7 +50,7 @@ def test_the_hierarchy_is_exported_and_shown_as_aioloader() -> None:
             continue
         assert getattr(aioloader, cls.__name__) is cls
         assert cls.__module__ == "aioloader"
-    import aioloader._transport as transport
+    import aioloader._worker.wire as transport
 
     assert transport.TransportError is TransportError  # one class, not a twin
 
@@ -71,7 +71,7 @@ def test_worker_died_error_pickles_with_its_fields() -> None:
 
 
 def test_a_closed_worker_pool_says_closed() -> None:
-    from aioloader._thread_pool import ThreadWorkerPool
+    from aioloader._pools.thread import ThreadWorkerPool
 
     pool = ThreadWorkerPool([])
     pool.start()

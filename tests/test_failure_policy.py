@@ -34,8 +34,8 @@ from aioloader import (
     SkippedSamplesWarning,
     TooManyFailuresError,
     WorkerDiedError,
-    _failure,
 )
+from aioloader._fetch import report as _failure
 
 N = 20
 BAD = {3, 7, 8, 9}  # with batch_size=4: batch 0 loses 3, batch 1 loses 7, batch 2 loses 8, 9

@@ -1,4 +1,4 @@
-"""The escalation ladder that stops worker processes (aioloader._ladder), climbed by the
+"""The escalation ladder that stops worker processes (aioloader._pools.ladder), climbed by the
 blocking close() and by the async aclose() alike."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import anyio
 import pytest
 from torch.utils.data import default_collate
 
-from aioloader._fetch import DatasetKind
-from aioloader._ladder import KILL_WAIT, TERM_WAIT, climb, process_steps
-from aioloader._pool import WorkerPool
-from aioloader._worker import WorkerConfig
+from aioloader._fetch.sync import DatasetKind
+from aioloader._pools.ladder import KILL_WAIT, TERM_WAIT, climb, process_steps
+from aioloader._pools.process import WorkerPool
+from aioloader._worker.main import WorkerConfig
 
 
 def test_climb_acts_on_the_live_workers_and_stops_when_none_is_left() -> None:

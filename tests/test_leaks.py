@@ -107,8 +107,7 @@ def test_large_frame_decode_thread_ends_with_the_epoch_no_leak(mode: str) -> Non
 
 def test_device_path_fetch_threads_end_with_the_epoch_no_leak(monkeypatch: Any) -> None:
     """device= without workers reads with fetch_threads: that pool ends with the epoch."""
-    from aioloader import _device
-
+    from aioloader._pipeline import device as _device
     monkeypatch.setattr(_device, "stage_to_device", lambda batch, device: batch)
     monkeypatch.setattr(_device, "finish_on_device", lambda item: item)
     try:

@@ -1,4 +1,4 @@
-"""aioloader._pin: structure walk for pinning, device moves and stream recording."""
+"""aioloader._pipeline.pin: structure walk for pinning, device moves and stream recording."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from _containers import FrozenMapping, ImmutableSeq, MyTuple, OddMapping
 from torch.utils.data._utils import pin_memory as torch_pin_mod
 
-from aioloader import _pin
+from aioloader._pipeline import pin as _pin
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 mirrors_torch_2_13 = pytest.mark.skipif(

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import aioloader
-from aioloader import DataLoader, _pin
+from aioloader import DataLoader
+from aioloader._pipeline import pin as _pin
 
 Pair = namedtuple("Pair", "a b")
 
@@ -238,7 +239,7 @@ def test_device_stage_cuda_path_with_faked_cuda(monkeypatch: pytest.MonkeyPatch)
     """The CUDA branch: copies issued on a side stream inside each next() (num_workers=0:
     in the calling thread, with the fetch, as torch fetches), the consumer's stream
     waits on each copy's event, tensors are record_stream'ed."""
-    import aioloader._device as dev
+    import aioloader._pipeline.device as dev
 
     fake = _FakeCuda()
     monkeypatch.setattr(torch.cuda, "Stream", fake.Stream)

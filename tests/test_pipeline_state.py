@@ -10,7 +10,7 @@ import pytest
 
 import aioloader
 from aioloader._errors import EpochSupersededError, IteratorClosedError
-from aioloader._pipeline import PipelineState, _PipelineCore
+from aioloader._pipeline.epoch import PipelineState, _PipelineCore
 
 
 class AsyncRange:

@@ -1,4 +1,4 @@
-"""Tests for the worker processes (aioloader._worker) and their manager (aioloader._pool)."""
+"""Tests for the worker processes (aioloader._worker.main) and their manager (aioloader._pools.process)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from torch.utils.data import default_collate
 from torch.utils.data._utils.worker import _generate_state
 
 from aioloader._errors import LoaderClosedError, RemoteError, WorkerDiedError
-from aioloader._fetch import DatasetKind
-from aioloader._pool import WorkerPool
-from aioloader._worker import WorkerConfig, generate_numpy_seed
+from aioloader._fetch.sync import DatasetKind
+from aioloader._pools.process import WorkerPool
+from aioloader._worker.main import WorkerConfig, generate_numpy_seed
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def mp_context(method: str) -> Any:
     if method == "forkserver":
         from multiprocessing import forkserver
 
-        ctx.set_forkserver_preload(["aioloader._worker", "_pool_datasets"])
+        ctx.set_forkserver_preload(["aioloader._worker.main", "_pool_datasets"])
         forkserver.ensure_running()
     return ctx
 
@@ -597,9 +597,9 @@ _SCRIPT = textwrap.dedent("""
     sys.path[:0] = [{root!r}, {here!r}]
     from torch.utils.data import default_collate
     import _pool_datasets as ds
-    from aioloader._fetch import DatasetKind
-    from aioloader._pool import WorkerPool
-    from aioloader._worker import WorkerConfig
+    from aioloader._fetch.sync import DatasetKind
+    from aioloader._pools.process import WorkerPool
+    from aioloader._worker.main import WorkerConfig
 
     if __name__ == "__main__":
         configs = [WorkerConfig(i, 2, ds.DyingDataset(), DatasetKind.MAP, True,

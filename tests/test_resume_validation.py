@@ -498,7 +498,7 @@ def test_python_random_state_check() -> None:
     """Regression test for issue 18: the Python random state checker (for worker RNGs)."""
     import random
 
-    from aioloader._state_schema import check_python_random_state
+    from aioloader._resume.schema import check_python_random_state
 
     good = random.Random(3).getstate()
     check_python_random_state(good, "s")
@@ -627,7 +627,7 @@ def test_corrupt_torchdata_state(base: Callable[[], State], mutate: Callable[[St
 
 def test_one_checker() -> None:
     """Regression test for issue 18: one checker, with a reader per layout version."""
-    from aioloader import _state, _state_schema
-
+    from aioloader._resume import schema as _state_schema
+    from aioloader._resume import state as _state
     assert _state.validate is _state_schema.validate
     assert sorted(_state_schema._READERS) == [1, _state.FORMAT_VERSION]

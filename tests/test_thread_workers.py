@@ -18,9 +18,9 @@ from torch.utils.data import get_worker_info as torch_get_worker_info  # capture
 
 import aioloader
 from aioloader import DataLoader, LoaderTimeoutError, TensorDataset
-from aioloader._fetch import DatasetKind
-from aioloader._thread_pool import ThreadWorkerPool
-from aioloader._worker import WorkerConfig
+from aioloader._fetch.sync import DatasetKind
+from aioloader._pools.thread import ThreadWorkerPool
+from aioloader._worker.main import WorkerConfig
 
 THREAD_PREFIX = "aioloader-thread-worker-"
 
@@ -289,7 +289,7 @@ def test_timeout_raises_and_close_does_not_hang_on_a_busy_thread(
                          worker_method="thread"))
     with pytest.raises(LoaderTimeoutError, match=r"timed out after 0\.2 seconds"):
         next(it)
-    with caplog.at_level("WARNING", logger="aioloader._thread_pool"):
+    with caplog.at_level("WARNING", logger="aioloader._pools.thread"):
         it.close()  # type: ignore[attr-defined]  # returns although index 0 still waits
     assert "abandoning" in caplog.text
     assert [t.name for t in worker_threads()] == [f"{THREAD_PREFIX}0"]

@@ -1,4 +1,4 @@
-"""Tests for aioloader._transport: framing, fd passing, ownership of descriptors."""
+"""Tests for aioloader._worker.wire: framing, fd passing, ownership of descriptors."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import open_fds, shm_entries
 
-from aioloader._transport import (
+from aioloader._worker.wire import (
     HEADER,
     LARGE_PAYLOAD,
     MAX_FDS_PER_MESSAGE,

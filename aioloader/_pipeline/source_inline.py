@@ -1,0 +1,369 @@
+"""The in-process pseudo-worker: ``num_workers=0`` with a sync dataset.
+
+Worker 0 of the pipeline when there are no workers (:class:`aioloader._pipeline.epoch._PipelineCore`
+in its inline mode): the consumer's call draws one batch of indices and fetches it at once,
+as torch's single-process iterator does, in the calling thread (the sync facade's
+:meth:`_InProcessWorker.next_sync`), or for ``async for`` in the pipeline's thread or, for
+batches measured tiny, on the loop (:class:`aioloader._pipeline.offload._InlinePolicy`). Its window is
+one batch, fetched inside the call that drew it, so nothing runs between calls and the
+pipeline starts no background task. A small object of its own: the per-batch code reads
+its attributes, and an instance with at most 30 attributes keeps CPython's fast
+attribute access (the pipeline core has about 60: reading them per batch cost 0.1 us).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from .._fetch.report import NOTHING, TooManyFailuresError, apply_to_batch, guard_fetcher
+from .._fetch.sync import EXHAUSTED, DatasetKind, fetch_or_exhausted, make_fetcher
+from .._resume import state as _state
+from .._stats.book import COLLATE, DEVICE, FETCH, PIN, SAMPLING, Recorder
+from . import device as _device
+from .offload import _CoreBase, _InlinePolicy, _ThreadCall, _timed
+
+if TYPE_CHECKING:
+    from .._loader import DataLoaderCore
+    from .epoch import _PipelineCore
+
+_ns = time.perf_counter_ns
+
+
+class _InProcessWorker(_CoreBase):
+    """``num_workers=0`` with a sync dataset: fetch one batch per ``next``, as torch.
+
+    With ``device=`` the batch is also copied to the device inside the same
+    ``next`` (no lookahead: the dataset's ``__getitem__`` never runs between calls).
+    A cancelled ``__anext__`` keeps its drawn batch: the fetch finishes in the
+    thread and the next call delivers it without drawing from the sampler again.
+    Its lifecycle (closing, teardown) is the pipeline core's, which sets :attr:`closed`.
+    The per-epoch state is the core's (the same objects; ``_CoreBase.__init__`` is not
+    run again: it would start a second epoch record).
+    """
+
+    def __init__(self, core: _PipelineCore, loader: DataLoaderCore[Any],
+                 sampler_iter: Iterator[Any]) -> None:
+        """Set up the fetch side; the pipeline drew the base seed already."""
+        self.kind = core.kind
+        self.dataset = core.dataset
+        self.auto_collation = core.auto_collation
+        self.collate_fn = core.collate_fn
+        self.drop_last = core.drop_last
+        self.num_workers = core.num_workers
+        self.len_called = core.len_called
+        self.pin = core.pin
+        self.failure_policy = core.failure_policy
+        self.failures = core.failures
+        self.track = core.track
+        self.rec = core.rec
+        self.policy_active = core.policy_active
+        self.check_len = core.check_len
+        self.runner = core.runner  # the pipeline's thread (started on first use)
+        self.num_yielded = 0
+        self.closed = False
+        # Weak: the core owns this worker; closing goes back through the core's lifecycle.
+        self.owner = weakref.ref(core)
+        self.sampler_iter = sampler_iter
+        wstate = self.track.worker_states.get(0) if self.kind.iterable else None
+        _state.load_dataset_state(self.dataset, wstate)
+        # The per-batch fast path of next_sync(): nothing but fetch, collate, count. Its
+        # statistics time reading and collating with MapFetcher.fetch_split.
+        self.plain = self.kind is DatasetKind.MAP and not (
+            self.policy_active or self.pin.enabled or loader.device is not None)
+        self.split = self.plain and self.rec is not None
+        # `async for` times the consumer's waits 1 in Recorder.time_every (AsyncLoaderIter).
+        self.sampled_waits = self.split and self.rec is not None and self.rec.time_every > 1
+        # The resume state is read from the plain fetcher; batches come through its guard.
+        self.raw_fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
+                                        loader.collate_fn if self.split else self.collate_fn,
+                                        self.drop_last, loader.fetch_threads)
+        _state.load_fetcher_state(self.raw_fetcher, wstate)
+        self.fetcher = guard_fetcher(self.raw_fetcher, self.failure_policy, None)
+        self.device = loader.device
+        self.policy = _InlinePolicy()
+        self.last_yield = 0  # perf_counter_ns of the latest checkpoint (async for)
+        self.pending_call: _ThreadCall | None = None  # a drawn batch whose waiter was cancelled
+
+    def _fetch(self, index: Any) -> Any:
+        rec = self.rec
+        if rec is not None:
+            return self._fetch_timed(rec, index)
+        data = fetch_or_exhausted(self.fetcher, index)
+        if data is not EXHAUSTED:
+            if self.pin.enabled:
+                data = apply_to_batch(self.pin.apply, data)
+            if self.device is not None:
+                data = apply_to_batch(self._stage, data)
+        return index, data
+
+    def _consumed_nothing(self) -> None:
+        """Every sample of the batch drawn last failed (skipped): it counts as consumed."""
+        if self.kind.iterable:
+            self.track.commit(self.track.last_drawn, 0,
+                              _state.worker_state(0, self.dataset, self.raw_fetcher),
+                              yielded=False)
+        else:
+            self.track.commit(self.track.last_drawn, yielded=False)
+
+    def _fetch_timed(self, rec: Recorder, index: Any, t0: int = 0) -> Any:
+        """:meth:`_fetch`, adding each stage's time to the epoch's statistics."""
+        if not t0:
+            t0 = _ns()
+        if self.split:  # a plain map-style fetch: its collate_fn is not wrapped
+            try:
+                data, t_read = self.fetcher.fetch_split(index, _ns)
+            except StopIteration:
+                return index, EXHAUSTED
+            rec.add(FETCH, t_read - t0)
+            rec.add(COLLATE, _ns() - t_read)
+            return index, data
+        ns = rec.ns
+        collated = ns[COLLATE]
+        data = fetch_or_exhausted(self.fetcher, index)
+        t1 = _ns()
+        if data is not EXHAUSTED:
+            took = t1 - t0 - (ns[COLLATE] - collated)
+            ns[FETCH] += took if took > 0 else 0
+            rec.count[FETCH] += 1
+            if self.pin.enabled:
+                data = apply_to_batch(self.pin.apply, data)
+                t0, t1 = t1, _ns()
+                rec.add(PIN, t1 - t0)
+            if self.device is not None:
+                data = apply_to_batch(self._stage, data)
+                rec.add(DEVICE, _ns() - t1)
+        return index, data
+
+    def _stage(self, data: Any) -> Any:
+        assert self.device is not None
+        return _device.stage_to_device(data, self.device)
+
+    def _deliver(self, data: Any) -> Any:
+        self._count_yield()
+        self.track.commit_inline(self.dataset, self.raw_fetcher)
+        if self.device is not None:
+            return _device.finish_on_device(data)
+        return data
+
+    def next_sync(self) -> Any:
+        """One batch, fetched in the calling thread (the sync facade's fast path)."""
+        rec = self.rec
+        if rec is None:
+            return self._next_sync(None, 0)
+        # Sampled statistics read the clock only for the batches they time.
+        t0 = _ns() if not self.split or rec.countdown <= 1 else 0
+        try:
+            return self._next_sync(rec, t0)
+        except BaseException:
+            if self.split:  # sampled statistics: the wall time ends here
+                rec.inline_end(_ns())
+            else:
+                rec.begin_at(t0)
+                rec.end_wait(t0, False)
+            raise
+
+    def _next_sync(self, rec: Recorder | None, t0: int) -> Any:
+        """:meth:`next_sync`; with statistics, ``t0`` is when the consumer asked.
+
+        The common case (a map-style dataset, no failure policy, no pinning or
+        device, nothing to resume) does its bookkeeping inline: it runs once per
+        batch, and ``benchmarks/bench_overhead.py`` measures it.
+        """
+        track = self.track
+        t_draw = t0  # when the current draw started (after a skipped batch: later than t0)
+        plain = self.plain
+        auto = self.auto_collation
+        while True:
+            if self.closed:
+                raise StopIteration
+            if track.discard and not track.replaying:
+                track.replay(self.next_sync)
+            try:
+                index = next(self.sampler_iter)
+            except StopIteration:
+                track.finished = True
+                self.close_from_gc()
+                self.failures.end_of_epoch()
+                raise
+            try:
+                if plain:
+                    if rec is None:
+                        data = fetch_or_exhausted(self.fetcher, index)
+                    else:
+                        rec.countdown -= 1
+                        if rec.countdown > 0:  # counted, not timed (Recorder.TIME_EVERY)
+                            data = fetch_or_exhausted(self.fetcher, index)
+                            if data is not EXHAUSTED:
+                                rec.inline_untimed += 1
+                                if auto and type(index) is list:
+                                    rec.inline_samples += len(index)
+                                else:
+                                    rec.untimed_other(index, self.auto_collation)
+                        else:
+                            t1 = _ns()
+                            try:
+                                data, t_read = self.fetcher.fetch_split(index, _ns)
+                            except StopIteration:  # the dataset ended the epoch (torch)
+                                data = EXHAUSTED
+                            else:
+                                rec.inline_batch(index, self.auto_collation, t0, t_draw, t1,
+                                                 t_read, _ns())
+                elif rec is None:
+                    index, data = self._fetch(index)
+                else:
+                    t1 = _ns()
+                    rec.ns[SAMPLING] += t1 - t_draw
+                    rec.count[SAMPLING] += 1
+                    index, data = self._fetch_timed(rec, index, t1)
+            except Exception:
+                track.commit(track.last_drawn)  # consumed (as in torch, not retried)
+                raise
+            if data is EXHAUSTED:
+                track.finished = True
+                self.close_from_gc()
+                self.failures.end_of_epoch()
+                raise StopIteration
+            if plain:  # its statistics were recorded with the fetch
+                self.num_yielded += 1
+                track.commit_next()
+                return data
+            try:
+                data = self._absorb(index, data)
+            except TooManyFailuresError:
+                self.close_from_gc()
+                raise
+            if data is not NOTHING:
+                data = self._deliver(data)
+                if rec is not None:
+                    rec.begin_at(t0)
+                    rec.end_wait(t0, True)
+                return data
+            self._consumed_nothing()
+            if rec is not None:
+                t_draw = _ns()
+
+    async def _anext_in_process(self) -> Any:
+        if self.closed:
+            raise StopAsyncIteration
+        if self.track.discard and not self.track.replaying:
+            await self.track.areplay(self.anext)
+        call = self.pending_call
+        if call is None:
+            policy = self.policy
+            t0 = _ns()
+            # Inline, yield to the loop at least every YIELD_EVERY_S so other tasks keep
+            # running (and cancellation is seen) without paying a loop round-trip per
+            # tiny batch. Before the draw: a cancellation here loses nothing.
+            if policy.inline and t0 - self.last_yield > _InlinePolicy.YIELD_EVERY_NS:
+                await anyio.lowlevel.checkpoint()
+                self.last_yield = t0 = _ns()
+            try:
+                index = next(self.sampler_iter)
+            except StopIteration:
+                self.track.finished = True
+                await self.aclose()
+                self.failures.end_of_epoch()
+                raise StopAsyncIteration from None
+            if policy.inline and self.plain:
+                data = self._fetch_plain(index, t0)
+                if data is EXHAUSTED:
+                    return await self._finish((index, data))
+                return data
+            if self.rec is not None:
+                self.rec.add(SAMPLING, _ns() - t0)
+            if policy.inline:
+                data, took = self.track.consumed_on_error(_timed, self._fetch, index)
+                policy.record(took)
+                return await self._finish(data)
+            call = self.pending_call = _ThreadCall(_timed, self._fetch, index)
+        await call.wait(self.runner)  # cancelled: `pending` keeps the batch
+        self.pending_call = None
+        data, took = self.track.consumed_on_error(call.result)
+        self.policy.record(took)
+        return await self._finish(data)
+
+    def _fetch_plain(self, index: Any, t0: int) -> Any:
+        """``async for``: a plain map-style batch (:attr:`plain`) fetched on the loop
+        (the policy found it tiny); the sampler was asked at ``t0``. Its bookkeeping is
+        written out: this runs once per batch (``benchmarks/bench_overhead.py``)."""
+        track = self.track
+        rec = self.rec
+        t1 = _ns()
+        try:
+            if rec is not None:
+                rec.countdown -= 1
+                timed = rec.countdown <= 0  # one batch in Recorder.TIME_EVERY
+            else:
+                timed = False
+            if timed:
+                data, t_read = self.fetcher.fetch_split(index, _ns)
+            else:
+                data = self.fetcher.fetch(index)
+        except StopIteration:  # the dataset ended the epoch (as in torch)
+            return EXHAUSTED
+        except Exception:
+            track.commit(track.last_drawn)  # consumed (as in torch, not retried)
+            raise
+        t2 = _ns()
+        self.policy.record((t2 - t1) * 1e-9)
+        if rec is not None:
+            if timed:
+                rec.inline_split(index, self.auto_collation, t0, t1, t_read, t2)
+            else:
+                rec.inline_untimed += 1
+                if self.auto_collation and type(index) is list:
+                    rec.inline_samples += len(index)
+                else:
+                    rec.untimed_other(index, self.auto_collation)
+        self.num_yielded += 1
+        track.commit_next()
+        return data
+
+    async def _finish(self, fetched: tuple[Any, Any]) -> Any:
+        index, data = fetched
+        if data is EXHAUSTED:
+            self.track.finished = True
+            await self.aclose()
+            self.failures.end_of_epoch()
+            raise StopAsyncIteration
+        try:
+            data = self._absorb(index, data)
+        except TooManyFailuresError:
+            await self.aclose()
+            raise
+        if data is NOTHING:
+            self._consumed_nothing()
+            return NOTHING
+        return self._deliver(data)
+
+    def close_fetcher(self) -> None:
+        """The pipeline's teardown: nothing more is fetched; release the fetcher."""
+        self.closed = True
+        self.fetcher.close()
+
+    def close_from_gc(self) -> None:
+        """End the epoch through the core's lifecycle (one teardown)."""
+        core = self.owner()
+        if core is not None:
+            core.close_from_gc()
+        else:
+            self.close_fetcher()
+
+    async def aclose(self) -> None:
+        core = self.owner()
+        if core is not None:
+            await core.aclose()
+        else:
+            self.close_fetcher()
+
+    async def anext(self) -> Any:
+        """One batch (``async for``; the core's :meth:`anext` delegates here)."""
+        while True:
+            data = await self._anext_in_process()
+            if data is not NOTHING:
+                return data

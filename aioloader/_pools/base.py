@@ -1,0 +1,313 @@
+"""What every worker pool shares: its lifecycle.
+
+:class:`PoolBase` is the lifecycle of :class:`~aioloader._pools.process.WorkerPool`
+(processes), :class:`~aioloader._pools.thread.ThreadWorkerPool` (threads) and
+:class:`~aioloader._pools.ray.RayWorkerPool` (Ray actors): ``start`` once, any
+number of ``serve`` calls (one at a time) and sends, then ``aclose`` or the sync
+``close`` (also run by ``__del__``, and at interpreter exit for every pool still
+open). A subclass says how to start its workers, how to stop them (its
+escalation ladder, :mod:`aioloader._pools.ladder`, and how to wait for a rung) and
+what to free at the end; the closed guard, the shielded ``aclose``, the
+thread-safe idempotent ``close``, the wait for a running ``serve`` to stop and
+the exit hook are here once.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import resource
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar, Generic, TypeVar
+
+import anyio
+
+from .._errors import IteratorClosedError, add_note
+from .._threads import close_at_exit
+from .._worker.main import WorkerConfig
+
+__all__ = ["ConfigSource", "PoolBase"]
+
+logger = logging.getLogger(__name__)
+
+ConfigSource = Sequence[WorkerConfig] | Callable[[], Sequence[WorkerConfig]]
+
+W = TypeVar("W")  # the parent-side state of one worker
+
+
+class PoolBase(Generic[W]):
+    """Workers with known ids ``0..N-1`` and their lifecycle.
+
+    Args:
+        configs: one :class:`~aioloader._worker.main.WorkerConfig` per worker (in
+            worker-id order), or a zero-argument callable returning them,
+            called by :meth:`start`.
+
+    A subclass is registered for closing at interpreter exit when it is
+    defined: ``class P(PoolBase[W], exit_grace=0.1)`` closes its open pools
+    with ``close(grace=0.1)`` then (default: ``close()``).
+    """
+
+    #: ``aclose()``'s default grace: seconds workers get to leave on their own.
+    DEFAULT_GRACE: ClassVar[float] = 2.0
+    #: ``close()``'s default grace (it blocks the calling thread meanwhile).
+    CLOSE_GRACE: ClassVar[float] = 0.5
+    #: The pools of this class still open (closed at interpreter exit).
+    _live: ClassVar[weakref.WeakSet[Any]]
+
+    def __init_subclass__(cls, exit_grace: float | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._live = weakref.WeakSet()
+        close_at_exit(cls._live, **({} if exit_grace is None else {"grace": exit_grace}))
+
+    def __init__(self, configs: ConfigSource) -> None:
+        self._config_source = configs
+        self._configs: list[WorkerConfig] = []
+        self._workers: list[W] = []  # by worker id
+        self._started = False
+        self._closing = False
+        self._closed = False  # everything released
+        self._serving = 0
+        self._serve_scopes: set[anyio.CancelScope] = set()
+        self._idle: anyio.Event | None = None  # set when the last serve() returns
+        self._deferred_release = False  # fds to close when the running serve() ends
+        self._owner_pid = os.getpid()
+        self._close_lock = threading.Lock()
+        #: The id of the worker being started (set by :meth:`_start_workers`), for the
+        #: message of a failed start; None once every worker started.
+        self._starting: int | None = None
+
+    def set_shared_seed(self, shared_seed: int) -> None:
+        """An ``IterDataPipe``'s shared seed for a new epoch: a respawned worker starts with it."""
+        for cfg in self._configs:
+            cfg.shared_seed = shared_seed
+
+    # ------------------------------------------------------------------ info
+
+    @property
+    def num_workers(self) -> int:
+        """Number of workers started."""
+        return len(self._workers)
+
+    @property
+    def processes(self) -> list[Any]:
+        """The workers' process objects (threads for thread workers), by worker id."""
+        return []
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker pids, by worker id (none for workers that are not local processes)."""
+        return []
+
+    @property
+    def start_method(self) -> str:
+        """How the workers run: ``fork``, ``spawn``, ``forkserver``, ``thread`` or ``ray``."""
+        raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`aclose` or :meth:`close` started."""
+        return self._closing
+
+    def _repr_detail(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closing else "running" if self._started else "new"
+        return f"<{type(self).__name__} {self.start_method} {state} {self._repr_detail()}>"
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        """Start every worker from the calling thread. Nothing leaks on failure.
+
+        Raises:
+            RuntimeError: already started or closed.
+            ValueError: the configs are not one per worker, in worker-id order.
+        """
+        if self._started or self._closing:
+            raise RuntimeError(f"{type(self).__name__}.start() may be called only once, "
+                               f"before closing")
+        self._started = True
+        source = self._config_source
+        configs = list(source() if callable(source) else source)
+        try:
+            for worker_id, cfg in enumerate(configs):
+                if cfg.worker_id != worker_id or cfg.num_workers != len(configs):
+                    raise ValueError(
+                        f"config #{worker_id} says worker_id={cfg.worker_id}, "
+                        f"num_workers={cfg.num_workers}; configs must be given in worker-id "
+                        f"order, one per worker ({len(configs)} given)")
+            try:
+                self._start_workers(configs)
+            except Exception as exc:
+                add_note(exc, self._start_failure_note(exc, len(configs)))
+                raise
+        except BaseException:
+            # Stop the workers started so far (they are idle: asked to leave, they go at
+            # once; the ladder escalates for any that does not) and close their fds.
+            self._closing = True
+            self._close_now(self.CLOSE_GRACE)
+            raise
+        type(self)._live.add(self)
+
+    def _start_failure_note(self, exc: Exception, num_workers: int) -> str:
+        """What a failed :meth:`start` adds to its exception: which worker, what to do."""
+        failed = self._starting
+        stopped = failed if failed is not None else len(self._workers)
+        where = (f"starting worker {failed} of num_workers={num_workers}" if failed is not None
+                 else f"starting num_workers={num_workers} workers")
+        note = (f"aioloader: {type(exc).__name__} while {where} ({self.start_method}); the "
+                f"{stopped} worker(s) started before it were stopped.")
+        refused = ((isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.ENOMEM))
+                   or (isinstance(exc, RuntimeError) and "can't start new thread" in str(exc)))
+        if refused:
+            soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+            note += (f" The system refused another process/thread: lower num_workers (this "
+                     f"user's process limit, RLIMIT_NPROC, is {limit}; other processes and "
+                     f"threads count too).")
+        return note
+
+    def _start_workers(self, configs: list[WorkerConfig]) -> None:
+        """Start one worker per config (validated), filling :attr:`_workers`."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ serve bookkeeping
+
+    def _serve_begin(self) -> anyio.CancelScope:
+        """A ``serve()`` call starts: its scope, which :meth:`aclose` cancels.
+
+        Raises:
+            IteratorClosedError: the pool is closed.
+        """
+        if self._closing:
+            raise IteratorClosedError("the worker pool is closed")
+        scope = anyio.CancelScope()
+        self._serve_scopes.add(scope)
+        self._serving += 1
+        return scope
+
+    def _serve_end(self, scope: anyio.CancelScope) -> None:
+        """A ``serve()`` call ends: wake a waiting :meth:`aclose`, run a deferred release."""
+        self._serve_scopes.discard(scope)
+        self._serving -= 1
+        if self._serving == 0:
+            if self._idle is not None:
+                self._idle.set()
+            if self._deferred_release:  # a close() that could not close our fds
+                self._deferred_release = False
+                self._release()
+
+    @staticmethod
+    def _raise_first(errors: list[BaseException]) -> None:
+        """Raise the first of ``errors`` (collected by serve's tasks), if any."""
+        if errors:
+            error = errors[0]
+            errors.clear()
+            try:
+                raise error
+            finally:  # no frame -> exception -> traceback -> frame cycle
+                del error
+
+    # ------------------------------------------------------------------ stop
+
+    def _ladder(self, grace: float) -> Iterator[tuple[list[Any], float]]:
+        """Ask the workers to leave, then escalate: yield (workers still alive, seconds to
+        wait for them) per rung (:func:`aioloader._pools.ladder.climb`)."""
+        raise NotImplementedError
+
+    def _wait_blocking(self, live: list[Any], limit: float) -> None:
+        """Block up to ``limit`` s until the ``live`` workers have ended."""
+        raise NotImplementedError
+
+    async def _wait(self, live: list[Any], limit: float) -> None:
+        """Wait on the loop, without blocking it, up to ``limit`` s for the ``live`` workers."""
+        raise NotImplementedError
+
+    def _begin_close(self) -> bool:
+        """Mark the pool closing; False if it already was (any thread)."""
+        with self._close_lock:
+            if self._closing:
+                return False
+            self._closing = True
+            return True
+
+    async def aclose(self, grace: float | None = None) -> None:
+        """Stop every worker and release everything; idempotent, shielded.
+
+        A running :meth:`serve` is stopped first (waited for up to ``grace``
+        seconds); then the workers are asked to leave and the pool's ladder is
+        climbed without blocking the loop (workers get ``grace`` seconds,
+        default :attr:`DEFAULT_GRACE`, before anything harsher).
+        """
+        if not self._begin_close():
+            return
+        grace = self.DEFAULT_GRACE if grace is None else grace
+        with anyio.CancelScope(shield=True):
+            try:
+                if self._serving:  # stop serve() first: its waits use our fds
+                    self._idle = anyio.Event()
+                    for scope in list(self._serve_scopes):
+                        scope.cancel()
+                    with anyio.move_on_after(grace):
+                        await self._idle.wait()
+                for live, limit in self._ladder(grace):
+                    await self._wait(live, limit)
+            finally:
+                self._release(close_fds=self._serving == 0)
+
+    def close(self, grace: float | None = None) -> None:
+        """Sync :meth:`aclose`: safe from finalizers, ``atexit`` and any thread.
+
+        Blocks the calling thread while it climbs the ladder (workers get
+        ``grace`` seconds, default :attr:`CLOSE_GRACE`). Idempotent. Does
+        nothing in a process other than the one that started the pool (a
+        forked child: its lock may have been held by a thread absent there).
+        """
+        if os.getpid() != self._owner_pid:
+            return
+        if self._begin_close():
+            self._close_now(self.CLOSE_GRACE if grace is None else grace)
+
+    def _close_now(self, grace: float) -> None:
+        if os.getpid() != self._owner_pid:
+            return  # a forked copy of the pool: the workers are not ours
+        try:
+            for live, limit in self._ladder(grace):
+                self._wait_blocking(live, limit)
+        finally:
+            # With serve() running on a loop elsewhere, its fds must stay valid until
+            # it is cancelled; only the workers are dealt with then.
+            self._release(close_fds=self._serving == 0)
+
+    def _release(self, close_fds: bool = True) -> None:
+        if self._closed:
+            return
+        self._reap()
+        if not close_fds:
+            self._deferred_release = True
+            return
+        self._closed = True
+        self._free()
+        type(self)._live.discard(self)
+        logger.debug("%s closed", type(self).__name__)
+
+    def _reap(self) -> None:
+        """Collect the exit status of workers that ended (never waits)."""
+
+    def _free(self) -> None:
+        """Close every fd and drop every buffer (no ``serve()`` is running)."""
+
+    def __del__(self) -> None:
+        try:
+            if self._started and not self._closing:
+                self.close()
+            elif not self._started:
+                self._closing = True
+                self._release()
+        except Exception:
+            pass

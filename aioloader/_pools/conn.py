@@ -1,0 +1,282 @@
+"""One worker process seen from the parent: start it, read its socket, free its fds.
+
+A :class:`Conn` holds a worker's process, the parent end of its Unix socket
+pair and the framing buffers. :meth:`Conn.start` starts the process (with the
+pool's ``multiprocessing`` context); :meth:`Conn.pump` reads its socket with
+readiness notifications until the process ends, handing every decoded reply to
+the pool's sink in order; :meth:`Conn.free` closes its fds. The pool
+(:class:`aioloader._pools.process.WorkerPool`) decides what an end means (orderly, a
+death to report, a worker to respawn).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import signal
+import socket
+import weakref
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import anyio
+from anyio.abc import ObjectSendStream
+
+from .._errors import WorkerDiedError
+from .._threads import ThreadRunner
+from .._worker.main import WorkerConfig, worker_main
+from .._worker.wire import LARGE_PAYLOAD, Frame, FrameReader, FrameWriter, decode
+from .ladder import reap
+
+__all__ = ["Conn"]
+
+logger = logging.getLogger(__name__)
+
+Sink = ObjectSendStream[tuple[int, Any]]
+
+
+class Conn:
+    """Parent-side state of one worker: process, socket, buffers, flags."""
+
+    __slots__ = (
+        "exitcode",
+        "exited",
+        "pending",
+        "proc",
+        "reader",
+        "retiring",
+        "send_lock",
+        "sock",
+        "wait_scope",
+        "worker_id",
+        "writer",
+    )
+
+    def __init__(self, worker_id: int, proc: BaseProcess, sock: socket.socket) -> None:
+        self.worker_id = worker_id
+        self.proc = proc
+        self.sock = sock
+        self.reader = FrameReader(sock)
+        self.writer = FrameWriter(sock)
+        self.retiring = False  # asked to exit: its end is not a death
+        self.exited = False  # sentinel fired (or reaped)
+        self.exitcode: int | None = None
+        self.pending: list[Any] = []  # a decoded message not yet handed to the sink
+        self.send_lock: anyio.Lock | None = None
+        self.wait_scope: anyio.CancelScope | None = None
+
+    # ------------------------------------------------------------------ start
+
+    @classmethod
+    def start(cls, ctx: Any, worker_id: int, cfg: WorkerConfig, method: str, parent_pid: int,
+              inherited: list[int]) -> Conn:
+        """Start worker ``worker_id``'s process (daemonic) on a new socket pair.
+
+        ``inherited``: the parent-side socket fds a forked child must close
+        (so that it sees EOF when the parent goes); this pair's own parent end
+        is added. With ``spawn``/``forkserver`` a config that does not pickle
+        raises its own exception type with a note on what to change.
+        """
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # fd numbers mean nothing in a fresh interpreter: only a forked child closes some:
+            # this pool's parent ends and those of every other pool (other loaders) here.
+            close_fds = (_identities([*inherited, parent_sock.fileno(), *_live_parent_ends()])
+                         if method == "fork" else [])
+            cfg = dataclasses.replace(cfg, parent_pid=parent_pid, close_fds=close_fds,
+                                      start_method=method)
+            proc = ctx.Process(target=worker_main, args=(child_sock, cfg),
+                               name=f"aioloader-worker-{worker_id}", daemon=True)
+            try:
+                proc.start()
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                if method != "fork":
+                    _explain_pickling_failure(exc, method)
+                raise
+        except BaseException:
+            parent_sock.close()
+            raise
+        finally:
+            child_sock.close()
+        parent_sock.setblocking(False)
+        _register_parent_end(parent_sock)
+        return cls(worker_id, proc, parent_sock)
+
+    # ------------------------------------------------------------------ read
+
+    async def watch_sentinel(self, exited: anyio.Event) -> None:
+        """Set ``exited`` (and stop a socket wait) when the process ends."""
+        try:
+            await anyio.wait_readable(self.proc.sentinel)
+        except anyio.ClosedResourceError:  # the pool is closing
+            return
+        self.exited = True
+        exited.set()
+        if self.wait_scope is not None:
+            self.wait_scope.cancel()
+
+    async def pump(self, sink: Sink, exited: anyio.Event, decoder: ThreadRunner) -> None:
+        """Hand every reply to ``sink`` until the process has ended (and what it wrote
+        before its end is handed over too)."""
+        reader = self.reader
+        while True:
+            await self.deliver(sink, decoder)
+            if self.exited:
+                break
+            if reader.eof:
+                await exited.wait()  # EOF: the process is leaving; wait for its end
+                break
+            with anyio.CancelScope() as scope:
+                self.wait_scope = scope
+                try:
+                    await anyio.wait_readable(self.sock)
+                finally:
+                    self.wait_scope = None
+            if not scope.cancelled_caught:
+                reader.read_available()
+        # The process has ended: take what it wrote before dying.
+        if not reader.eof:
+            reader.read_available()
+        await self.deliver(sink, decoder)
+
+    async def deliver(self, sink: Sink, decoder: ThreadRunner) -> None:
+        """Decode complete frames and hand them over, in order."""
+        while True:
+            if not self.pending:
+                frame = self.reader.pop()
+                if frame is None:
+                    return
+                if len(frame.payload) >= LARGE_PAYLOAD:
+                    # Unpickling megabytes would stall the loop: do it in a thread. The
+                    # result is parked on the conn first, so a cancellation loses nothing.
+                    await decoder.run(_decode_into, self.pending, frame)
+                else:
+                    self.pending.append(decode(*frame))
+            await sink.send((self.worker_id, self.pending[0]))
+            self.pending.clear()
+
+    async def death_error(self, num_workers: int, method: str) -> WorkerDiedError:
+        """Why the process ended unasked, in torch's words."""
+        proc = self.proc
+        await reap(proc, 1.0)  # the sentinel fires a moment before the exit status exists
+        code = proc.exitcode
+        self.exitcode = code
+        pid = proc.pid
+        detail = f"(aioloader worker {self.worker_id} of {num_workers}, start method {method!r}.)"
+        if code is None:
+            msg = (f"DataLoader worker (pid {pid}) exited unexpectedly with exit code unknown "
+                   f"(it closed its sentinel; it is being stopped). {detail}")
+        elif code < 0:
+            try:
+                name = signal.strsignal(-code) or f"signal {-code}"
+            except ValueError:
+                name = f"signal {-code}"
+            msg = f"DataLoader worker (pid {pid}) is killed by signal: {name}. "
+            if -code == signal.SIGBUS:
+                msg += ("It is possible that dataloader's workers are out of shared memory. "
+                        "Please try to raise your shared memory limit. ")
+            msg += detail
+        else:
+            msg = (f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {code}. "
+                   f"Details are lost due to multiprocessing. Rerunning with num_workers=0 "
+                   f"may give better error trace. {detail}")
+        logger.debug("%s", msg)
+        return WorkerDiedError(msg, worker_id=self.worker_id, pid=pid, exitcode=code)
+
+    # ------------------------------------------------------------------ stop
+
+    def say_exit(self) -> None:
+        """Ask a live worker to exit: its end is then orderly."""
+        if self.proc.exitcode is None and not self.exited:
+            self.retiring = True
+            try:
+                self.writer.write(("exit",))
+                self.writer.flush()
+            except OSError:
+                pass
+
+    def close_socket(self) -> None:
+        """Hang up (a worker blocked writing to us gets EPIPE); wakes serve()'s waiters."""
+        if self.sock.fileno() < 0:
+            return
+        _parent_ends.pop(id(self.sock), None)
+        try:
+            anyio.notify_closing(self.sock)  # wake serve()'s waiters before the fd goes
+        except Exception:  # no event loop in this thread
+            pass
+        self.writer.close()
+        self.sock.close()
+
+    def free(self, notify: bool = True) -> None:
+        """Close the socket, the reader's received fds and, once reaped, the sentinel.
+
+        The Process object stays usable: callers holding it (torch's tests do)
+        may still ``join()`` it.
+        """
+        self.close_socket()
+        self.reader.close()
+        proc = self.proc
+        if proc.exitcode is not None:
+            if notify:
+                try:
+                    anyio.notify_closing(proc.sentinel)
+                except Exception:
+                    pass
+            popen = getattr(proc, "_popen", None)
+            if popen is not None and popen.returncode is not None:
+                popen.close()
+
+
+# The parent end of every live worker socket of this process, whatever its pool or loader,
+# by id: a worker forked later lets go of the copies it inherits (a dict, not a WeakSet:
+# snapshotting its values is one C call, safe against other threads without a lock, which
+# a forked child could inherit held).
+_parent_ends: dict[int, weakref.ref[socket.socket]] = {}
+
+
+def _register_parent_end(sock: socket.socket) -> None:
+    key = id(sock)
+
+    def forget(ref: weakref.ref[socket.socket]) -> None:  # collected without close_socket()
+        if _parent_ends.get(key) is ref:
+            del _parent_ends[key]
+
+    _parent_ends[key] = weakref.ref(sock, forget)
+
+
+def _live_parent_ends() -> list[int]:
+    """The fds of the parent ends registered now (closed ones are left out)."""
+    socks = (ref() for ref in list(_parent_ends.values()))
+    return [sock.fileno() for sock in socks if sock is not None and sock.fileno() >= 0]
+
+
+def _identities(fds: list[int]) -> list[tuple[int, int, int]]:
+    """``(fd, st_dev, st_ino)`` of each open fd: a forked child closes an fd only if it is
+    still the same file (another thread may close one and reuse its number meanwhile)."""
+    out: list[tuple[int, int, int]] = []
+    for fd in dict.fromkeys(fds):
+        try:
+            st = os.fstat(fd)
+        except OSError:  # closed meanwhile
+            continue
+        out.append((fd, st.st_dev, st.st_ino))
+    return out
+
+
+def _decode_into(out: list[Any], frame: Frame) -> None:
+    out.append(decode(*frame))
+
+
+def _explain_pickling_failure(exc: Exception, method: str) -> None:
+    """Add to ``exc`` what to change when the worker config does not pickle."""
+    hint = (f"With the {method!r} start method the DataLoader's dataset, collate_fn and "
+            f"worker_init_fn are pickled for each worker, so they must be importable "
+            f"top-level objects (defined at module level, not lambdas, local functions "
+            f"or classes defined in __main__ of an interactive session). Define them in "
+            f"a module, or use multiprocessing_context='fork'.")
+    if hasattr(exc, "add_note"):
+        exc.add_note(hint)
+    else:  # Python 3.10: fold the hint into the message
+        exc.args = (f"{exc.args[0] if exc.args else exc}\n{hint}", *exc.args[1:])

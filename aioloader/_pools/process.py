@@ -1,0 +1,351 @@
+"""The parent side of the worker processes: start, talk, watch, stop.
+
+:class:`WorkerPool` is a transport and process manager. It does not decide
+which worker gets which batch (the loader's dispatch does); it starts the
+processes, writes commands to them, hands every reply to the loader through
+an anyio stream, turns a worker's unexpected death into
+:class:`~aioloader._errors.WorkerDiedError` at once, and never leaves a
+process, file descriptor or shared-memory segment behind.
+
+Waiting is done with readiness notifications on the event loop:
+``anyio.wait_readable`` on each worker's socket and on each process's
+sentinel (a pipe that becomes readable when the process ends). There is no
+thread per message and no polling loop; a death is seen as soon as the
+kernel reports it. One worker's process, socket and reading are
+:class:`aioloader._pools.conn.Conn`; the lifecycle shared with the other pools
+is :class:`aioloader._pools.base.PoolBase`; stopping climbs the escalation
+ladder of :mod:`aioloader._pools.ladder` (exit, grace; SIGTERM; SIGKILL).
+
+Example (``fork`` start method, a sync map-style dataset)::
+
+    pool = WorkerPool([WorkerConfig(0, 1, data, DatasetKind.MAP, True, collate,
+                                    False, base_seed)], mp.get_context("fork"))
+    pool.start()
+    send, recv = anyio.create_memory_object_stream(4)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pool.serve, send)
+        await pool.send(0, ("fetch", 0, 0, [0, 1]))
+        worker_id, reply = await recv.receive()   # (0, ("data", 0, 0, batch))
+        tg.cancel_scope.cancel()
+    await pool.aclose()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import anyio
+from anyio.abc import ObjectSendStream
+
+from .._errors import IteratorClosedError, WorkerDiedError
+from .._park import quiet_for_fork
+from .._threads import ThreadRunner
+from .._worker.main import WorkerConfig
+from .base import ConfigSource, PoolBase
+from .conn import Conn
+from .ladder import climb, is_alive, process_steps, wait_exit, wait_exit_blocking
+
+__all__ = ["DEFAULT_GRACE", "WorkerPool"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GRACE = PoolBase.DEFAULT_GRACE
+"""Seconds :meth:`WorkerPool.aclose` lets workers leave on their own before SIGTERM."""
+
+
+class WorkerPool(PoolBase[Conn]):
+    """Worker processes with known ids, their sockets and their lifecycle.
+
+    Args:
+        configs: one :class:`~aioloader._worker.main.WorkerConfig` per worker (in
+            worker-id order), or a zero-argument callable returning them,
+            called by :meth:`start`. ``parent_pid`` and ``close_fds`` are
+            filled in by the pool.
+        mp_context: a ``multiprocessing`` context object (``fork``,
+            ``spawn`` or ``forkserver``).
+
+    Lifecycle: :meth:`start` (sync) once; then any number of :meth:`serve`
+    calls (one at a time, e.g. one per epoch with persistent workers) and
+    :meth:`send` calls; then :meth:`aclose` (or the sync :meth:`close`).
+    A pool that is garbage collected or still open at interpreter exit is
+    closed then.
+    """
+
+
+    def __init__(self, configs: ConfigSource, mp_context: Any) -> None:
+        super().__init__(configs)
+        self._ctx = mp_context
+        # During serve(): decides whether a dead worker is replaced (respawn_workers).
+        self._respawn: Callable[[WorkerDiedError], bool] | None = None
+
+    # ------------------------------------------------------------------ info
+
+    @property
+    def processes(self) -> list[BaseProcess]:
+        """The worker process objects, by worker id."""
+        return [c.proc for c in self._workers]
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker pids, by worker id."""
+        return [c.proc.pid for c in self._workers if c.proc.pid is not None]
+
+    @property
+    def start_method(self) -> str:
+        """The start method of the context (``fork``, ``spawn`` or ``forkserver``)."""
+        return str(self._ctx.get_start_method())
+
+    def is_running(self, worker_id: int) -> bool:
+        """True if worker ``worker_id``'s process has not ended."""
+        conn = self._workers[worker_id]
+        if conn.exited or self._closed:
+            return False
+        return conn.proc.exitcode is None
+
+    def _repr_detail(self) -> str:
+        return f"pids={self.pids}"
+
+    # ------------------------------------------------------------------ start
+
+    def _start_workers(self, configs: list[WorkerConfig]) -> None:
+        """Start every worker process (daemonic) from the calling thread.
+
+        With ``fork``, each child is told to close the parent-side sockets it
+        inherited, so that it sees EOF when the parent goes. With ``spawn`` or
+        ``forkserver`` the configs are pickled; if that fails, the workers
+        already started are stopped and the exception is re-raised (same type)
+        with a message that says what to change.
+        """
+        self._configs = configs
+        method = self.start_method
+        parent_pid = os.getpid()
+        # Never fork while a thread of ours is alive: the loader's threads are parked.
+        with quiet_for_fork() if method == "fork" else contextlib.nullcontext():
+            for worker_id, cfg in enumerate(configs):
+                self._starting = worker_id
+                self._start_one(worker_id, cfg, method, parent_pid)
+        self._starting = None
+        logger.debug("started %d %s workers: pids %s", len(self._workers), method, self.pids)
+
+    def _start_one(self, worker_id: int, cfg: WorkerConfig, method: str, parent_pid: int) -> None:
+        # With fork, every parent-side socket so far is inherited (the new one is added).
+        inherited = [c.sock.fileno() for c in self._workers] if method == "fork" else []
+        conn = Conn.start(self._ctx, worker_id, cfg, method, parent_pid, inherited)
+        if worker_id < len(self._workers):  # a respawn: the replacement takes the same id
+            self._workers[worker_id] = conn
+        else:
+            self._workers.append(conn)
+
+    # ------------------------------------------------------------------ talk
+
+    async def send(self, worker_id: int, command: tuple[Any, ...]) -> None:
+        """Write ``command`` to worker ``worker_id`` without blocking the loop.
+
+        Commands are small; this waits for writability only if the socket
+        buffer is full. Sending ``("exit",)`` retires the worker: its end is
+        then orderly, not a death. A command to a worker that is gone is
+        dropped (its death is reported by :meth:`serve`).
+
+        Raises:
+            IteratorClosedError: the pool is closed.
+        """
+        if self._closing:
+            raise IteratorClosedError("the worker pool is closed")
+        conn = self._workers[worker_id]
+        if command and command[0] == "exit":
+            conn.retiring = True
+        if conn.exited:
+            return
+        conn.writer.write(command)
+        await self._drain(conn)
+
+    def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
+        """Queue ``command`` and write what the socket takes right now; never blocks.
+
+        Whatever the socket did not take stays buffered: :meth:`flush` (or the
+        next :meth:`send`) writes it. Used to hand the first commands of an
+        epoch to the workers as soon as they are started, as torch does.
+        """
+        if self._closing:
+            raise IteratorClosedError("the worker pool is closed")
+        conn = self._workers[worker_id]
+        if conn.exited:
+            return
+        conn.writer.write(command)
+        try:
+            conn.writer.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            logger.debug("worker %d is gone; command dropped", worker_id)
+            conn.writer.close()
+
+    async def flush(self, worker_id: int) -> None:
+        """Wait until everything queued for worker ``worker_id`` is written."""
+        conn = self._workers[worker_id]
+        if conn.exited or self._closing:
+            return
+        await self._drain(conn)
+
+    async def _drain(self, conn: Conn) -> None:
+        """Write out what is queued for ``conn``, waiting for writability as needed."""
+        if conn.send_lock is None:
+            conn.send_lock = anyio.Lock()
+        async with conn.send_lock:
+            try:
+                while not conn.writer.flush():
+                    await anyio.wait_writable(conn.sock)
+            except (BrokenPipeError, ConnectionResetError):
+                logger.debug("worker %d is gone; command dropped", conn.worker_id)
+                conn.writer.close()
+            except anyio.ClosedResourceError:
+                # Closed under us: the pool is closing, or a dead worker's socket was closed
+                # to respawn it (its unanswered commands are re-sent to the replacement).
+                if not self._closing and not conn.exited:
+                    raise
+
+    async def serve(self, sink: ObjectSendStream[tuple[int, Any]],
+                    respawn: Callable[[WorkerDiedError], bool] | None = None) -> None:
+        """Hand every message from every worker to ``sink`` as ``(worker_id, message)``.
+
+        ``respawn`` (``respawn_workers=``): called with the error of a worker
+        that died; when it returns True the worker is replaced by a new process
+        with the same config (id, seed, ``worker_init_fn``), and
+        ``("respawned", worker_id)`` is handed to ``sink`` after every message
+        the dead worker wrote: the caller re-sends the commands it did not answer.
+
+        Runs until cancelled (the loader cancels it when an epoch ends) or
+        until every worker has ended in an orderly way. Messages of one
+        worker keep their order. Buffers persist across calls, so persistent
+        workers can be served epoch after epoch; after a cancelled call, the
+        message being handed over may be handed over again by the next call
+        (messages carry their epoch, so a stale one can be recognised).
+
+        Raises:
+            WorkerDiedError: a worker ended without being asked to (after its
+                complete messages were delivered). Message in torch's words:
+                ``DataLoader worker (pid N) is killed by signal: Killed.`` or
+                ``DataLoader worker (pid N) exited unexpectedly with exit code 3.``
+            IteratorClosedError: the pool was closed before this call.
+        """
+        errors: list[BaseException] = []
+        scope = self._serve_begin()  # cancelled by aclose(): serve() then returns quietly
+        # Decodes large frames off the loop; started on first use, joined before we return.
+        decoder = ThreadRunner("aioloader-decode")
+        self._respawn = respawn
+        try:
+            with scope:
+                async with anyio.create_task_group() as tg:
+                    for conn in self._workers:
+                        if not conn.exited or conn.pending or len(conn.reader):
+                            tg.start_soon(self._serve_conn, conn, sink, errors,
+                                          tg.cancel_scope, decoder)
+        finally:
+            # A decode still running finishes into conn.pending before this returns.
+            await decoder.aclose()
+            self._respawn = None
+            self._serve_end(scope)
+        self._raise_first(errors)
+
+    async def _serve_conn(self, conn: Conn, sink: ObjectSendStream[tuple[int, Any]],
+                          errors: list[BaseException], group: anyio.CancelScope,
+                          decoder: ThreadRunner) -> None:
+        while True:
+            error = await self._serve_one_conn(conn, sink, decoder)
+            if isinstance(error, WorkerDiedError) and self._respawn is not None:
+                try:
+                    new_conn = await self._try_respawn(conn, error)
+                except Exception as exc:
+                    error = exc
+                else:
+                    if new_conn is not None:
+                        conn = new_conn
+                        error = None
+                        await sink.send((conn.worker_id, ("respawned", conn.worker_id)))
+                        continue
+            if error is not None:
+                errors.append(error)
+                error = None  # this frame is in the error's traceback: no cycle through it
+                group.cancel()
+            return
+
+    async def _try_respawn(self, conn: Conn, error: WorkerDiedError) -> Conn | None:
+        """Replace dead ``conn``'s worker if the respawn hook allows; None if not."""
+        assert self._respawn is not None
+        if self._closing or not self._respawn(error):
+            return None
+        # The dead worker's fds go first (a fork would inherit them otherwise).
+        conn.free(notify=False)
+        wid = conn.worker_id
+        cfg, method, parent_pid = self._configs[wid], self.start_method, os.getpid()
+        logger.debug("respawning worker %d after: %s", wid, error)
+        if method == "fork":  # on the loop: this thread stays, the loader's others are parked
+            with quiet_for_fork():
+                self._start_one(wid, cfg, method, parent_pid)
+        else:  # a new interpreter takes a while to start: not on the loop
+            runner = ThreadRunner("aioloader-respawn")
+            try:
+                await runner.run(self._start_one, wid, cfg, method, parent_pid)
+            finally:
+                await runner.aclose()
+        return self._workers[wid]
+
+    async def _serve_one_conn(self, conn: Conn, sink: ObjectSendStream[tuple[int, Any]],
+                              decoder: ThreadRunner) -> BaseException | None:
+        """Serve one worker process until it ends; return the error that ended it, if any."""
+        error: BaseException | None = None
+        exited = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            if conn.exited:
+                exited.set()
+            else:
+                tg.start_soon(conn.watch_sentinel, exited)
+            try:
+                await conn.pump(sink, exited, decoder)
+                if not (self._closing or conn.retiring):  # the process ended: say why
+                    raise await conn.death_error(len(self._workers), self.start_method)
+            except anyio.ClosedResourceError as exc:
+                # Our fds were closed under us (only closing does that) or the sink was.
+                if not self._closing:
+                    error = exc
+            except Exception as exc:
+                error = exc
+            finally:
+                tg.cancel_scope.cancel()
+        try:
+            return error
+        finally:  # this frame is in the error's traceback: no cycle through it
+            del error
+
+    # ------------------------------------------------------------------ stop
+
+    def _ladder(self, grace: float) -> Iterator[tuple[list[BaseProcess], float]]:
+        """Say exit to each live worker and hang up its socket (a worker blocked writing
+        to us gets EPIPE); then wait ``grace``; SIGTERM, wait; SIGKILL, wait. Every
+        process is reaped and every fd closed by the release that follows."""
+        close_sockets = self._serving == 0
+        for c in self._workers:
+            c.say_exit()
+            if close_sockets:
+                c.close_socket()
+        yield from climb([c.proc for c in self._workers], process_steps(grace), is_alive)
+
+    def _wait_blocking(self, live: list[BaseProcess], limit: float) -> None:
+        wait_exit_blocking(live, limit)
+
+    async def _wait(self, live: list[BaseProcess], limit: float) -> None:
+        await wait_exit(live, limit)
+
+    def _reap(self) -> None:
+        for c in self._workers:
+            try:
+                c.proc.join(0)
+            except (AssertionError, ValueError):
+                pass
+
+    def _free(self) -> None:
+        for c in self._workers:
+            c.free()

@@ -1,0 +1,402 @@
+"""Workers as Ray actors: ``DataLoader(..., worker_method="ray", ray_options={...})``.
+
+:class:`RayWorkerPool` is what the pipeline needs from a pool (the interface of
+:class:`aioloader._pools.process.WorkerPool`: ``start``, ``send``/``send_nowait``/``flush``,
+``serve(sink)``, ``aclose``/``close``), with the N workers running as Ray actors
+instead of local processes. The dispatch, the reorder buffer, the timeout and the
+exactly-once bookkeeping stay in the loader: this module only moves commands to
+the actors and replies back, through Ray's object store.
+
+Each actor (:class:`aioloader._worker.ray_actor.RayWorker`) does what a worker process
+does, with the same code: it seeds ``random``, torch and numpy (``base_seed +
+worker_id``) and installs both ``get_worker_info()``\\ s, runs ``worker_init_fn``,
+then serves ``fetch``/``reset`` calls with the worker's own fetch logic. A Ray actor
+runs the calls of one caller one at a time in submission order, so a worker's
+replies keep their order, as on a worker socket.
+
+Waiting never blocks the event loop and works under asyncio and trio alike: each
+reply's ``ObjectRef.future()`` is completed by Ray's own thread (which also
+deserialises the reply), and its done-callback wakes the loop with the loop's
+thread-safe ``call_soon``. There is no thread per reply and no polling.
+
+Ray itself is imported lazily: the package imports and runs without it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import anyio
+import sniffio
+from anyio.abc import ObjectSendStream
+
+from .._errors import IteratorClosedError, RemoteError, WorkerDiedError
+from .._worker.main import WorkerConfig
+from .._worker.ray_actor import (
+    DEFAULT_ACTOR_OPTIONS,
+    RAY_INSTALL_HINT,
+    RayWorker,
+    check_ray_options,
+    import_ray,
+    require_ray,
+)
+from .base import ConfigSource, PoolBase
+
+__all__ = ["RAY_INSTALL_HINT", "RayWorkerPool", "check_ray_options", "require_ray"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Entry:
+    """One call in flight: what it answers and its future."""
+
+    __slots__ = ("epoch", "future", "ref", "seq")
+
+    def __init__(self, epoch: Any, seq: Any, ref: Any) -> None:
+        self.epoch = epoch
+        self.seq = seq
+        self.ref = ref
+        self.future: concurrent.futures.Future[Any] | None = None
+
+
+class _Actor:
+    """Parent-side state of one actor worker."""
+
+    __slots__ = ("exited", "handle", "info", "name", "pending", "respawned", "retiring", "wake",
+                 "worker_id")
+
+    def __init__(self, worker_id: int, name: str, handle: Any, info: Any) -> None:
+        self.worker_id = worker_id
+        self.name = name
+        self.handle = handle
+        self.info = info  # ObjectRef of (pid, host)
+        self.pending: deque[_Entry] = deque()
+        self.retiring = False
+        self.exited = False
+        self.respawned = False  # replaced a dead actor; ("respawned", id) not yet handed over
+        self.wake: Callable[[], None] | None = None
+
+
+class RayWorkerPool(PoolBase[_Actor]):
+    """N workers as Ray actors, with :class:`~aioloader._pools.process.WorkerPool`'s interface.
+
+    Args:
+        configs: one :class:`~aioloader._worker.main.WorkerConfig` per worker, in id order.
+        address: given to ``ray.init(address=...)`` if Ray is not initialised in this
+            process when the pool starts; ignored (logged) if it is. ``None`` then means
+            ``ray.init()``: ``RAY_ADDRESS``, a running local cluster, or a new local one.
+        actor_options: passed to each actor's ``.options()``.
+
+    The loader never calls ``ray.shutdown()``: Ray may be shared with the rest of the
+    program. The actors are killed (``ray.kill``) by :meth:`aclose`/:meth:`close`,
+    at garbage collection and at interpreter exit (before ``atexit`` handlers such as
+    ``ray.shutdown`` run). ``grace`` is accepted for the common interface: an actor
+    has nothing to flush, so it is killed at once.
+    """
+
+    DEFAULT_GRACE = 0.0
+    CLOSE_GRACE = 0.0
+
+    def __init__(self, configs: ConfigSource, address: str | None = None,
+                 actor_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(configs)
+        self._address = address
+        self._actor_options = dict(actor_options or DEFAULT_ACTOR_OPTIONS)
+        self._prefix = f"aioloader-{uuid.uuid4().hex[:12]}"
+        self._generation: dict[int, int] = {}
+        self._dataset_ref: Any = None
+        self._actor_cls: Any = None
+
+    # ------------------------------------------------------------------ info
+
+    @property
+    def start_method(self) -> str:
+        """``"ray"``."""
+        return "ray"
+
+    @property
+    def actor_names(self) -> list[str]:
+        """The Ray actor names, by worker id (``ray.get_actor(name)`` finds a live one)."""
+        return [a.name for a in self._workers]
+
+    def is_running(self, worker_id: int) -> bool:
+        """True unless the actor died, retired or the pool closed."""
+        actor = self._workers[worker_id]
+        return not (actor.exited or actor.retiring or self._closing)
+
+    def _repr_detail(self) -> str:
+        return f"actors={self.actor_names}"
+
+    # ------------------------------------------------------------------ start
+
+    def _start_workers(self, configs: list[WorkerConfig]) -> None:
+        """Connect to Ray (or start it) and create the actors; blocking, call off the loop.
+
+        Creating an actor returns at once; it is scheduled by Ray (it may wait for
+        resources). If anything fails, the actors already created are killed.
+        """
+        ray = import_ray()
+        if not ray.is_initialized():
+            ray.init(address=self._address)
+        elif self._address is not None:
+            logger.info("Ray is already initialised: ray_options['address']=%r is not used",
+                        self._address)
+        if not configs:
+            return
+        # The dataset goes to the object store once, not once per actor (kept for respawns).
+        self._dataset_ref = ray.put(configs[0].dataset)
+        self._actor_cls = ray.remote(RayWorker)
+        self._configs = [dataclasses.replace(cfg, dataset=None, parent_pid=0, close_fds=[],
+                                             start_method="ray") for cfg in configs]
+        for worker_id in range(len(configs)):
+            actor = self._create_actor(worker_id)
+            with self._close_lock:  # a close() from another thread meanwhile kills it
+                closing = self._closing
+                if not closing:
+                    self._workers.append(actor)
+            if closing:
+                self._kill(actor)
+                raise IteratorClosedError("the worker pool was closed while it started")
+        logger.debug("started %d Ray actor workers: %s", len(self._workers), self.actor_names)
+
+    def _create_actor(self, worker_id: int) -> _Actor:
+        """Create actor ``worker_id`` (again, for a respawn: a new name, same config)."""
+        self._generation[worker_id] = generation = self._generation.get(worker_id, -1) + 1
+        name = f"{self._prefix}-worker-{worker_id}" + (f"-r{generation}" if generation else "")
+        handle = self._actor_cls.options(name=name, max_restarts=0, max_task_retries=0,
+                                         **self._actor_options).remote(
+            self._configs[worker_id], self._dataset_ref)
+        return _Actor(worker_id, name, handle, handle.info.remote())
+
+    # ------------------------------------------------------------------ talk
+
+    def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
+        """Submit ``command`` to actor ``worker_id`` (a Ray call; returns at once)."""
+        if self._closing:
+            raise IteratorClosedError("the worker pool is closed")
+        actor = self._workers[worker_id]
+        op = command[0]
+        if op == "exit":
+            actor.retiring = True
+            self._kill(actor)
+        elif actor.exited:
+            return
+        elif op == "fetch":
+            _, epoch, seq, index = command
+            actor.pending.append(_Entry(epoch, seq, actor.handle.fetch.remote(epoch, seq, index)))
+        elif op == "reset":
+            actor.pending.append(_Entry(command[1], None, actor.handle.reset.remote(*command[1:])))
+        else:
+            raise RuntimeError(f"unknown command {command!r}")
+        wake = actor.wake
+        if wake is not None:
+            wake()
+
+    async def send(self, worker_id: int, command: tuple[Any, ...]) -> None:
+        """:meth:`send_nowait` (a Ray call does not wait for the actor)."""
+        self.send_nowait(worker_id, command)
+
+    async def flush(self, worker_id: int) -> None:
+        """Nothing to flush: every call was submitted by :meth:`send_nowait`."""
+
+    async def serve(self, sink: ObjectSendStream[tuple[int, Any]],
+                    respawn: Callable[[WorkerDiedError], bool] | None = None) -> None:
+        """Hand every reply of every actor to ``sink`` as ``(worker_id, message)``.
+
+        Replies of one actor keep their order. Runs until cancelled. A reply being
+        handed over when this is cancelled is handed over again by the next call.
+
+        ``respawn`` (``respawn_workers=``): called with the error of an actor that
+        died; when it returns True a new actor with the same config (id, seed,
+        ``worker_init_fn``) replaces it, and ``("respawned", worker_id)`` is handed to
+        ``sink`` after every reply the dead actor gave: the caller re-sends the
+        commands it did not answer.
+
+        Raises:
+            WorkerDiedError: an actor died (``ray.kill``, its node lost, out of memory).
+            IteratorClosedError: the pool was closed before this call.
+        """
+        call_soon = _threadsafe_call_soon()
+        errors: list[BaseException] = []
+        scope = self._serve_begin()
+        try:
+            with scope:
+                async with anyio.create_task_group() as tg:
+                    for actor in self._workers:
+                        tg.start_soon(self._serve_actor, actor, sink, call_soon, errors,
+                                      tg.cancel_scope, respawn)
+        finally:
+            for actor in self._workers:
+                actor.wake = None
+            self._serve_end(scope)
+        self._raise_first(errors)
+
+    async def _serve_actor(self, actor: _Actor, sink: ObjectSendStream[tuple[int, Any]],
+                           call_soon: Callable[[Callable[[], None]], None],
+                           errors: list[BaseException], group: anyio.CancelScope,
+                           respawn: Callable[[WorkerDiedError], bool] | None) -> None:
+        try:
+            while not self._closing:
+                if actor.respawned:  # a hand-over cancelled in an earlier call
+                    await sink.send((actor.worker_id, ("respawned", actor.worker_id)))
+                    actor.respawned = False
+                if not actor.pending:
+                    if actor.exited or actor.retiring:
+                        return
+                    event = anyio.Event()
+                    actor.wake = _waker(call_soon, event)
+                    if not actor.pending:
+                        await event.wait()
+                    actor.wake = None
+                    continue
+                entry = actor.pending[0]
+                if entry.future is None:
+                    entry.future = entry.ref.future()
+                future = entry.future
+                if not future.done():
+                    done = anyio.Event()
+                    future.add_done_callback(_waker(call_soon, done))
+                    await done.wait()
+                try:
+                    message = self._reply(actor, entry, future)
+                except WorkerDiedError as death:
+                    if respawn is None or self._closing or not respawn(death):
+                        raise
+                    logger.debug("respawning Ray actor worker %d after: %s",
+                                 actor.worker_id, death)
+                    del death
+                    actor = self._replace(actor)
+                    continue
+                await sink.send((actor.worker_id, message))
+                del message
+                if actor.pending and actor.pending[0] is entry:
+                    actor.pending.popleft()
+        except Exception as exc:
+            if self._closing:
+                return
+            errors.append(exc)
+            del exc
+            group.cancel()
+
+    def _replace(self, dead: _Actor) -> _Actor:
+        """A new actor in ``dead``'s place; its ``("respawned", id)`` is due to the sink."""
+        self._kill(dead)  # it is dead already; this frees Ray's record of it
+        actor = self._create_actor(dead.worker_id)
+        actor.respawned = True
+        with self._close_lock:
+            closing = self._closing
+            if not closing:
+                self._workers[dead.worker_id] = actor
+        if closing:
+            self._kill(actor)
+            raise IteratorClosedError("the worker pool is closed")
+        return actor
+
+    def _reply(self, actor: _Actor, entry: _Entry,
+               future: concurrent.futures.Future[Any]) -> tuple[Any, ...]:
+        """The worker message of a completed call; raises WorkerDiedError for a dead actor."""
+        ray = import_ray()
+        # ActorUnavailableError (Ray >= 2.30): the actor is unreachable; it is not restarted.
+        died = tuple(getattr(ray.exceptions, name) for name in
+                     ("RayActorError", "ActorUnavailableError") if hasattr(ray.exceptions, name))
+        try:
+            return future.result()  # type: ignore[no-any-return]
+        except died as exc:
+            actor.exited = True
+            actor.pending.clear()
+            raise self._death_error(actor, exc) from None
+        except Exception as exc:
+            # The call failed outside the dataset (its reply did not serialise, its object
+            # was lost): that batch's error, at that batch's place.
+            where = f"in DataLoader worker {actor.worker_id} (Ray actor {actor.name})"
+            remote = RemoteError(RuntimeError, f"{type(exc).__name__}: {exc}", where)
+            if entry.seq is None:
+                raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from None
+            return ("error", entry.epoch, entry.seq, remote)
+
+    def _death_error(self, actor: _Actor, exc: BaseException) -> WorkerDiedError:
+        pid: int | None = None
+        host = "?"
+        info = actor.info.future()
+        if info.done() and info.exception() is None:
+            pid, host = info.result()
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        msg = (f"DataLoader worker (pid {pid if pid is not None else 'unknown'}) exited "
+               f"unexpectedly: Ray actor {actor.name} on {host} died ({type(exc).__name__}: "
+               f"{cause}) (aioloader worker {actor.worker_id} of {len(self._workers)}, "
+               f"worker_method 'ray'.)")
+        logger.debug("%s", msg)
+        return WorkerDiedError(msg, worker_id=actor.worker_id, pid=pid)
+
+    # ------------------------------------------------------------------ stop
+
+    def _ladder(self, grace: float) -> Iterator[tuple[list[Any], float]]:
+        """Wake a :meth:`serve` waiting on a loop (thread-safely): its calls fail once
+        their actors are killed, and it sees the pool closing. Then kill every actor
+        and drop every call in flight: there is nothing to wait for."""
+        for actor in self._workers:
+            wake = actor.wake
+            if wake is not None:
+                wake()
+        self._kill_all()
+        yield from ()
+
+    def _kill(self, actor: _Actor) -> None:
+        actor.pending.clear()
+        if actor.handle is None:
+            return
+        handle, actor.handle = actor.handle, None
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ray.kill(handle, no_restart=True)
+        except Exception:  # Ray already shut down: its actors are gone with it
+            logger.debug("ray.kill(%s) failed", actor.name, exc_info=True)
+
+    def _kill_all(self) -> None:
+        for actor in self._workers:
+            self._kill(actor)
+        self._dataset_ref = None  # the object store may free the dataset
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _threadsafe_call_soon() -> Callable[[Callable[[], None]], None]:
+    """The running loop's "run this callback on the loop, from any thread"."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+
+        def trio_call_soon(fn: Callable[[], None]) -> None:
+            token.run_sync_soon(fn)
+
+        return trio_call_soon
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+
+    def asyncio_call_soon(fn: Callable[[], None]) -> None:
+        loop.call_soon_threadsafe(fn)
+
+    return asyncio_call_soon
+
+
+def _waker(call_soon: Callable[[Callable[[], None]], None],
+           event: anyio.Event) -> Callable[..., None]:
+    """A callback that sets ``event`` on its loop from any thread (a no-op once it is gone)."""
+    def wake(*_: Any) -> None:
+        try:
+            call_soon(event.set)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    return wake

@@ -1,0 +1,292 @@
+"""Thread workers (``worker_method="thread"``): the :class:`WorkerPool` interface, in-process.
+
+:class:`ThreadWorkerPool` runs ``num_workers`` threads of the main process
+with known ids ``0..N-1``. Each serves the same command protocol as a worker
+process (:func:`aioloader._worker.main.serve_commands`: ``fetch``, ``reset``,
+``exit``), so the loader's dispatch, reordering, persistence, timeout and
+pinning are the same code for both kinds of workers. What differs:
+
+* commands go through one :class:`queue.SimpleQueue` per thread, replies
+  through one shared deque (per-worker order is kept); batches are handed
+  over as objects (no pickling, no shared memory). The deque is bounded by
+  the commands in flight: the pool counts them (:attr:`ThreadWorkerPool.in_flight`)
+  and the deque never holds more than that plus one end per worker thread;
+* the event loop is woken by a byte on a socket pair (the doorbell) and waits
+  with ``anyio.wait_readable``: no polling, no thread per message;
+* seeding follows torch's thread workers (torch PR #161044): the global
+  ``random``/``torch``/``numpy`` generators are shared by every thread and are
+  **not** touched. Each thread gets its own generators, seeded exactly as a
+  worker process seeds the global ones (``base_seed + id``, and numpy's
+  4-word state), in ``get_worker_info().rng``; ``torch.thread_safe_generator()``
+  returns its ``torch.Generator`` inside the thread;
+* ``get_worker_info()`` (aioloader's and torch's) answers per thread: the
+  worker's info inside it, ``None`` in the main thread. On a torch whose
+  ``get_worker_info`` reads only the process-wide global, its code is swapped
+  once for torch's upstream thread-aware version (see
+  :func:`aioloader._worker.thread.torch_thread_local`);
+* a thread cannot be killed: a fetch stuck in user code at close is
+  abandoned after the grace period (daemon thread) with a warning.
+
+Example: :mod:`aioloader._pools.process`'s, with ``pool = ThreadWorkerPool(configs)`` (no
+``multiprocessing`` context); replies carry the batch objects themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+from anyio.abc import ObjectSendStream
+
+from .._errors import IteratorClosedError, WorkerDiedError
+from .._threads import ThreadRunner
+from .._worker.main import WorkerConfig
+from .._worker.thread import Channel, thread_worker_main, torch_thread_local
+from .base import ConfigSource, PoolBase
+from .ladder import climb, join_threads
+
+__all__ = ["ThreadWorkerPool"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GRACE = PoolBase.DEFAULT_GRACE
+"""Seconds :meth:`ThreadWorkerPool.aclose` waits for busy threads before abandoning them."""
+
+
+class _Worker:
+    __slots__ = ("commands", "ended", "retiring", "thread", "unanswered", "worker_id")
+
+    def __init__(self, worker_id: int, unanswered: int = 0) -> None:
+        self.worker_id = worker_id
+        self.commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.retiring = False  # asked to exit: its end is not a death
+        self.ended = False  # its end was handed over
+        # Messages this worker owes or that wait in the inbox, not yet handed over: +1 per
+        # command sent (each gets exactly one reply), -1 per message handed over.
+        self.unanswered = unanswered
+
+
+class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
+    """Worker threads with known ids: same interface as :class:`aioloader._pools.process.WorkerPool`.
+
+    Args:
+        configs: one :class:`~aioloader._worker.main.WorkerConfig` per worker (in
+            worker-id order), or a zero-argument callable returning them,
+            called by :meth:`start`.
+
+    Lifecycle: :meth:`start` once; any number of :meth:`serve` calls (one at
+    a time) and :meth:`send` calls; then :meth:`aclose` or :meth:`close`
+    (also run when the pool is garbage collected, and at interpreter exit).
+    """
+
+
+    def __init__(self, configs: ConfigSource) -> None:
+        super().__init__(configs)
+        self._torch_local: threading.local | None = None
+        self._bell_r, bell_w = socket.socketpair()
+        self._bell_r.setblocking(False)
+        bell_w.setblocking(False)
+        self._channel = Channel(bell_w)
+
+    # ------------------------------------------------------------------ info
+
+    @property
+    def processes(self) -> list[threading.Thread]:
+        """The worker threads, by worker id (where a process pool lists its processes)."""
+        return [w.thread for w in self._workers if w.thread is not None]
+
+    @property
+    def start_method(self) -> str:
+        """``"thread"``."""
+        return "thread"
+
+    @property
+    def in_flight(self) -> int:
+        """Commands sent and not answered yet, plus replies not handed over yet.
+
+        The reply deque never holds more than this plus one end per worker thread;
+        the loader's dispatch keeps it within its window (``prefetch_factor *
+        num_workers`` fetches) plus one ``reset`` per worker.
+        """
+        return sum(w.unanswered for w in self._workers)
+
+    def is_running(self, worker_id: int) -> bool:
+        """True if worker ``worker_id``'s thread has not ended."""
+        thread = self._workers[worker_id].thread
+        return thread is not None and thread.is_alive()
+
+    def _repr_detail(self) -> str:
+        return f"workers={len(self._workers)}"
+
+    # ------------------------------------------------------------------ start
+
+    def _start_workers(self, configs: list[WorkerConfig]) -> None:
+        """Start every worker thread (daemonic)."""
+        self._torch_local = torch_thread_local()
+        for worker_id, cfg in enumerate(configs):
+            self._starting = worker_id
+            cfg = dataclasses.replace(cfg, parent_pid=os.getpid(), start_method="thread")
+            self._configs.append(cfg)
+            self._workers.append(_Worker(worker_id))
+            self._start_thread(worker_id)
+        self._starting = None
+        logger.debug("started %d thread workers", len(self._workers))
+
+    def _start_thread(self, worker_id: int) -> None:
+        """Start worker ``worker_id``'s thread (its ``_Worker`` slot is fresh)."""
+        worker = self._workers[worker_id]
+        worker.thread = threading.Thread(
+            target=thread_worker_main,
+            args=(self._configs[worker_id], worker.commands, self._channel, self._torch_local),
+            name=f"aioloader-thread-worker-{worker_id}", daemon=True)
+        worker.thread.start()
+
+    # ------------------------------------------------------------------ talk
+
+    def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
+        """Queue ``command`` for worker ``worker_id``; never blocks.
+
+        Sending ``("exit",)`` retires the worker: its end is then orderly.
+        Every other command is in flight until its reply is handed over.
+
+        Raises:
+            IteratorClosedError: the pool is closed.
+        """
+        if self._closing:
+            raise IteratorClosedError("the worker pool is closed")
+        worker = self._workers[worker_id]
+        if command and command[0] == "exit":
+            worker.retiring = True
+        else:
+            worker.unanswered += 1
+        worker.commands.put(command)
+
+    async def send(self, worker_id: int, command: tuple[Any, ...]) -> None:
+        """Async form of :meth:`send_nowait` (a queue put never waits)."""
+        self.send_nowait(worker_id, command)
+
+    async def flush(self, worker_id: int) -> None:
+        """Nothing to flush: commands are queued whole."""
+
+    async def serve(self, sink: ObjectSendStream[tuple[int, Any]],
+                    respawn: Callable[[WorkerDiedError], bool] | None = None) -> None:
+        """Hand every reply of every worker to ``sink`` as ``(worker_id, message)``.
+
+        ``respawn`` (``respawn_workers=``): called with the error of a worker
+        thread that ended unasked; when it returns True a new thread with the
+        same config (id, seed, ``worker_init_fn``) replaces it, and
+        ``("respawned", worker_id)`` is handed to ``sink`` after every reply the
+        ended thread wrote: the caller re-sends the commands it did not answer.
+
+        Runs until cancelled, until the pool closes, or until every worker has
+        ended in an orderly way. Replies of one worker keep their order, and a
+        reply not yet handed over when a call is cancelled stays for the next
+        call (persistent workers).
+
+        Raises:
+            WorkerDiedError: a worker thread ended without being asked to
+                (its worker machinery failed; the reason is in the message).
+            IteratorClosedError: the pool was closed before this call.
+        """
+        scope = self._serve_begin()
+        inbox = self._channel.inbox
+        workers = self._workers  # one list: a respawn replaces its items in place
+        try:
+            with scope:
+                while not self._closing:
+                    self._drain_bell()  # before reading the inbox: no ring is lost
+                    while inbox and not self._closing:
+                        worker_id, item = inbox[0]
+                        if worker_id < 0:  # a thread's end, its last item
+                            inbox.popleft()
+                            worker_id = -1 - worker_id
+                            if self._on_ended(worker_id, item, respawn):
+                                # Handed over like a reply (kept if this call is cancelled).
+                                inbox.appendleft((worker_id, ("respawned", worker_id)))
+                            continue
+                        await sink.send((worker_id, item))
+                        inbox.popleft()
+                        workers[worker_id].unanswered -= 1
+                        del item
+                    if all(w.ended for w in workers):
+                        return
+                    await anyio.wait_readable(self._bell_r)
+        finally:
+            self._serve_end(scope)
+
+    def _drain_bell(self) -> None:
+        try:
+            while self._bell_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    def _on_ended(self, worker_id: int, reason: str | None,
+                  respawn: Callable[[WorkerDiedError], bool] | None) -> bool:
+        """A thread left its command loop: True if it was replaced (respawned)."""
+        worker = self._workers[worker_id]
+        worker.ended = True
+        if worker.retiring or self._closing:
+            return False
+        error = WorkerDiedError(
+            f"DataLoader worker thread {worker_id} exited unexpectedly: "
+            f"{reason or 'it left its command loop'} "
+            f"(aioloader thread worker {worker_id} of {len(self._workers)}).",
+            worker_id=worker_id)
+        if respawn is not None and respawn(error):
+            logger.debug("respawning thread worker %d after: %s", worker_id, error)
+            old = worker.thread
+            if old is not None:
+                old.join()  # it posted its end as its last act
+            # A fresh command queue: the caller re-sends what the old thread did not answer.
+            # In flight: the ("respawned", id) notice the caller is about to be handed.
+            self._workers[worker_id] = _Worker(worker_id, unanswered=1)
+            self._start_thread(worker_id)
+            return True
+        raise error
+
+    # ------------------------------------------------------------------ stop
+
+    def _ladder(self, grace: float) -> Iterator[tuple[list[threading.Thread], float]]:
+        """Threads leave before their next command; one still inside user code is
+        waited for up to ``grace`` seconds, then abandoned with a warning (threads
+        cannot be killed). A ``serve()`` waiting on the doorbell sees the pool closing."""
+        self._channel.stop.set()
+        for w in self._workers:
+            w.retiring = True
+            w.commands.put(("exit",))
+        self._channel.ring()
+        current = threading.current_thread()  # closed from its own worker thread (a finalizer)
+        threads = [t for t in self.processes if t is not current]
+        yield from climb(threads, [(None, grace)], threading.Thread.is_alive)
+        busy = [t.name for t in threads if t.is_alive()]
+        if busy:
+            logger.warning("worker threads %s still busy in the dataset after %.1f s; "
+                           "abandoning them (threads cannot be interrupted)", busy, grace)
+
+    def _wait_blocking(self, live: list[threading.Thread], limit: float) -> None:
+        join_threads(live, limit)
+
+    async def _wait(self, live: list[threading.Thread], limit: float) -> None:
+        runner = ThreadRunner("aioloader-thread-join")  # joins block: not on the loop
+        try:
+            await runner.run(join_threads, live, limit)
+        finally:
+            await runner.aclose()
+
+    def _free(self) -> None:
+        self._channel.inbox.clear()  # replies never handed over: free their batches
+        for sock in (self._bell_r, self._channel.wake):
+            try:
+                anyio.notify_closing(sock)
+            except Exception:  # no event loop in this thread
+                pass
+            sock.close()

@@ -1,0 +1,676 @@
+"""What ``load_state_dict`` accepts: the one place that knows each state layout.
+
+A loaded state is checked completely before anything of it is used: its version,
+every key (missing and unknown ones), every value's type and range, nested states
+included (per-worker dataset states, RNG states), then against the loader that loads
+it (the configuration recorded in the state, positions within the epoch, generator
+states of the right length). The result is a state in the current layout
+(:data:`FORMAT_VERSION`), which :class:`aioloader._resume.tracker.EpochTracker` then
+trusts. Three layouts are read:
+
+* version 2 (current): everything below, plus ``config``, the loader's configuration
+  (:func:`loader_config`), compared field by field with the loading loader;
+* version 1 (aioloader before ``config``): the same fields without ``config``, checked
+  the same way; the configuration cannot be compared, so it is taken to be the
+  loader's (with a warning), except ``num_workers`` which version 1 records;
+* torchdata's ``StatefulDataLoader`` states (:func:`read_torchdata`).
+
+Errors name the key path (``state['config']['batch_size']``): :class:`TypeError` for a
+value of the wrong type, :class:`ValueError` for a missing or unknown key, a value out
+of range, or a state that does not match this loader. Nothing in a state is ever
+unpickled, imported or evaluated: type names are compared as strings, bytes are
+refused where the layout has none, and the states of a ``Stateful`` sampler or dataset
+are handed to its own ``load_state_dict`` unread.
+
+A new version adds its reader to :data:`_READERS` (and an upgrade from the previous
+one); a check that a later feature relaxes (``num_workers``, for a resume onto another
+number of workers) is one entry of :data:`_CONFIG_FIELDS`.
+
+This module is imported by worker processes: stdlib and torch only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _torch_data as _tud
+from .dataset_state import (
+    _DATASET_ITER_STATE,
+    _DATASET_STATE,
+    _FETCHER_ENDED,
+    _FETCHER_STATE,
+    _WORKER_ID,
+    _stateful,
+)
+from .tracker import FORMAT_KEY, FORMAT_VERSION, _stateful_sampler, generators
+
+__all__ = [
+    "check_python_random_state",
+    "check_torch_rng_state",
+    "loader_config",
+    "read_torchdata",
+    "validate",
+]
+
+_MAX_SEED = (1 << 64) - 1  # torch's base seed is a non-negative int64; torchdata's too
+_WHAT_TO_DO = ("resume into a DataLoader built with the same dataset and arguments as the "
+               "one whose state_dict() this is")
+_CORRUPT = "the state is corrupt or was not written by DataLoader.state_dict()"
+
+
+# ------------------------------------------------------------------------------ key paths
+
+
+def _key(path: str, key: Any) -> str:
+    return f"{path}[{key!r}]"
+
+
+def _show(value: Any) -> str:
+    """A value for a message: plain values as themselves, anything else by its type only
+    (a state's objects are never asked for their repr: it could run their code)."""
+    if value is None or type(value) in (bool, int, float):
+        text = repr(value)
+    elif type(value) is str:
+        text = repr(value if len(value) <= 60 else value[:57] + "...")
+    else:
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _type_error(path: str, what: str, value: Any) -> TypeError:
+    return TypeError(f"{path} must be {what}, got {_show(value)}: {_CORRUPT}")
+
+
+def _value_error(path: str, what: str, value: Any) -> ValueError:
+    return ValueError(f"{path} must be {what}, got {_show(value)}: {_CORRUPT}")
+
+
+# ------------------------------------------------------------------------------ checks
+
+#: A check: ``check(value, path)`` raises TypeError/ValueError naming ``path``.
+Check = Callable[[Any, str], None]
+
+
+def _int(lo: int = 0, hi: int | None = None) -> Check:
+    """An integer in ``[lo, hi]``: another type is a TypeError, a fraction a ValueError
+    (as torch's samplers treat a non-integer count)."""
+    what = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+
+    def check(value: Any, path: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise _type_error(path, what, value)
+        if not isinstance(value, numbers.Integral):
+            raise _value_error(path, what, value)
+        if int(value) < lo or (hi is not None and int(value) > hi):
+            raise _value_error(path, what, value)
+    return check
+
+
+def _bool(value: Any, path: str) -> None:
+    if not isinstance(value, bool):
+        raise _type_error(path, "a bool", value)
+
+
+def _str(value: Any, path: str) -> None:
+    if not isinstance(value, str):
+        raise _type_error(path, "a str", value)
+
+
+def _choice(*choices: str) -> Check:
+    def check(value: Any, path: str) -> None:
+        _str(value, path)
+        if value not in choices:
+            raise _value_error(path, f"one of {list(choices)}", value)
+    return check
+
+
+def _optional(inner: Check) -> Check:
+    def check(value: Any, path: str) -> None:
+        if value is not None:
+            inner(value, path)
+    return check
+
+
+def _dict(value: Any, path: str, what: str = "a dict") -> None:
+    if not isinstance(value, dict):
+        raise _type_error(path, what, value)
+
+
+def _record(fields: dict[str, Check], strict: bool = True) -> Check:
+    """A dict with exactly ``fields`` (``strict=False``: other keys are ignored)."""
+    def check(value: Any, path: str) -> None:
+        _dict(value, path)
+        for name in fields:
+            if name not in value:
+                raise ValueError(f"{path} has no key {name!r} ({_key(path, name)} is "
+                                 f"missing): {_CORRUPT}")
+        if strict:
+            for name in value:
+                if name not in fields:
+                    raise ValueError(f"{_key(path, name)}: unknown key in {path} (this "
+                                     f"aioloader reads {sorted(fields)}): {_CORRUPT}")
+        for name, field in fields.items():
+            field(value[name], _key(path, name))
+    return check
+
+
+def _list_of(item: Check) -> Check:
+    def check(value: Any, path: str) -> None:
+        if not isinstance(value, list):
+            raise _type_error(path, "a list", value)
+        for i, x in enumerate(value):
+            item(x, f"{path}[{i}]")
+    return check
+
+
+def _user_state(value: Any, path: str) -> None:
+    """A ``Stateful`` object's own state: a dict (the protocol's ``state_dict()`` returns
+    one) or ``None``. Its content is the object's own business and is not read here."""
+    if value is not None and not isinstance(value, dict):
+        raise _type_error(path, "a dict (what a Stateful object's state_dict() returns) "
+                          "or None", value)
+
+
+def _rng_shape(value: Any, path: str) -> None:
+    """A torch generator state: a 1-D uint8 CPU tensor, or a list of byte values."""
+    what = "a torch RNG state (a list of ints in [0, 255] or a 1-D uint8 tensor)"
+    if isinstance(value, torch.Tensor):
+        if value.dtype != torch.uint8 or value.dim() != 1 or value.device.type != "cpu":
+            raise _type_error(path, what, value)
+        return
+    if not isinstance(value, list):
+        raise _type_error(path, what, value)
+    if set(map(type, value)) <= {int}:  # the common case at C speed (5056 bytes for a CPU
+        try:                              # generator): exact ints, then bytearray's range check
+            bytearray(value)
+            return
+        except ValueError:
+            pass
+    for i, x in enumerate(value):
+        if type(x) is not int:
+            raise _type_error(f"{path}[{i}]", "an int in [0, 255] (a byte of a torch RNG "
+                              "state)", x)
+        if not 0 <= x <= 255:
+            raise _value_error(f"{path}[{i}]", "an int in [0, 255] (a byte of a torch RNG "
+                               "state)", x)
+
+
+def _rng_map(value: Any, path: str) -> None:
+    _dict(value, path)
+    for name, state in value.items():
+        if not isinstance(name, str):
+            raise _type_error(f"{path} key {_show(name)}", "a str", name)
+        _rng_shape(state, _key(path, name))
+
+
+def check_torch_rng_state(value: Any, path: str, like: torch.Generator | None = None) -> None:
+    """``value`` is a state ``like.set_state()`` takes (default: torch's CPU generator).
+
+    Its shape, then its length, then a trial ``set_state`` on a new generator of the
+    same device (torch checks the state's own fields there): CPU generators only.
+    """
+    _rng_shape(value, path)
+    expected = (like.get_state() if like is not None else torch.get_rng_state()).numel()
+    if len(value) != expected:
+        raise ValueError(f"{path} must be a torch RNG state of {expected} bytes, got "
+                         f"{len(value)}: {_CORRUPT}")
+    if like is None or like.device.type == "cpu":
+        tensor = value if isinstance(value, torch.Tensor) else torch.frombuffer(
+            bytearray(value), dtype=torch.uint8)
+        try:
+            torch.Generator().set_state(tensor)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"{path} is not a valid torch RNG state ({exc}): "
+                             f"{_CORRUPT}") from None
+
+
+def check_python_random_state(value: Any, path: str) -> None:
+    """``value`` is what ``random.getstate()`` returns (or its JSON form, lists for
+    tuples): ``(3, (624 words < 2**32, index in [0, 624]), gauss_next)``."""
+    what = "a Python random state (version, internal state, gauss_next)"
+    if not isinstance(value, (tuple, list)):
+        raise _type_error(path, what, value)
+    if len(value) != 3:
+        raise _value_error(path, "a sequence of 3 items (version, internal state, "
+                           "gauss_next)", len(value))
+    version, internal, gauss = value
+    _int(3, 3)(version, f"{path}[0]")
+    if not isinstance(internal, (tuple, list)):
+        raise _type_error(f"{path}[1]", "a sequence of 625 ints", internal)
+    if len(internal) != 625:
+        raise _value_error(f"{path}[1]", "a sequence of 625 ints", len(internal))
+    word = _int(0, (1 << 32) - 1)
+    for i, x in enumerate(internal[:624]):
+        word(x, f"{path}[1][{i}]")
+    _int(0, 624)(internal[624], f"{path}[1][624]")
+    if gauss is not None and (isinstance(gauss, bool) or not isinstance(gauss, float)):
+        raise _type_error(f"{path}[2]", "a float or None", gauss)
+
+
+# ------------------------------------------------------------------------------ the loader
+
+
+def _type_name(obj: Any) -> str | None:
+    """A class's qualified name (not its module: a class defined in a script that runs as
+    ``__main__`` has another module name when a second script loads the state). Compared
+    as a string, never imported."""
+    return None if obj is None else type(obj).__qualname__
+
+
+def _length(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def loader_config(loader: Any) -> dict[str, Any]:
+    """What a state records of the loader that took it (``state['config']``)."""
+    iterable = bool(loader._kind.iterable)
+    return {
+        "dataset_kind": loader._kind.value,
+        "dataset_len": None if iterable else _length(loader.dataset),
+        "batches": None if iterable else _length(loader._index_sampler),
+        "batch_size": loader.batch_size,
+        "drop_last": bool(loader.drop_last),
+        "shuffle": isinstance(loader.sampler, _tud.RandomSampler),
+        "sampler": _type_name(loader.sampler),
+        "batch_sampler": _type_name(loader.batch_sampler),
+        "num_workers": int(loader.num_workers),
+        "persistent_workers": bool(loader.persistent_workers and loader.num_workers > 0),
+        "generators": sorted(generators(loader)),
+    }
+
+
+_GENERATOR_PATHS = ("generator", "sampler.generator", "batch_sampler.generator",
+                    "batch_sampler.sampler.generator")
+
+
+def _generator_paths(value: Any, path: str) -> None:
+    _list_of(_choice(*_GENERATOR_PATHS))(value, path)
+    if sorted(set(value)) != value:
+        raise ValueError(f"{path} must be a sorted list of distinct generator paths: "
+                         f"{_CORRUPT}")
+
+
+#: ``state['config']``: each field's check. All must equal the loader's (a later
+#: version that resumes onto another number of workers relaxes ``num_workers`` here).
+_CONFIG_FIELDS: dict[str, Check] = {
+    "dataset_kind": _choice("map", "iterable", "async_map", "async_iterable"),
+    "dataset_len": _optional(_int()),
+    "batches": _optional(_int()),
+    "batch_size": _optional(_int(1)),
+    "drop_last": _bool,
+    "shuffle": _bool,
+    "sampler": _str,
+    "batch_sampler": _optional(_str),
+    "num_workers": _int(),
+    "persistent_workers": _bool,
+    "generators": _generator_paths,
+}
+
+
+def _fmt(value: Any) -> str:
+    return repr(value) if isinstance(value, (str, list)) else str(value)
+
+
+def _compare_config(saved: dict[str, Any], path: str, loader: Any) -> None:
+    here = loader_config(loader)
+    diffs = [f"{name}={_fmt(saved[name])}, this loader has {name}={_fmt(here[name])} "
+             f"({_key(path, name)})"
+             for name in _CONFIG_FIELDS if saved[name] != here[name]]
+    if diffs:
+        raise ValueError("the state was taken with " + "; with ".join(diffs) + ": "
+                         + _WHAT_TO_DO)
+
+
+# ------------------------------------------------------------------------------ our layout
+
+
+def _worker_state(value: Any, path: str) -> None:
+    """One worker's dataset state (torchdata's per-worker layout), or None."""
+    if value is None:
+        return
+    _record({_WORKER_ID: _int(), _FETCHER_STATE: _optional(_record({
+        _DATASET_ITER_STATE: _user_state, _FETCHER_ENDED: _bool})),
+        _DATASET_STATE: _user_state})(value, path)
+
+
+def _worker_states(value: Any, path: str) -> None:
+    _dict(value, path)
+    for name, state in value.items():
+        if not isinstance(name, str) or not name.isdigit():
+            raise _value_error(f"{path} key {_show(name)}", "a worker id as a str of digits",
+                               name)
+        _worker_state(state, _key(path, name))
+        if state is not None and state[_WORKER_ID] != int(name):
+            raise ValueError(f"{_key(_key(path, name), _WORKER_ID)} is {state[_WORKER_ID]}, "
+                             f"not {int(name)}: {_CORRUPT}")
+
+
+def _sorted_extra(value: Any, path: str) -> None:
+    _list_of(_int())(value, path)
+    for i, (a, b) in enumerate(itertools.pairwise(value)):
+        if a >= b:
+            raise ValueError(f"{path} must be a sorted list of distinct batch numbers, got "
+                             f"{path}[{i}]={a} before {path}[{i + 1}]={b}: {_CORRUPT}")
+
+
+def _rng(value: Any, path: str) -> None:
+    if value is not None:
+        _record({"global": _optional(_rng_shape), "generators": _rng_map})(value, path)
+
+
+#: The fields of every version: version 1 has ``num_workers`` instead of ``config``.
+_POSITION_FIELDS: dict[str, Check] = {
+    "finished": _bool,
+    "base_seed": _optional(_int(0, _MAX_SEED)),
+    "yielded": _int(),
+    "prefix": _int(),
+    "extra": _sorted_extra,
+    "last_worker": _int(),
+    "worker_states": _worker_states,
+    "sampler_state": _user_state,
+    "rng": _rng,
+    "generators": _rng_map,
+}
+#: Version 2 adds an ``IterDataPipe`` epoch's shared seed (version 1 states have none).
+_V2_FIELDS: dict[str, Check] = {**_POSITION_FIELDS, "shared_seed": _optional(_int(0, _MAX_SEED))}
+_V2 = _record({FORMAT_KEY: _int(), "config": _record(_CONFIG_FIELDS), **_V2_FIELDS})
+_V1 = _record({FORMAT_KEY: _int(), "num_workers": _int(), **_POSITION_FIELDS})
+
+
+def _check_generators(states: dict[str, Any], path: str, gens: dict[str, torch.Generator],
+                      exact: bool) -> None:
+    for name, value in states.items():
+        if name not in gens:
+            raise ValueError(f"{_key(path, name)}: the state has a generator at {name!r}, "
+                             f"this loader has none there: {_WHAT_TO_DO}")
+        check_torch_rng_state(value, _key(path, name), gens[name])
+    missing = sorted(set(gens) - set(states))
+    if exact and missing:
+        raise ValueError(f"{path} has no state for the loader's generator at {missing[0]!r} "
+                         f"({_key(path, missing[0])} is missing): {_CORRUPT}")
+
+
+def _check_against_loader(st: dict[str, Any], loader: Any, exact_generators: bool) -> None:
+    """The fields that depend on the loader: positions, workers, RNG states."""
+    iterable = bool(loader._kind.iterable)
+    workers = max(1, int(loader.num_workers))
+    _int(0, workers - 1)(st["last_worker"], "state['last_worker']")
+    for name, wstate in st["worker_states"].items():
+        path = _key("state['worker_states']", name)
+        if int(name) >= workers:
+            raise ValueError(f"{path}: worker {int(name)} does not exist in a loader with "
+                             f"num_workers={loader.num_workers}: {_CORRUPT}")
+        if wstate is not None and not iterable:
+            raise ValueError(f"{path}: a map-style dataset has no per-worker state: "
+                             f"{_WHAT_TO_DO}")
+        if (wstate is not None and wstate[_DATASET_STATE] is not None
+                and not _stateful(loader.dataset)):
+            raise ValueError(f"{_key(path, _DATASET_STATE)}: the state holds a dataset state "
+                             f"but this loader's dataset ({type(loader.dataset).__name__}) has "
+                             f"no state_dict/load_state_dict: {_WHAT_TO_DO}")
+    sampler_obj = None if iterable else _stateful_sampler(loader)
+    if st["sampler_state"] is not None and sampler_obj is None:
+        raise ValueError("state['sampler_state']: the state holds a sampler state but this "
+                         "loader's sampler has no state_dict/load_state_dict: " + _WHAT_TO_DO)
+    gens = generators(loader)
+    _check_generators(st["generators"], "state['generators']", gens, exact_generators)
+    rng = st["rng"]
+    if rng is not None:
+        if rng["global"] is not None:
+            check_torch_rng_state(rng["global"], "state['rng']['global']")
+        _check_generators(rng["generators"], "state['rng']['generators']", gens,
+                          exact_generators)
+    prefix, extra = st["prefix"], st["extra"]
+    if extra and extra[0] <= prefix:
+        raise ValueError(f"state['extra'][0] must be above state['prefix']={prefix} (batches "
+                         f"below it are consumed already), got {extra[0]}: {_CORRUPT}")
+    if iterable:
+        return
+    consumed = prefix + len(extra)
+    if st["yielded"] > consumed:
+        raise ValueError(f"state['yielded']={st['yielded']} is more than the batches the "
+                         f"state consumed (state['prefix'] + len(state['extra']) = "
+                         f"{consumed}): {_CORRUPT}")
+    batches = _length(loader._index_sampler)
+    last = extra[-1] + 1 if extra else prefix
+    if batches is not None and last > batches:
+        key = f"state['extra'][{len(extra) - 1}]" if extra else "state['prefix']"
+        raise ValueError(f"{key}: the state consumed batch {last - 1} of an epoch of "
+                         f"{batches} batches: {_WHAT_TO_DO}")
+    if (rng is None and sampler_obj is None and not st["finished"] and consumed):
+        raise TypeError(f"state['rng'] must be a dict of RNG states once batches were "
+                        f"consumed (state['prefix']={prefix}), got None: {_CORRUPT}")
+
+
+def _read_v2(state: dict[str, Any], loader: Any) -> dict[str, Any]:
+    _V2(state, "state")
+    _compare_config(state["config"], "state['config']", loader)
+    _check_against_loader(state, loader, exact_generators=True)
+    return {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
+            **{name: state[name] for name in _V2_FIELDS}}
+
+
+def _read_v1(state: dict[str, Any], loader: Any) -> dict[str, Any]:
+    _V1(state, "state")
+    if state["num_workers"] != loader.num_workers:
+        raise ValueError(f"the state was taken with num_workers={state['num_workers']}, "
+                         f"this loader has num_workers={loader.num_workers} "
+                         f"(state['num_workers']): {_WHAT_TO_DO}")
+    _check_against_loader(state, loader, exact_generators=True)
+    warnings.warn(
+        "this state was written by an older aioloader (state version 1), which did not "
+        "record the loader's configuration: it is loaded assuming this DataLoader has the "
+        "dataset, batch size, sampler and shuffle of the one that saved it (otherwise the "
+        "resumed epoch is wrong). A state_dict() taken now records them.",
+        UserWarning, stacklevel=5)  # the caller of loader.load_state_dict
+    return {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(loader),
+            **{name: state[name] for name in _POSITION_FIELDS}}
+
+
+#: How each version of aioloader's layout is read (into the current one).
+_READERS: dict[int, Callable[[dict[str, Any], Any], dict[str, Any]]] = {
+    1: _read_v1,
+    FORMAT_VERSION: _read_v2,
+}
+
+
+def validate(loader: Any, state: Any) -> dict[str, Any]:
+    """``state`` checked completely against ``loader``, in the current layout.
+
+    Raises TypeError or ValueError naming the offending key (see the module docstring).
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"load_state_dict expects a dict from state_dict(), got "
+                        f"{type(state).__name__}")
+    if FORMAT_KEY not in state:
+        return read_torchdata(loader, state)
+    version = state[FORMAT_KEY]
+    _int()(version, _key("state", FORMAT_KEY))
+    reader = _READERS.get(int(version))
+    if reader is None:
+        raise ValueError(f"unsupported aioloader state version {version!r} "
+                         f"({_key('state', FORMAT_KEY)}): this aioloader reads versions "
+                         f"{sorted(_READERS)}")
+    return reader(state, loader)
+
+
+# ------------------------------------------------------------------------------ torchdata
+
+
+def _td_sampler_iter_state(value: Any, path: str) -> None:
+    if value is not None:
+        _record({"samples_yielded": _int()}, strict=False)(value, path)
+
+
+#: The keys of a torchdata state that aioloader reads (torchdata ignores the others, and
+#: so does this reader): a single-process state, and the main snapshot of a multi-process.
+_TD_INLINE: dict[str, Check] = {
+    "_num_yielded": _int(),
+    "_sampler_iter_yielded": _int(),
+    "_index_sampler_state": _user_state,
+    "_sampler_iter_state": _optional(_td_sampler_iter_state),
+    "_iterator_finished": _bool,
+    _DATASET_STATE: _user_state,
+    _FETCHER_STATE: _optional(_record({_DATASET_ITER_STATE: _user_state,
+                                       _FETCHER_ENDED: _bool}, strict=False)),
+}
+_TD_MAIN: dict[str, Check] = {
+    "_num_workers": _int(),
+    "_sampler_iter_yielded": _int(),
+    "_index_sampler_state": _user_state,
+    "_sampler_iter_state": _optional(_td_sampler_iter_state),
+    "_base_seed": _optional(_int(0, _MAX_SEED)),
+}
+_TD_SNAPSHOT: dict[str, Check] = {
+    "_snapshot_step": _int(),
+    "_last_yielded_worker_id": _int(),
+    "_main_snapshot": _record(_TD_MAIN, strict=False),
+    "_worker_snapshots": _dict,
+}
+
+
+def _td_check_sampler(main: dict[str, Any], path: str, loader: Any, yielded: int,
+                      ypath: str) -> None:
+    """The sampler side of a torchdata state against this loader."""
+    iter_state = main["_sampler_iter_state"]
+    ipath = _key(path, "_sampler_iter_state")
+    if isinstance(iter_state, dict) and iter_state.get("sampler_iter_state") is not None:
+        raise ValueError(
+            f"{_key(ipath, 'sampler_iter_state')}: this torchdata state comes from "
+            "torchdata's own shuffling RandomSampler, whose permutation differs from "
+            "torch's (and aioloader's): it cannot resume the same order here. Resume it "
+            "with torchdata, or checkpoint an aioloader DataLoader")
+    taken = main["_sampler_iter_yielded"]
+    size = loader.batch_size
+    if (iter_state is not None and size is not None
+            and isinstance(loader.batch_sampler, _tud.BatchSampler)):
+        samples = iter_state["samples_yielded"]
+        if not (taken - 1) * size < samples <= taken * size and (taken or samples):
+            raise ValueError(
+                f"{_key(ipath, 'samples_yielded')}={samples} after {taken} batches "
+                f"({_key(path, '_sampler_iter_yielded')}): the state was taken with another "
+                f"batch_size than this loader's batch_size={size}: {_WHAT_TO_DO}")
+    if loader._kind.iterable:
+        return
+    if _stateful_sampler(loader) is not None:
+        if main["_index_sampler_state"] is None:
+            raise TypeError(f"{_key(path, '_index_sampler_state')} must be the state of this "
+                            f"loader's Stateful sampler, got None: {_WHAT_TO_DO}")
+    elif not isinstance(loader.sampler, _tud.SequentialSampler):
+        raise ValueError(
+            f"{_key(path, '_index_sampler_state')}: torchdata states resume a sequential or "
+            f"Stateful sampler only; this loader's sampler is "
+            f"{type(loader.sampler).__name__}, whose order the state does not record: "
+            f"{_WHAT_TO_DO}")
+    batches = _length(loader._index_sampler)
+    if batches is not None and yielded > batches:
+        raise ValueError(f"{ypath}: the torchdata state consumed {yielded} batches of an "
+                         f"epoch of {batches} batches: {_WHAT_TO_DO}")
+
+
+def read_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
+    """A torchdata ``StatefulDataLoader.state_dict()``, checked, in aioloader's layout.
+
+    Loads where the two mean the same thing: a sequential or ``Stateful`` sampler,
+    ``Stateful`` iterable datasets (per worker), the base seed. torchdata's shuffling
+    ``RandomSampler`` draws a different permutation than torch's: refused. Keys that
+    aioloader does not use are ignored, as torchdata ignores keys it does not read.
+    """
+    iterable = bool(loader._kind.iterable)
+    empty_rng: dict[str, Any] = {"global": None, "generators": {}}
+    if "_snapshot" in sd:
+        _record({"_snapshot": _record(_TD_SNAPSHOT, strict=False),
+                 "_steps_since_snapshot": _int()}, strict=False)(sd, "state")
+        snap = sd["_snapshot"]
+        main = snap["_main_snapshot"]
+        mpath = "state['_snapshot']['_main_snapshot']"
+        if main["_num_workers"] != loader.num_workers:
+            raise ValueError(f"the state was taken with num_workers={main['_num_workers']}, "
+                             f"this loader has num_workers={loader.num_workers} "
+                             f"({_key(mpath, '_num_workers')}): {_WHAT_TO_DO}")
+        if sd["_steps_since_snapshot"]:
+            raise ValueError(
+                "state['_steps_since_snapshot']: this torchdata state was taken between "
+                "snapshots (snapshot_every_n_steps > 1): save it with "
+                "snapshot_every_n_steps=1 to resume it in aioloader")
+        finished = sd.get("_iterator_finished", False)
+        _bool(finished, "state['_iterator_finished']")
+        yielded = snap["_snapshot_step"]
+        workers: dict[str, Any] = {}
+        wpath = "state['_snapshot']['_worker_snapshots']"
+        names = [f"worker_{i}" for i in range(len(snap["_worker_snapshots"]))]
+        if sorted(snap["_worker_snapshots"], key=str) != sorted(names):
+            raise ValueError(f"{wpath} must have the keys {names} (torchdata's worker keys), "
+                             f"got {sorted(map(_show, snap['_worker_snapshots']))}: "
+                             f"{_CORRUPT}")
+        if len(names) > loader.num_workers:
+            raise ValueError(f"{wpath} holds {len(names)} workers, this loader has "
+                             f"num_workers={loader.num_workers}: {_WHAT_TO_DO}")
+        for i, name in enumerate(names):
+            wstate = snap["_worker_snapshots"][name]
+            _worker_state(wstate, _key(wpath, name))
+            if wstate is not None and wstate[_WORKER_ID] != i:
+                raise ValueError(f"{_key(_key(wpath, name), _WORKER_ID)} is "
+                                 f"{wstate[_WORKER_ID]}, not {i}: {_CORRUPT}")
+            workers[str(i)] = wstate
+        _int(0, max(0, loader.num_workers - 1))(snap["_last_yielded_worker_id"],
+                                                "state['_snapshot']['_last_yielded_worker_id']")
+        _td_check_sampler(main, mpath, loader, yielded, "state['_snapshot']['_snapshot_step']")
+        has_state = any(w is not None and (w[_DATASET_STATE] is not None or (
+            w[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None)
+            for w in workers.values())
+        state = {
+            "finished": finished,
+            "base_seed": main["_base_seed"],
+            "yielded": yielded,
+            "prefix": 0 if iterable else yielded,
+            "extra": [],
+            "last_worker": snap["_last_yielded_worker_id"],
+            "worker_states": workers if has_state else {},
+            "sampler_state": main["_index_sampler_state"],
+            "rng": empty_rng,
+            "generators": {},
+        }
+    elif "_num_yielded" in sd:
+        _record(_TD_INLINE, strict=False)(sd, "state")
+        if loader.num_workers:
+            raise ValueError(f"the state was taken with num_workers=0, this loader has "
+                             f"num_workers={loader.num_workers} (a single-process torchdata "
+                             f"state has no '_snapshot'): {_WHAT_TO_DO}")
+        yielded = sd["_num_yielded"]
+        _td_check_sampler(sd, "state", loader, yielded, "state['_num_yielded']")
+        wstate = None
+        if sd[_DATASET_STATE] is not None or (
+                (sd[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None):
+            wstate = {_WORKER_ID: 0, _FETCHER_STATE: sd[_FETCHER_STATE],
+                      _DATASET_STATE: sd[_DATASET_STATE]}
+        state = {
+            "finished": sd["_iterator_finished"],
+            "base_seed": None,
+            "yielded": yielded,
+            "prefix": 0 if iterable else yielded,
+            "extra": [],
+            "last_worker": 0,
+            "worker_states": {"0": wstate} if wstate is not None else {},
+            "sampler_state": sd["_index_sampler_state"],
+            "rng": empty_rng,
+            "generators": {},
+        }
+    else:
+        raise ValueError("not a state from DataLoader.state_dict(): it has neither "
+                         f"{FORMAT_KEY!r} (aioloader) nor '_snapshot'/'_num_yielded' "
+                         "(torchdata)")
+    # What torchdata leaves out is this loader's: the configuration, no generator states
+    # (torchdata sets none). The result passes the same checks as an aioloader state.
+    out = {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(loader), **state}
+    _check_against_loader(out, loader, exact_generators=False)
+    return out

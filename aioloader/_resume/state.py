@@ -1,0 +1,121 @@
+"""Exact mid-epoch resume: the machinery behind ``loader.state_dict()``/``load_state_dict()``.
+
+Same method names and call semantics as torchdata's ``StatefulDataLoader``
+(see docs/resume.md): ``state_dict()`` describes the loader after the batches
+*yielded so far* (batches dispatched to workers or prefetched but not yet
+yielded are not part of it and are fetched again after a resume);
+``load_state_dict(sd)`` affects the *next* ``iter()``/``aiter()`` of the loader.
+
+How a state is made exact without fetching the skipped samples:
+
+* **samplers** (map-style datasets): the RNG states the sampler draws from
+  (torch's global RNG and every ``torch.Generator`` reachable from the loader)
+  are captured just before the sampler's first draw of the epoch. A resume puts
+  them back, draws the consumed batches of indices again (without fetching
+  them), then restores the global RNG, so the resumed run draws from the global
+  RNG exactly what the uninterrupted run still had to draw from that point on
+  (nothing, for this epoch). A sampler that implements the ``Stateful`` protocol
+  (``state_dict``/``load_state_dict``) is asked for its state instead.
+* **consumed batches** are a prefix ``[0, prefix)`` of the epoch's batches of
+  indices plus a set of later ones (``in_order=False`` hands batches out of
+  order): a resume skips exactly those.
+* **iterable datasets** that implement ``Stateful`` (the dataset or its
+  iterator): each worker (or the main process) takes the dataset's state with
+  every batch it fetches; the state of a worker is the one that came with the
+  last batch of that worker the consumer received. Other iterable datasets are
+  replayed: the first ``yielded`` batches of the resumed epoch are fetched and
+  dropped (torchdata does the same, with the same warning).
+
+The per-epoch bookkeeping is :mod:`aioloader._resume.tracker`; a worker's dataset
+state, :mod:`aioloader._resume.dataset_state`. This module is the loader's API:
+``state_dict()`` (:func:`loader_state_dict`) and ``load_state_dict()``
+(:func:`prepare_resume`); what a loaded state must be (every version of the layout,
+torchdata states), :mod:`aioloader._resume.schema`. The names of all four are
+importable from here.
+
+This module is imported by worker processes: stdlib and torch only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .dataset_state import (
+    Stateful,
+    is_stateful_iterable,
+    load_dataset_state,
+    load_fetcher_state,
+    worker_state,
+)
+from .schema import loader_config, read_torchdata, validate
+from .tracker import FORMAT_KEY, FORMAT_VERSION, EpochTracker
+
+__all__ = [
+    "FORMAT_KEY",
+    "FORMAT_VERSION",
+    "EpochTracker",
+    "Stateful",
+    "from_torchdata",
+    "is_stateful_iterable",
+    "load_dataset_state",
+    "load_fetcher_state",
+    "loader_config",
+    "loader_state_dict",
+    "prepare_resume",
+    "read_torchdata",
+    "take_pending",
+    "validate",
+    "worker_state",
+]
+
+
+class _Pending:
+    """A loaded state, waiting for the loader's next ``iter()``."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+
+# ------------------------------------------------------------------------------ loader API
+
+
+def loader_state_dict(loader: Any) -> dict[str, Any]:
+    """``loader.state_dict()``: the latest epoch's position, or the pending loaded state."""
+    pending = getattr(loader, "_resume_pending", None)
+    if pending is not None:
+        return dict(pending.state)
+    tracker = getattr(loader, "_resume_tracker", None)
+    if tracker is None:
+        return EpochTracker(loader, None).state_dict(None, loader_config(loader))
+    state: dict[str, Any] = tracker.state_dict(tracker.seed, loader_config(loader))
+    return state
+
+
+def prepare_resume(loader: Any, state: dict[str, Any]) -> None:
+    """``loader.load_state_dict(state)``: validate, convert, and keep it for the next iter().
+
+    All of the checking is :func:`aioloader._resume.schema.validate`; a refused state
+    leaves the loader as it was.
+    """
+    if isinstance(state, dict) and state == {}:
+        return
+    loader._resume_pending = _Pending(validate(loader, state))
+    loader._resume_tracker = None
+
+
+def take_pending(loader: Any) -> dict[str, Any] | None:
+    """The loaded state for this ``iter()`` (consumed), if any."""
+    pending = getattr(loader, "_resume_pending", None)
+    if pending is None:
+        return None
+    loader._resume_pending = None
+    state: dict[str, Any] = pending.state
+    return state
+
+
+def from_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
+    """A torchdata ``StatefulDataLoader.state_dict()`` in this module's layout (checked).
+
+    See :func:`aioloader._resume.schema.read_torchdata`.
+    """
+    return read_torchdata(loader, sd)

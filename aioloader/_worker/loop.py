@@ -1,0 +1,160 @@
+"""A sync worker's command loop, whatever carries its commands and replies.
+
+:func:`serve_commands` answers the commands of :mod:`aioloader._worker.main`'s
+protocol one at a time, in order: over a socket in a worker process
+(:func:`aioloader._worker.main.worker_main`), over in-process queues in a thread
+worker (:mod:`aioloader._pools.thread`). :class:`_SyncEpoch` is one epoch's
+fetcher; Ray actors call it directly (:mod:`aioloader._pools.ray`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import RemoteError
+from .._fetch.report import guard_fetcher
+from .._fetch.sync import IterFetcher, MapFetcher, make_fetcher
+from .._resume import state as _state
+from .._stats.recorder import WorkerClock
+from .codec import unlink_failed_segments
+from .config import WorkerConfig, _where, reseed_datapipe
+from .wire import encode
+
+__all__ = ["serve_commands"]
+
+
+def _error_reply(cfg: WorkerConfig, epoch: Any, seq: Any) -> tuple[Any, ...]:
+    """An ("error", ...) reply for the exception being handled.
+
+    A batch that failed to allocate its shared memory (``/dev/shm`` full) leaves no file
+    behind: torch's allocator keeps the one it created, so it is removed here.
+    """
+    unlink_failed_segments(sys.exc_info()[1])
+    return ("error", epoch, seq, RemoteError.from_current(_where(cfg)))
+
+
+def _encode_reply(cfg: WorkerConfig, reply: tuple[Any, ...]) -> tuple[bytes, list[int]]:
+    """Encode ``reply``; if it does not pickle, encode an error reply that says why."""
+    try:
+        return encode(reply)
+    except Exception:
+        epoch, seq = (reply[1], reply[2]) if len(reply) > 2 else (None, None)
+        err = _error_reply(cfg, epoch, seq)
+    try:
+        return encode(err)
+    except Exception:  # the exception type itself does not pickle: keep its text
+        remote = err[3]
+        return encode(("error", epoch, seq,
+                       RemoteError(RuntimeError, remote.exc_msg, remote.where)))
+
+
+class _SyncEpoch:
+    """The fetcher of one epoch and what it already knows."""
+
+    __slots__ = ("error", "exhausted", "fetcher", "raw", "stateful")
+
+    def __init__(self, cfg: WorkerConfig, init_error: RemoteError | None) -> None:
+        self.fetcher: MapFetcher | IterFetcher | Any = None
+        self.raw: MapFetcher | IterFetcher | None = None
+        self.error = init_error
+        self.exhausted = False
+        self.stateful = False
+        if init_error is None:
+            resume, cfg.resume_state = cfg.resume_state, None  # the first epoch's only
+            try:
+                _state.load_dataset_state(cfg.dataset, resume)
+                raw = make_fetcher(cfg.kind, cfg.dataset, cfg.auto_collation, cfg.collate_fn,
+                                   cfg.drop_last, cfg.fetch_threads)
+                _state.load_fetcher_state(raw, resume)
+                self.stateful = cfg.kind.iterable and _state.is_stateful_iterable(
+                    cfg.dataset, raw)
+                self.raw = raw  # the state is read from the unguarded fetcher
+                self.fetcher = guard_fetcher(raw, cfg.failure, cfg.worker_id)
+            except Exception:
+                self.error = RemoteError.from_current(_where(cfg))
+
+    def fetch(self, cfg: WorkerConfig, epoch: Any, seq: Any, index: Any) -> tuple[Any, ...]:
+        if self.error is not None:
+            return ("error", epoch, seq, self.error)
+        if self.exhausted:
+            return ("exhausted", epoch, seq)
+        assert self.fetcher is not None
+        try:
+            if self.stateful:  # the dataset's position goes with each batch (_state)
+                batch = self.fetcher.fetch(index)
+                return ("data", epoch, seq, batch,
+                        _state.worker_state(cfg.worker_id, cfg.dataset, self.raw))
+            return ("data", epoch, seq, self.fetcher.fetch(index))
+        except StopIteration:
+            if cfg.kind.iterable:
+                self.exhausted = True
+                if self.stateful:
+                    self.raw._ended = True  # type: ignore[union-attr]
+                    return ("exhausted", epoch, seq,
+                            _state.worker_state(cfg.worker_id, cfg.dataset, self.raw))
+                return ("exhausted", epoch, seq)
+            return _error_reply(cfg, epoch, seq)
+        except Exception:
+            return _error_reply(cfg, epoch, seq)
+
+    def close(self) -> None:
+        if self.fetcher is not None:
+            self.fetcher.close()
+            self.fetcher = None
+
+
+
+def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
+                   next_command: Callable[[], Any],
+                   send_reply: Callable[[tuple[Any, ...]], None]) -> None:
+    """The command loop of a sync worker, whatever carries its commands and replies.
+
+    ``next_command()`` blocks until the next command and returns ``None`` when
+    the worker must leave (EOF, parent gone, pool closing); ``send_reply``
+    hands one reply tuple to the parent. Used by worker processes (a socket)
+    and by thread workers (in-process queues, :mod:`aioloader._pools.thread`).
+
+    A ``"data"`` reply is ``("data", epoch, seq, batch, *extras)``: an extra is a
+    dict (an iterable dataset's state, :mod:`aioloader._resume.state`) or a 4-int tuple
+    (this worker's timings, ``cfg.stats``; :class:`aioloader._stats.recorder.WorkerClock`).
+    """
+    clock = WorkerClock() if cfg.stats else None
+    if clock is not None:  # a copy: the config may be shared (threads, respawns)
+        cfg = dataclasses.replace(cfg, collate_fn=clock.wrap(cfg.collate_fn))
+    state = _SyncEpoch(cfg, init_error)
+    try:
+        while True:
+            t_wait = time.perf_counter_ns() if clock is not None else 0
+            cmd = next_command()
+            if cmd is None or cmd[0] == "exit":
+                break
+            op = cmd[0]
+            if op == "fetch":
+                _, epoch, seq, index = cmd
+                del cmd
+                if clock is None:
+                    reply = state.fetch(cfg, epoch, seq, index)
+                else:
+                    t0 = time.perf_counter_ns()
+                    clock.waited(t_wait, t0)
+                    reply = state.fetch(cfg, epoch, seq, index)
+                    if reply[0] == "data":
+                        reply = (*reply, clock.stamp(t0))
+                del index
+                send_reply(reply)
+                del reply  # free the batch (and its shared memory) before waiting again
+            elif op == "reset":
+                state.close()
+                reseed_datapipe(cfg, cmd[2] if len(cmd) > 2 else None)
+                state = _SyncEpoch(cfg, init_error)
+                if clock is not None:
+                    clock.reset()
+                send_reply(("reset", cmd[1]))
+            else:
+                raise RuntimeError(f"unknown command {cmd!r}")
+    finally:
+        state.close()  # the fetch threads (fetch_threads=) end with the worker's work

@@ -1,0 +1,334 @@
+"""The worker process: seed, install worker info, serve fetch commands.
+
+Imported in a freshly spawned interpreter, so it stays light: stdlib, torch,
+numpy and the package's sync fetchers at import time; anyio and the async
+fetchers only inside the async-dataset path.
+
+Protocol (one socket per worker, frames from :mod:`aioloader._worker.wire`):
+
+====================================  ========================================
+command (parent -> worker)            reply (worker -> parent)
+====================================  ========================================
+``("fetch", epoch, seq, index)``      ``("data", epoch, seq, batch)``,
+                                      ``("error", epoch, seq, RemoteError)`` or
+                                      ``("exhausted", epoch, seq)``
+``("reset", epoch)`` or                ``("reset", epoch)`` once the fetcher of
+``("reset", epoch, shared_seed)``     the new epoch exists (an ``IterDataPipe``
+                                      reseeded from ``shared_seed`` first)
+``("exit",)`` (or EOF)                none: the process leaves with code 0
+====================================  ========================================
+
+With the failure policy's skip or retries (``WorkerConfig.failure``), a
+``"data"`` reply's batch may be an :class:`aioloader._fetch.report.Outcome` (the
+batch, or ``NOTHING``, plus the samples skipped). The pool itself adds
+``("respawned", worker_id)`` to the parent's stream when it replaced a dead
+worker (``respawn_workers``).
+An iterable dataset that implements ``state_dict``/``load_state_dict`` (torchdata's
+``Stateful``) adds its state after the batch as a last element of ``data`` and
+``exhausted`` replies (:mod:`aioloader._resume.state`).
+
+Sync datasets are served one command at a time, in order
+(:func:`aioloader._worker.loop.serve_commands`, here over the worker's
+socket). Async datasets run one event loop for the worker's life and keep
+several fetches in flight; their replies may leave out of order (the parent
+reorders by ``seq``; :mod:`aioloader._worker.aserver`). What a worker is given
+and how it seeds itself are :mod:`aioloader._worker.config`'s. This module is
+the process: its set-up, the watch on its parent, and how it leaves.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing.util
+import os
+import select
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+import traceback
+from typing import Any, NoReturn
+
+import torch
+
+from .._errors import RemoteError
+from .aserver import _serve_async
+from .config import WorkerConfig, generate_numpy_seed, seed_worker
+from .config import _where as _where
+from .loop import _encode_reply, serve_commands
+from .loop import _SyncEpoch as _SyncEpoch
+from .wire import Frame, FrameReader, decode, send_frame
+
+__all__ = ["WorkerConfig", "generate_numpy_seed", "seed_worker", "serve_commands", "worker_main"]
+
+logger = logging.getLogger(__name__)
+
+_PARENT_CHECK_INTERVAL = 1.0  # seconds between checks that the parent still lives
+_EXIT_HANDLERS_LIMIT = 10.0  # most seconds a parentless worker spends in its exit handlers
+
+
+# --------------------------------------------------------------------------- process setup
+
+
+def _setup_process(cfg: WorkerConfig) -> int:
+    """Let go of inherited fds, fix signals, seed RNGs, install worker info; return the seed."""
+    if cfg.start_method == "fork":
+        _drop_inherited(cfg.close_fds)
+    # The parent owns Ctrl-C and shuts workers down; SIGTERM must kill (the
+    # pool's last resort), whatever handler a forked parent had installed.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:  # a forked child would otherwise write signals to the parent loop's wakeup fd
+        signal.set_wakeup_fd(-1)
+    except (ValueError, OSError):
+        pass
+    try:  # print a hint about /dev/shm on SIGBUS, as torch's workers do
+        torch._C._set_worker_signal_handlers()
+    except (AttributeError, RuntimeError):
+        pass
+    set_name = getattr(torch.multiprocessing, "_set_thread_name", None)
+    if set_name is not None:
+        try:
+            set_name("pt_data_worker")
+        except Exception:  # cosmetic only
+            pass
+    torch.set_num_threads(1)
+    return seed_worker(cfg)
+
+
+def _drop_inherited(known: list[tuple[int, int, int]]) -> None:
+    """Let go of what a forked worker must not hold: the parent-side worker sockets of
+    every pool (``known``: this loader's and other loaders'), and every listening socket
+    (a port the parent closes must close, not stay open in its workers).
+
+    Files, pipes and connected sockets a dataset may use (open files, a
+    ``multiprocessing.Queue``, a logging handler) are kept, as with torch. Each fd let
+    go of is pointed at ``/dev/null`` rather than closed: its number stays taken, so a
+    copy of the parent's object that still names it (and may close it when collected)
+    can never reach a file this worker opens later.
+    """
+    targets = [fd for fd, dev, ino in known if _is_file(fd, dev, ino)]
+    targets.extend(fd for fd in _listening_sockets() if fd not in targets)
+    if not targets:
+        return
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for fd in targets:
+            os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
+
+
+def _is_file(fd: int, dev: int, ino: int) -> bool:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
+def _listening_sockets() -> list[int]:
+    """This process's listening sockets (stdin/stdout/stderr excepted)."""
+    accepting = getattr(socket, "SO_ACCEPTCONN", None)
+    if accepting is None:  # pragma: no cover - Linux and macOS have it
+        return []
+    for fd_dir in ("/proc/self/fd", "/dev/fd"):
+        try:
+            names = os.listdir(fd_dir)
+            break
+        except OSError:
+            continue
+    else:  # pragma: no cover - no way to list fds here
+        return []
+    found = []
+    for name in names:
+        fd = int(name)
+        if fd <= 2:
+            continue
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:  # closed (the listing's own fd), or not a usable socket
+            continue
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, accepting):
+                found.append(fd)
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+    return found
+
+
+def _parent_alive(cfg: WorkerConfig, watch_ppid: bool) -> bool:
+    return not watch_ppid or os.getppid() == cfg.parent_pid
+
+
+def _start_watchdog(sock: socket.socket, cfg: WorkerConfig, watch_ppid: bool,
+                    leaving: threading.Event) -> None:
+    """Exit the process when the parent dies, even while user code hangs.
+
+    A daemon thread waits for the parent's end of the socket to hang up
+    (``POLLHUP``) and, where the parent is our parent process (fork/spawn),
+    also checks ``os.getppid()`` at least once per second. A parent that
+    closes the pool hangs up right after its ``("exit",)`` command: when the
+    main thread is ``leaving`` (or starts to within a check interval), it is
+    given up to :data:`_EXIT_HANDLERS_LIMIT` seconds to run the worker's
+    exit handlers before the process is ended anyway.
+    """
+    fd = sock.fileno()
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(fd, 0)  # only POLLHUP/POLLERR/POLLNVAL are reported
+        while True:
+            events = poller.poll(int(_PARENT_CHECK_INTERVAL * 1000))
+            if events or not _parent_alive(cfg, watch_ppid):
+                break
+        if leaving.wait(_PARENT_CHECK_INTERVAL):
+            time.sleep(_EXIT_HANDLERS_LIMIT)  # the main thread ends the process before this
+        os._exit(0)
+
+    threading.Thread(target=watch, name="aioloader-worker-watchdog", daemon=True).start()
+
+
+# --------------------------------------------------------------------------- sync serving
+
+
+def _next_command(reader: FrameReader, poller: select.poll, cfg: WorkerConfig,
+                  watch_ppid: bool) -> Any:
+    """Block until the next command; ``None`` on EOF or parent death."""
+    timeout_ms = int(_PARENT_CHECK_INTERVAL * 1000)
+    while True:
+        frame: Frame | None = reader.pop()
+        if frame is not None:
+            return decode(*frame)
+        if reader.eof:
+            return None
+        if not poller.poll(timeout_ms) and not _parent_alive(cfg, watch_ppid):
+            return None
+        reader.read_available()
+
+
+def _serve_sync(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError | None,
+                watch_ppid: bool) -> None:
+    """Serve commands one at a time on a blocking socket until exit/EOF."""
+    sock.setblocking(True)
+    reader = FrameReader(sock)
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+
+    def next_command() -> Any:
+        return _next_command(reader, poller, cfg, watch_ppid)
+
+    def send_reply(reply: tuple[Any, ...]) -> None:
+        send_frame(sock, *_encode_reply(cfg, reply))
+
+    try:
+        serve_commands(cfg, init_error, next_command, send_reply)
+    finally:
+        reader.close()
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _forget_inherited_exit_handlers() -> None:
+    """Drop the ``atexit`` handlers a forked worker inherited from its parent.
+
+    They are the parent's (its test runner, its own clean-up): they must not
+    run in the worker. Handlers registered from here on are the worker's own
+    and run when it leaves (:func:`_run_own_exit_handlers`).
+    """
+    atexit._clear()
+
+
+def _run_own_exit_handlers() -> None:
+    """Run what an interpreter runs at exit, except the thread-exit hooks.
+
+    The ``atexit`` handlers (for ``fork``, only those registered in the
+    worker; for ``spawn``/``forkserver``, those of the worker's interpreter)
+    and multiprocessing's finalizers: a semaphore a dataset created here (as
+    tqdm does) is unlinked and unregistered from the resource tracker, so it
+    is not reported as leaked. ``threading``'s exit hooks and the join of
+    non-daemon threads are skipped on purpose: in a child forked from a
+    ``concurrent.futures`` thread, that executor's inherited hook would join
+    the thread the child runs on and fail the exit (code 1).
+    """
+    try:
+        atexit._run_exitfuncs()  # clears the registry: nothing runs twice
+    except BaseException:
+        _report_exit_failure("an atexit handler")
+    try:
+        multiprocessing.util._exit_function()  # type: ignore[attr-defined]
+    except BaseException:
+        _report_exit_failure("a multiprocessing finalizer")
+
+
+def _report_exit_failure(what: str) -> None:
+    try:
+        sys.stderr.write(f"aioloader worker (pid {os.getpid()}): {what} failed at exit:\n"
+                         + traceback.format_exc())
+    except BaseException:
+        pass
+
+
+def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
+    """Body of a worker process: set up, serve commands, clean up, leave with ``os._exit``.
+
+    Before leaving, the worker runs its own ``atexit`` handlers and
+    multiprocessing finalizers (:func:`_run_own_exit_handlers`); leaving
+    through ``os._exit`` then runs none of the thread-exit hooks inherited
+    from the parent (a forked copy of a ``concurrent.futures`` thread's hook
+    would try to join a thread that does not exist here). Exit code 0 on a
+    normal exit (``("exit",)``, EOF or parent death); 1 if the worker
+    machinery itself failed (the traceback goes to stderr).
+    """
+    code = 0
+    leaving = threading.Event()
+    try:
+        if cfg.start_method == "fork":
+            _forget_inherited_exit_handlers()
+        watch_ppid = os.getppid() == cfg.parent_pid  # False under forkserver
+        _setup_process(cfg)
+        logger.debug("worker %d (pid %d) started", cfg.worker_id, os.getpid())
+        _start_watchdog(sock, cfg, watch_ppid, leaving)
+        init_error: RemoteError | None = None
+        try:
+            if cfg.worker_init_fn is not None:
+                cfg.worker_init_fn(cfg.worker_id)
+        except Exception:
+            init_error = RemoteError.from_current(_where(cfg))
+        if cfg.kind.is_async:
+            _serve_async(sock, cfg, init_error)
+        else:
+            _serve_sync(sock, cfg, init_error, watch_ppid)
+    except KeyboardInterrupt:
+        pass
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the parent closed its end: nobody is listening any more
+    except BaseException:
+        code = 1
+        try:
+            sys.stderr.write(f"aioloader worker {cfg.worker_id} (pid {os.getpid()}) failed:\n"
+                             + traceback.format_exc())
+            sys.stderr.flush()
+        except BaseException:
+            pass
+    finally:
+        leaving.set()
+        try:
+            sock.close()
+        except BaseException:
+            pass
+        _run_own_exit_handlers()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:
+            pass
+        os._exit(code)

@@ -1,0 +1,212 @@
+"""The thread side of thread workers: a worker thread's body, its generators, its info.
+
+A worker thread (:func:`thread_worker_main`) seeds its own generators, sets its
+``get_worker_info()`` (aioloader's and torch's, per thread), runs
+``worker_init_fn`` and then the worker's own command loop
+(:func:`aioloader._worker.main.serve_commands`), reading commands from its queue and
+posting replies to the :class:`Channel` it shares with its pool
+(:class:`aioloader._pools.thread.ThreadWorkerPool`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import random
+import socket
+import threading
+from collections import deque
+from typing import Any
+
+import torch
+
+from .._errors import RemoteError
+from .._worker_info import WorkerInfo, _set_thread_worker_info
+from .config import reseed_datapipe
+from .main import WorkerConfig, _where, generate_numpy_seed, serve_commands
+
+__all__ = ["Channel", "thread_worker_main", "torch_thread_local"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ThreadRNG:
+    """A thread worker's own generators (torch's ``_RNG`` where torch lacks it)."""
+
+    random_generator: random.Random
+    torch_generator: torch.Generator
+    numpy_generator: object | None = None
+
+
+class Channel:
+    """What worker threads share with their pool: no reference to the pool itself.
+
+    (Threads holding the pool would keep it alive, so it could never be
+    collected and closed.)
+
+    ``inbox`` holds ``(worker_id, reply)`` for every worker, in the order they
+    were posted (so one worker's replies keep their order), and each thread's
+    end as its last item, ``(-1 - worker_id, reason)``. Its bound: a thread
+    posts one reply per command it was sent and one end, so the inbox never
+    holds more items than the pool has commands in flight plus one per
+    worker (``ThreadWorkerPool.in_flight``).
+    """
+
+    __slots__ = ("inbox", "stop", "wake")
+
+    def __init__(self, wake: socket.socket) -> None:
+        self.inbox: deque[tuple[int, Any]] = deque()
+        self.stop = threading.Event()  # the pool is closing: leave before the next command
+        self.wake = wake
+
+    def post(self, worker_id: int, item: Any) -> None:
+        """Queue a reply and ring the doorbell (never blocks)."""
+        self.inbox.append((worker_id, item))
+        try:  # ring() inline: this runs once per batch
+            self.wake.send(b"\0")
+        except OSError:  # buffer full (a wake-up is pending anyway) or the pool closed
+            pass
+
+    def post_end(self, worker_id: int, reason: str | None) -> None:
+        """Queue a thread's end (``reason``: why its machinery failed, if it did)."""
+        self.post(-1 - worker_id, reason)
+
+    def ring(self) -> None:
+        """Wake a ``serve()`` waiting on the doorbell."""
+        try:
+            self.wake.send(b"\0")
+        except OSError:  # buffer full (a wake-up is pending anyway) or the pool closed
+            pass
+
+
+# --------------------------------------------------------------------------- the thread
+
+
+def thread_worker_main(cfg: WorkerConfig, commands: queue.SimpleQueue[tuple[Any, ...]],
+                       channel: Channel, torch_local: threading.local | None) -> None:
+    """Body of a worker thread: own generators and worker info, then the command loop.
+
+    Its last act is :meth:`Channel.post_end` (with the reason if its machinery failed).
+    """
+    worker_id = cfg.worker_id
+    reason: str | None = None
+    try:
+        rng = _seed_thread(cfg)
+        seed = cfg.base_seed + worker_id
+        reseed_datapipe(cfg, cfg.shared_seed)  # its own copy of the graph (_datapipes)
+        _set_thread_worker_info(WorkerInfo(
+            id=worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset,
+            rng=rng, worker_method="thread"))
+        if torch_local is not None:
+            torch_local.worker_info = _torch_worker_info(cfg, seed, rng)
+        init_error: RemoteError | None = None
+        try:
+            if cfg.worker_init_fn is not None:
+                cfg.worker_init_fn(worker_id)
+        except Exception:
+            init_error = RemoteError.from_current(_where(cfg))
+
+        def next_command() -> Any:
+            if channel.stop.is_set():
+                return None
+            cmd = commands.get()
+            return None if channel.stop.is_set() else cmd
+
+        def send_reply(reply: tuple[Any, ...]) -> None:
+            channel.post(worker_id, reply)
+
+        serve_commands(cfg, init_error, next_command, send_reply)
+    except BaseException as exc:  # the worker machinery failed (or SystemExit in user code)
+        reason = f"{type(exc).__name__}: {exc}"
+        logger.debug("thread worker %d failed", worker_id, exc_info=True)
+    finally:
+        _set_thread_worker_info(None)
+        if torch_local is not None:
+            torch_local.worker_info = None
+        channel.post_end(worker_id, reason)
+
+
+def _seed_thread(cfg: WorkerConfig) -> Any:
+    """The thread's own generators, seeded as a worker process seeds the global ones."""
+    seed = cfg.base_seed + cfg.worker_id
+    torch_generator = torch.Generator()
+    torch_generator.manual_seed(seed)
+    numpy_generator = None
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is optional for torch
+        pass
+    else:
+        numpy_generator = np.random.default_rng(generate_numpy_seed(cfg.base_seed, cfg.worker_id))
+    rng_type: Any = getattr(_torch_worker(), "_RNG", None) or _ThreadRNG
+    return rng_type(random_generator=random.Random(seed), torch_generator=torch_generator,
+                    numpy_generator=numpy_generator)
+
+
+def _torch_worker() -> Any:
+    from torch.utils.data._utils import worker
+
+    return worker
+
+
+def _torch_worker_info(cfg: WorkerConfig, seed: int, rng: Any) -> Any:
+    """torch's ``WorkerInfo`` for this thread (``worker_method="thread"`` where torch has it)."""
+    info_type = _torch_worker().WorkerInfo
+    try:
+        return info_type(id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed,
+                         dataset=cfg.dataset, rng=rng, worker_method="thread")
+    except TypeError:  # an older torch: no rng / worker_method fields
+        return info_type(id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed,
+                         dataset=cfg.dataset)
+
+
+# ------------------------------------------------------------------ torch's get_worker_info
+
+_TORCH_PATCH_LOCK = threading.Lock()
+
+
+def _thread_aware_get_worker_info() -> Any:  # pragma: no cover - only its code object is used
+    # Runs with torch's worker module as its globals (see torch_thread_local).
+    info = getattr(_thread_local_worker_info, "worker_info", None)  # type: ignore[name-defined]  # noqa: F821
+    if info is not None:
+        return info
+    return _worker_info  # type: ignore[name-defined]  # noqa: F821
+
+
+def torch_thread_local() -> threading.local | None:
+    """torch's per-thread worker-info slot, made to exist if this torch lacks it.
+
+    torch's thread workers (upstream) keep a thread's ``WorkerInfo`` in
+    ``torch.utils.data._utils.worker._thread_local_worker_info`` and make
+    ``get_worker_info()`` read it before the process-wide global. On a torch
+    without that (2.13 and older), the same slot is added and the code of
+    torch's ``get_worker_info`` function is swapped for that two-step lookup,
+    in place, so every reference to it (``torch.utils.data.get_worker_info``,
+    one imported by a dataset module, ``torch.thread_safe_generator``) answers
+    per thread. Process workers and the main thread see no change. Returns
+    ``None`` if torch's worker module is not shaped as expected.
+    """
+    mod = _torch_worker()
+    with _TORCH_PATCH_LOCK:
+        local = getattr(mod, "_thread_local_worker_info", None)
+        if local is None:
+            local = threading.local()
+            mod._thread_local_worker_info = local
+        fn = getattr(mod, "get_worker_info", None)
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return None
+        if "_thread_local_worker_info" not in code.co_names:
+            if code.co_freevars or "_worker_info" not in code.co_names:
+                logger.warning("torch.utils.data.get_worker_info is not the expected "
+                               "function; it will not answer inside thread workers")
+                return None
+            new_code = _thread_aware_get_worker_info.__code__.replace(co_name=code.co_name)
+            if hasattr(code, "co_qualname"):  # Python 3.11+
+                new_code = new_code.replace(co_qualname=code.co_qualname)  # type: ignore[call-arg]
+            fn.__code__ = new_code  # type: ignore[union-attr]
+    return local if isinstance(local, threading.local) else None
+
+
