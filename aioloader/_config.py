@@ -1,8 +1,10 @@
-"""The DataLoader's argument checks: torch's exception types and messages, raised early.
+"""The loader's configuration: every argument check, and the frozen :class:`LoaderConfig`.
 
-:class:`aioloader._loader.DataLoaderCore` calls these from ``__init__`` in the order
-torch checks its arguments (the first bad argument is the one reported), and resolves
-its samplers here. Nothing in this module keeps state.
+:func:`make_config` runs the checks in the order torch checks its arguments (the first
+bad argument is the one reported, with torch's exception type), resolves the samplers,
+and returns a :class:`LoaderConfig`. :class:`aioloader._loader.DataLoaderCore` builds one
+in ``__init__``; epochs, pools, resume trackers and statistics are built from it, never
+from the loader object.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import multiprocessing.context
 import numbers
 import operator
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -21,10 +24,12 @@ import torch
 
 from . import _torch_data as _tud
 from ._datapipes import apply_shuffle, is_iter_datapipe
+from ._datapipes import wrap as wrap_datapipe
 from ._errors import PrefetchFactorError
-from ._fetch.sync import dataset_kind
+from ._fetch.policy import FailurePolicy, make_policy
+from ._fetch.sync import DatasetKind, dataset_kind
 from ._pools.ray import check_ray_options
-from .collate import default_collate
+from .collate import default_collate, default_convert
 from .sampler import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
 #: The values of ``worker_method``: where the ``num_workers`` workers run. Local
@@ -462,3 +467,125 @@ def resolve_mp_context(ctx: Any, num_workers: int) -> multiprocessing.context.Ba
             )
     checked: multiprocessing.context.BaseContext | None = ctx
     return checked
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """What one loader's epochs are built from: checked once, then never changed in place.
+
+    Built by :func:`make_config` from ``DataLoader(...)``'s arguments. A public attribute
+    torch lets a user re-assign after construction (``num_workers``, ``collate_fn``,
+    ``timeout``, ...) makes the loader build a new config with :meth:`with_attribute`; the
+    next ``iter()`` uses it, as torch's next iterator reads the attribute.
+    """
+
+    dataset: Any
+    kind: DatasetKind
+    batch_size: int | None
+    drop_last: bool
+    sampler: Any
+    batch_sampler: Any
+    collate_fn: Callable[[Any], Any]
+    num_workers: int
+    prefetch_factor: int | None
+    persistent_workers: bool
+    pin_memory: bool
+    pin_memory_device: str
+    timeout: float
+    worker_init_fn: Callable[[int], None] | None
+    mp_context: multiprocessing.context.BaseContext | None
+    generator: torch.Generator | None
+    in_order: bool
+    worker_method: str
+    fetch_concurrency: int
+    fetch_threads: int
+    device: torch.device | None
+    device_prefetch: int
+    failure_policy: FailurePolicy
+    collect_stats: bool
+    stats_interval: float | None
+    snapshot_every_n_steps: int
+    ray_address: str | None = None
+    ray_actor_options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def auto_collation(self) -> bool:
+        """Batches are collated from lists of indices (there is a batch sampler)."""
+        return self.batch_sampler is not None
+
+    @property
+    def index_sampler(self) -> Any:
+        """What an epoch draws from: the batch sampler, or the sampler without batching."""
+        return self.batch_sampler if self.batch_sampler is not None else self.sampler
+
+    @property
+    def persistent(self) -> bool:
+        """Workers live across epochs (``persistent_workers`` with workers)."""
+        return self.persistent_workers and self.num_workers > 0
+
+    def with_attribute(self, name: str, value: Any) -> LoaderConfig:
+        """This config after ``loader.<name> = value`` (torch reads it at the next ``iter()``)."""
+        return replace(self, **{name: value})
+
+
+#: Loader attributes a user may assign after construction that an epoch reads. torch
+#: refuses the others (``batch_size``, ``sampler``, ``dataset``, ...) once initialised.
+ASSIGNABLE = frozenset({
+    "num_workers", "prefetch_factor", "pin_memory", "pin_memory_device", "timeout",
+    "worker_init_fn", "generator", "in_order", "collate_fn",
+    "fetch_concurrency", "fetch_threads", "device_prefetch", "collect_stats",
+})
+
+
+def make_config(
+    dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, batch_sampler: Any,
+    num_workers: Any, collate_fn: Any, pin_memory: Any, drop_last: Any, timeout: Any,
+    worker_init_fn: Any, multiprocessing_context: Any, generator: Any, *,
+    prefetch_factor: Any, persistent_workers: Any, pin_memory_device: Any, in_order: Any,
+    worker_method: Any, fetch_concurrency: Any, fetch_threads: Any, device: Any,
+    device_prefetch: Any, on_error: Any, max_failures: Any, retries: Any, retry_delay: Any,
+    respawn_workers: Any, snapshot_every_n_steps: Any, ray_options: Any, collect_stats: Any,
+    stats_interval: Any,
+) -> LoaderConfig:
+    """Check every ``DataLoader`` argument (torch's order and exception types) and build
+    the config. A DataPipe ``dataset`` is kept in torch's serialization wrapper."""
+    num_workers, timeout, prefetch_factor, persistent_workers = check_worker_options(
+        num_workers, timeout, prefetch_factor, persistent_workers)
+    worker_method, fetch_concurrency, fetch_threads, device_prefetch = check_extra_options(
+        worker_method, fetch_concurrency, fetch_threads, device_prefetch)
+    check_worker_count(num_workers, worker_method)
+    ray_address, ray_actor_options = check_ray_args(dataset, worker_method, ray_options)
+    mp_context = resolve_mp_context(multiprocessing_context, num_workers)
+    snapshot_every_n_steps = check_snapshot_every(snapshot_every_n_steps)
+    kind = dataset_kind(dataset)
+    # Failure policy (docs/failure_policy.md): TypeError/ValueError naming the argument.
+    failure_policy = make_policy(
+        on_error=on_error, max_failures=max_failures, retries=retries,
+        retry_delay=retry_delay, respawn_workers=respawn_workers, num_workers=num_workers,
+        iterable=kind.iterable, is_async=kind.is_async)
+    check_thread_workers(worker_method, num_workers, kind.is_async)
+    stats_interval = check_stats_interval(stats_interval)
+    collect = bool(as_flag("collect_stats", collect_stats))
+    batch_size, drop_last, sampler, batch_sampler = resolve_sampling(
+        dataset, kind.iterable, batch_size, shuffle, sampler, batch_sampler, drop_last,
+        generator)
+    pin_memory, in_order = check_loader_options(
+        sampler=sampler, batch_sampler=batch_sampler, collate_fn=collate_fn,
+        worker_init_fn=worker_init_fn, generator=generator, pin_memory=pin_memory,
+        pin_memory_device=pin_memory_device, in_order=in_order)
+    if collate_fn is None:
+        collate_fn = default_collate if batch_sampler is not None else default_convert
+    return LoaderConfig(
+        dataset=wrap_datapipe(dataset), kind=kind, batch_size=batch_size, drop_last=drop_last,
+        sampler=sampler, batch_sampler=batch_sampler, collate_fn=collate_fn,
+        num_workers=num_workers, prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers, pin_memory=pin_memory,
+        pin_memory_device=pin_memory_device, timeout=timeout, worker_init_fn=worker_init_fn,
+        mp_context=mp_context,
+        generator=generator, in_order=in_order, worker_method=worker_method,
+        fetch_concurrency=fetch_concurrency, fetch_threads=fetch_threads,
+        device=torch.device(device) if device is not None else None,
+        device_prefetch=device_prefetch, failure_policy=failure_policy,
+        collect_stats=collect, stats_interval=stats_interval,
+        snapshot_every_n_steps=snapshot_every_n_steps, ray_address=ray_address,
+        ray_actor_options=ray_actor_options)

@@ -489,7 +489,7 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
         # one of them, and once the epoch ends every one of them gets StopIteration.
         self._lock = threading.RLock()  # re-entered from the same thread: no deadlock
         self._driver: _PortalDriver | None = None
-        self._worker = core.worker  # the in-process worker: batches made in this thread
+        self._worker = core.inline_source  # the in-process worker: batches made in this thread
         if self._worker is None:
             core.start_workers_sync()  # fork from this thread, before the loop thread exists
             driver = _PortalDriver(core)

@@ -6,9 +6,9 @@ dataset, a background task owns an anyio task group with the intake stages (work
 or in-process async fetches, pinning); the consumer's ``__anext__`` does the sampling and
 the dispatch (so global RNG draws happen while the consumer waits, at the points torch
 makes them), then waits for the next batch in order. With ``num_workers=0`` and a sync
-dataset the pipeline's in-process worker (:mod:`~aioloader._pipeline.source_inline`) fetches
-each batch inside the call that drew it, as torch does: in the iterator's own thread, or on the loop
-when batches are measured to be tiny (see :class:`aioloader._pipeline.offload._InlinePolicy`); no
+dataset the epoch's inline source (:mod:`aioloader._pipeline.source_inline`) fetches
+each batch inside the call that drew it, as torch does: in the iterator's own thread, or on
+the loop when batches are measured to be tiny (:mod:`aioloader._pipeline.offload`); no
 background task, nothing runs between calls.
 
 The sync facade (``for batch in loader``) is added on top by :mod:`aioloader._facade`,
@@ -23,6 +23,7 @@ import multiprocessing.context
 import os
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
@@ -31,29 +32,15 @@ import anyio
 import torch
 
 from . import _torch_data as _tud
-from ._config import (
-    DEFAULT_FETCH_CONCURRENCY,
-    as_flag,
-    check_extra_options,
-    check_loader_options,
-    check_ray_args,
-    check_snapshot_every,
-    check_stats_interval,
-    check_thread_workers,
-    check_worker_count,
-    check_worker_options,
-    resolve_mp_context,
-    resolve_sampling,
-)
-from ._datapipes import wrap as wrap_datapipe
-from ._fetch.report import DEFAULT_RETRY_DELAY, FailureReport, make_policy
-from ._fetch.sync import dataset_kind
+from ._config import ASSIGNABLE, DEFAULT_FETCH_CONCURRENCY, make_config, resolve_mp_context
+from ._fetch.policy import DEFAULT_RETRY_DELAY
+from ._fetch.report import FailureReport
 from ._pipeline.epoch import _PipelineCore
-from ._pipeline.source_inline import _InProcessWorker
-from ._pools.lease import _PoolLease
+from ._pipeline.source_inline import InlineSource
+from ._pools.lease import PoolKeeper
 from ._resume import state as _state
+from ._resume.tracker import EpochTracker
 from ._stats.book import LoaderStats, StatsBook
-from .collate import default_collate, default_convert
 from .sampler import Sampler
 
 __all__ = ["AsyncLoaderIter", "DataLoaderCore"]
@@ -77,9 +64,6 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
     #: torch's persistent-workers iterator slot: the latest ``for`` iterator of a loader with
     #: persistent workers (frameworks call its ``_shutdown_workers()`` at teardown).
     _iterator: Any = None
-    #: Resume (aioloader._resume.state): a loaded state for the next iter(), the latest epoch's tracker.
-    _resume_pending: Any = None
-    _resume_tracker: Any = None
 
     def __init__(
         self,
@@ -116,93 +100,94 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         collect_stats: bool = True,
         stats_interval: float | None = None,
     ) -> None:
-        num_workers, timeout, prefetch_factor, persistent_workers = check_worker_options(
-            num_workers, timeout, prefetch_factor, persistent_workers)
-        worker_method, fetch_concurrency, fetch_threads, device_prefetch = check_extra_options(
-            worker_method, fetch_concurrency, fetch_threads, device_prefetch)
-        check_worker_count(num_workers, worker_method)
-        self._ray_address, self._ray_actor_options = check_ray_args(
-            dataset, worker_method, ray_options)
-        self.ray_options = ray_options
-
-        # torch wraps a DataPipe in its serialization wrapper (what loader.dataset is then);
-        # shuffle= below applies to the graph inside.
-        self.dataset = wrap_datapipe(dataset)
-        self.num_workers = num_workers
-        self.prefetch_factor = prefetch_factor
-        self.pin_memory = pin_memory
-        self.pin_memory_device = pin_memory_device
-        self.timeout = timeout
-        self.worker_init_fn = worker_init_fn
-        self.multiprocessing_context = multiprocessing_context
-        self.in_order = in_order
-        self.worker_method = worker_method
-        self.fetch_concurrency = fetch_concurrency
-        self.fetch_threads = fetch_threads
-        self.device = torch.device(device) if device is not None else None
-        self.device_prefetch = device_prefetch
-        self.snapshot_every_n_steps = check_snapshot_every(snapshot_every_n_steps)
-
-        self._kind = dataset_kind(dataset)
-        # Failure policy (docs/failure_policy.md): validated here, TypeError/ValueError.
-        self._failure_policy = make_policy(
+        config = make_config(
+            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device, in_order=in_order,
+            worker_method=worker_method, fetch_concurrency=fetch_concurrency,
+            fetch_threads=fetch_threads, device=device, device_prefetch=device_prefetch,
             on_error=on_error, max_failures=max_failures, retries=retries,
-            retry_delay=retry_delay, respawn_workers=respawn_workers, num_workers=num_workers,
-            iterable=self._kind.iterable, is_async=self._kind.is_async)
+            retry_delay=retry_delay, respawn_workers=respawn_workers,
+            snapshot_every_n_steps=snapshot_every_n_steps, ray_options=ray_options,
+            collect_stats=collect_stats, stats_interval=stats_interval)
+        # Every epoch is built from this; assigning an attribute torch lets a user change
+        # after construction makes a new one (__setattr__).
+        self._config = config
+        # torch's public attributes, as torch keeps them (frameworks re-create a loader
+        # from them): the checked values, the arguments as given where torch keeps those.
+        self.dataset = config.dataset
+        self.num_workers = config.num_workers
+        self.prefetch_factor = config.prefetch_factor
+        self.pin_memory = config.pin_memory
+        self.pin_memory_device = pin_memory_device
+        self.timeout = config.timeout
+        self.worker_init_fn = worker_init_fn
+        self.in_order = config.in_order
+        self.worker_method = config.worker_method
+        self.fetch_concurrency = config.fetch_concurrency
+        self.fetch_threads = config.fetch_threads
+        self.device = config.device
+        self.device_prefetch = config.device_prefetch
+        self.snapshot_every_n_steps = config.snapshot_every_n_steps
+        self.ray_options = ray_options
+        policy = config.failure_policy
         self.on_error = on_error
         # Kept as given (re-created loaders get the same arguments), numpy numbers as plain.
-        self.max_failures = self._failure_policy.max_failures
-        self.retries = self._failure_policy.retries
+        self.max_failures = policy.max_failures
+        self.retries = policy.retries
         self.retry_delay = retry_delay if isinstance(retry_delay, (int, float)) else float(
             retry_delay)
         self.respawn_workers = (respawn_workers if isinstance(respawn_workers, bool)
                                 else int(respawn_workers))
-        self._failure_report: FailureReport | None = None
-        check_thread_workers(worker_method, num_workers, self._kind.is_async)
-        # Per-stage statistics (docs/stats.md): loader.stats(); logged every stats_interval s.
-        stats_interval = check_stats_interval(stats_interval)
-        self.collect_stats = bool(as_flag("collect_stats", collect_stats))
-        self.stats_interval = stats_interval
-        self._stats_book = StatsBook(num_workers, self._kind.is_async,
-                                     stats_interval if collect_stats else None)
-        batch_size, drop_last, sampler, batch_sampler = resolve_sampling(
-            dataset, self._kind.iterable, batch_size, shuffle, sampler, batch_sampler,
-            drop_last, generator)
-        self.pin_memory, self.in_order = check_loader_options(
-            sampler=sampler, batch_sampler=batch_sampler, collate_fn=collate_fn,
-            worker_init_fn=worker_init_fn, generator=generator, pin_memory=pin_memory,
-            pin_memory_device=pin_memory_device, in_order=in_order)
-
-        self.batch_size = batch_size
-        self.drop_last = drop_last
-        self.sampler = sampler
-        self.batch_sampler = batch_sampler
+        self.collect_stats = config.collect_stats
+        self.stats_interval = config.stats_interval
+        self.batch_size = config.batch_size
+        self.drop_last = config.drop_last
+        self.sampler = config.sampler
+        self.batch_sampler = config.batch_sampler
         self.generator = generator
-        if collate_fn is None:
-            collate_fn = default_collate if self._auto_collation else default_convert
-        self.collate_fn = collate_fn
-        self.persistent_workers = persistent_workers
+        self.collate_fn = config.collate_fn
+        self.persistent_workers = config.persistent_workers
 
+        self._kind = config.kind
+        # Per-stage statistics (docs/stats.md): loader.stats(); logged every stats_interval s.
+        self._stats_book = StatsBook(config.num_workers, config.kind.is_async,
+                                     config.stats_interval if config.collect_stats else None)
+        # What the latest epoch handed back (its failure report and resume position), and a
+        # loaded state waiting for the next iter(): the loader's own, set by the loader.
+        self._failure_report: FailureReport | None = None
+        self._resume_tracker: EpochTracker | None = None
+        self._resume_pending: dict[str, Any] | None = None
+        # Persistent workers live here between epochs; they stop when the loader is collected
+        # (or, if an epoch still runs then, when that epoch stops).
+        self._pools = PoolKeeper()
+        if config.persistent_workers:
+            weakref.finalize(self, self._pools.owner_gone)
         self._IterableDataset_len_called: int | None = None  # type: ignore[assignment]
-        self._pool_lease: _PoolLease | None = None
         self._iterator = None
-        self._dataset_kind = 1 if self._kind.iterable else 0  # torch: _DatasetKind.Map/Iterable
+        self._dataset_kind = 1 if config.kind.iterable else 0  # torch: _DatasetKind.Map/Iterable
         # torch's own __setattr__ then refuses to change batch_size, sampler, dataset, ...
         # (same ValueError and message as torch).
         self._DataLoader__initialized = True
         self.check_worker_number_rationality()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)  # torch's: refuses batch_size, sampler, ... once set up
+        if name in ASSIGNABLE and self.__dict__.get("_DataLoader__initialized"):
+            object.__setattr__(self, "_config", self._config.with_attribute(name, value))
 
     # -- torch-compatible attributes ------------------------------------------------------
 
     @property
     def multiprocessing_context(self) -> multiprocessing.context.BaseContext | None:
         """The start method's context object (``None``: the platform default)."""
-        ctx: multiprocessing.context.BaseContext | None = self.__multiprocessing_context
-        return ctx
+        return self._config.mp_context
 
     @multiprocessing_context.setter
     def multiprocessing_context(self, ctx: Any) -> None:
-        self.__multiprocessing_context = resolve_mp_context(ctx, self.num_workers)
+        self._config = self._config.with_attribute(
+            "mp_context", resolve_mp_context(ctx, self.num_workers))
 
     @property
     def _auto_collation(self) -> bool:
@@ -277,7 +262,18 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
     # -- iteration -----------------------------------------------------------------------
 
     def _make_core(self) -> _PipelineCore:
-        return _PipelineCore(self)
+        """A new epoch, built from the config and what the loader keeps for it.
+
+        The epoch hands back its failure report and resume position; the loader keeps
+        them (``loader.failures``, ``state_dict()``).
+        """
+        pending, self._resume_pending = self._resume_pending, None
+        rec = self._stats_book.new_epoch() if self._config.collect_stats else None
+        core = _PipelineCore(self._config, keeper=self._pools, resume=pending, rec=rec,
+                             len_called=self._IterableDataset_len_called)
+        self._failure_report = core.failures
+        self._resume_tracker = core.track
+        return core
 
     def __aiter__(self) -> AsyncLoaderIter[T_co]:
         """Start an epoch: ``async for batch in loader``."""
@@ -291,7 +287,8 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         again after a resume). Plain data (JSON-able when the dataset's and sampler's own
         states are). See docs/resume.md.
         """
-        return _state.loader_state_dict(self)
+        return _state.loader_state_dict(self._config, self._resume_pending,
+                                        self._resume_tracker)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Make the next ``iter()``/``aiter()`` resume from ``state_dict``.
@@ -300,20 +297,20 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         uninterrupted run's; later epochs follow as they would have. Persistent workers
         are restarted (with the saved base seed). ``{}`` does nothing.
         """
-        _state.prepare_resume(self, state_dict)
-        if self._resume_pending is not None:
+        state = _state.checked_state(self._config, state_dict)
+        if state is not None:
+            self._resume_pending = state
+            self._resume_tracker = None
             self._close_pool_sync()
 
     async def aclose(self) -> None:
         """Shut down persistent workers, if any (iterators close themselves)."""
-        lease = self._pool_lease
-        self._pool_lease = None
+        lease = self._pools.pop()
         if lease is not None:
             await lease.aclose()
 
     def _close_pool_sync(self) -> None:
-        lease = self._pool_lease
-        self._pool_lease = None
+        lease = self._pools.pop()
         if lease is not None:
             lease.close()
 
@@ -414,8 +411,8 @@ class AsyncLoaderIter(Generic[T_co]):
         self._turns = _Turns()
         # Where batches come from: the in-process worker itself when there is one (its
         # few attributes are read faster per batch than the core's), else the core.
-        self._source: _PipelineCore | _InProcessWorker = (
-            core.worker if core.worker is not None else core)
+        self._source: _PipelineCore | InlineSource = (
+            core.inline_source if core.inline_source is not None else core)
 
     def __aiter__(self) -> AsyncLoaderIter[T_co]:
         return self

@@ -362,7 +362,7 @@ def test_reinstantiable_from_attributes_keeps_the_policy() -> None:
     attrs["multiprocessing_context"] = loader.multiprocessing_context
     attrs.update(sampler=None, batch_sampler=None, shuffle=False)
     again = type(loader)(**attrs)
-    assert again._failure_policy == loader._failure_policy
+    assert again._config.failure_policy == loader._config.failure_policy
     out, _ = _collect(again)
     assert out == [0, 1, 3, 4, 5, 6, 7]
 

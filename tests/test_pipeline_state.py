@@ -74,7 +74,7 @@ def test_a_superseded_sync_epoch_stops_before_the_new_one_uses_the_workers() -> 
         assert [b.tolist() for b in second] == [[0, 1], [2, 3], [4, 5], [6, 7]]
         assert old.stopped.is_set()  # the new epoch waited for it
         assert second._core.state is PipelineState.CLOSED  # type: ignore[union-attr]
-        assert loader._pool_lease is not None and not loader._pool_lease.closed
+        assert loader._pools.lease is not None and not loader._pools.lease.closed
         with pytest.raises(EpochSupersededError):
             next(first)
     finally:
@@ -89,7 +89,7 @@ def test_a_background_error_is_raised_until_the_epoch_is_closed() -> None:
         async def broken(tg: anyio.abc.TaskGroup) -> None:
             raise OSError("the intake broke")
 
-        core._start_in_process = broken  # type: ignore[method-assign]
+        core.source.start = broken  # type: ignore[method-assign]
         for _ in range(2):
             with pytest.raises(OSError, match="the intake broke"):
                 await anext(it)

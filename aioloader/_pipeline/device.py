@@ -1,9 +1,4 @@
-"""Pinning policy and the opt-in device stage.
-
-:class:`PinPolicy` decides, at ``iter()`` time and with torch's warnings,
-whether batches are pinned. The structure walk itself lives in
-:mod:`aioloader._pipeline.pin`; the pipeline calls :meth:`PinPolicy.apply` in its own
-thread, never on the event loop.
+"""The opt-in device stage: batches copied to ``device=`` ahead of the consumer.
 
 The device stage (``DataLoader(device="cuda")``) copies each batch to the
 device on a side stream, a few batches ahead of the consumer
@@ -17,53 +12,21 @@ their memory too early. Order is the loader's order.
 from __future__ import annotations
 
 import threading
-import warnings
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
 
+from .._stats.recorder import DEVICE
+from .._threads import ThreadRunner
 from . import pin as _pin
+from .offload import _ErrorBox, _ThreadCall
 
-__all__ = ["PinPolicy", "finish_on_device", "stage_to_device"]
+_ns = time.perf_counter_ns
 
-
-class PinPolicy:
-    """Whether and where to pin, decided once per iterator, as torch does.
-
-    Example:
-        >>> import warnings
-        >>> with warnings.catch_warnings(record=True):
-        ...     warnings.simplefilter("always")
-        ...     PinPolicy(False, "").enabled
-        False
-    """
-
-    __slots__ = ("device", "enabled")
-
-    def __init__(self, pin_memory: bool, pin_memory_device: str) -> None:
-        if pin_memory and pin_memory_device:
-            warnings.warn(_pin.PIN_MEMORY_DEVICE_DEPRECATED_WARNING.format(pin_memory_device),
-                          stacklevel=4)
-        available = _pin.pin_available() if pin_memory else False
-        if pin_memory and not available:
-            warnings.warn(_pin.PIN_WITHOUT_ACCELERATOR_WARNING, stacklevel=4)
-        self.enabled = bool(pin_memory and available)
-        self.device: str | None = _accelerator_type() if self.enabled else None
-        if self.device == "mps":
-            self.enabled = False
-            warnings.warn(_pin.PIN_ON_MPS_WARNING, stacklevel=4)
-
-    def apply(self, data: Any) -> Any:
-        """Pin every tensor of ``data`` (call it off the event loop)."""
-        return _pin.pin_memory(data, self.device)
-
-
-def _accelerator_type() -> str | None:
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "current_accelerator"):
-        dev = acc.current_accelerator()
-        return dev.type if dev is not None else None
-    return "cuda" if torch.cuda.is_available() else None
+__all__ = ["DeviceStage", "finish_on_device", "stage_to_device"]
 
 
 _side_streams: dict[tuple[int, torch.device], Any] = {}
@@ -117,3 +80,54 @@ def finish_on_device(staged: _Staged) -> Any:
     current.wait_event(staged.event)
     _pin.record_stream(staged.batch, current)
     return staged.batch
+
+
+class DeviceStage:
+    """``device=``: up to ``depth`` batches whose host-to-device copies were issued ahead.
+
+    The lookahead takes its batches inside the consumer's ``__anext__`` (through
+    ``next_host``), so sampler draws stay in the consumer's calls. A copy whose waiter
+    was cancelled is kept (``staging``) for the next call.
+    """
+
+    __slots__ = ("depth", "device", "host_done", "rec", "runner", "staged", "staging")
+
+    def __init__(self, device: Any, depth: int, runner: ThreadRunner, rec: Any) -> None:
+        self.device = device
+        self.depth = depth
+        self.runner = runner
+        self.rec = rec
+        self.staged: deque[Any] = deque()
+        self.host_done = False  # the host stages delivered their last batch
+        self.staging: _ThreadCall | None = None  # device copy whose waiter was cancelled
+
+    async def next(self, next_host: Callable[[], Awaitable[Any]]) -> Any:
+        """The next batch on the device; StopAsyncIteration after the last."""
+        while len(self.staged) < self.depth and not self.host_done:
+            call = self.staging
+            if call is None:
+                try:
+                    batch = await next_host()
+                except StopAsyncIteration:
+                    self.host_done = True
+                    break
+                except Exception as exc:
+                    self.staged.append(_ErrorBox(exc))
+                    break
+                call = self.staging = _ThreadCall(stage_to_device, batch, self.device)
+            t0 = _ns()
+            await call.wait(self.runner)  # cancelled: `staging` keeps the batch
+            if self.rec is not None:
+                self.rec.add(DEVICE, _ns() - t0)
+            self.staging = None
+            try:
+                self.staged.append(call.result())
+            except Exception as exc:
+                self.staged.append(_ErrorBox(exc))
+                break
+        if not self.staged:
+            raise StopAsyncIteration
+        item = self.staged.popleft()
+        if isinstance(item, _ErrorBox):
+            item.raise_it()
+        return finish_on_device(item)

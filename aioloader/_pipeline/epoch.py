@@ -1,16 +1,23 @@
-"""The pipeline iterator, the one shape of every epoch.
+"""One epoch: a Dispatcher, a ReorderBuffer, one Source, and the optional device stage.
 
-With workers or an async dataset a background task feeds it; with neither, the
-in-process worker (:mod:`aioloader._pipeline.source_inline`) fetches each batch inside the call that
-drew it (no background task, nothing runs between calls).
+The epoch (:class:`_PipelineCore`) is built from the loader's frozen config
+(:class:`aioloader._config.LoaderConfig`) and what the loader hands it (its persistent
+workers' keeper, a loaded resume state, a stats recorder); it never sees the loader. It
+hands back its failure report (:attr:`failures`), resume position (:attr:`track`) and
+statistics (the recorder) as values the loader reads.
 
-The consumer's ``__anext__`` samples and dispatches (so global RNG draws happen while
-the consumer waits, at the points torch makes them), then waits for the next batch in
-order. A background task (spawned on the consumer's loop through
-:class:`aioloader._pipeline.backend._LoopHandle`) owns an anyio task group with the intake
-stages (:mod:`aioloader._pipeline.stages`): the worker reader or the in-process async fetches,
-and pinning. The device stage copies batches ahead on the consumer side
-(``device_prefetch``).
+What differs between modes is the choice of source:
+
+* :class:`~aioloader._pipeline.source_inline.InlineSource` (``num_workers=0``, sync
+  dataset): each batch is fetched inside the call that drew it; no background task.
+* :class:`~aioloader._pipeline.source_async.AsyncFetchSource` (``num_workers=0``, async
+  dataset) and :class:`~aioloader._pipeline.source_pool.PoolSource` (workers): a
+  background task on the consumer's loop (:class:`aioloader._pipeline.backend._LoopHandle`)
+  runs the source and the sender; the consumer's ``__anext__`` samples and dispatches
+  (so global RNG draws happen while the consumer waits, at the points torch makes them)
+  through the :class:`~aioloader._pipeline.dispatch.Dispatcher`, then takes the next
+  batch in order from the :class:`~aioloader._pipeline.dispatch.ReorderBuffer`, through
+  the device stage when ``device=`` is set.
 
 An epoch's lifecycle is one :class:`PipelineState`, changed only by
 :meth:`_PipelineCore._to` (docs/pipeline.md, "Shutdown"); every exit goes through
@@ -25,10 +32,12 @@ import math
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
+import torch
 
+from .._config import LoaderConfig
 from .._datapipes import (
     is_datapipe,
     is_iter_datapipe,
@@ -40,20 +49,29 @@ from .._datapipes import (
 from .._errors import (
     EpochSupersededError,
     IteratorClosedError,
+    LoaderTimeoutError,
     PrefetchFactorError,
+    RemoteError,
     WorkerDiedError,
+    batch_note,
 )
-from .._fetch.aiter import AsyncIterFetcher
-from .._fetch.report import TooManyFailuresError
-from .._pools.lease import _PoolLease, _start_pool
+from .._fetch.records import NOTHING
+from .._fetch.report import FailureReport, TooManyFailuresError
+from .._fetch.sync import EXHAUSTED
+from .._pools.factory import start_pool
+from .._pools.lease import PoolKeeper, _PoolLease
+from .._resume.tracker import EpochTracker
+from .._stats.recorder import Recorder, TimedCollate
+from .._threads import ThreadRunner
 from .backend import _LoopHandle
-from .dispatch import Dispatcher, ReorderBuffer
-from .offload import _draw_base_seed, _unwrap
-from .source_inline import _InProcessWorker
-from .stages import _Stages
-
-if TYPE_CHECKING:
-    from .._loader import DataLoaderCore
+from .delivery import Delivery
+from .device import DeviceStage
+from .dispatch import DRAINED, Dispatcher, ReorderBuffer
+from .offload import _ErrorBox, _unwrap
+from .pin import PinPolicy
+from .source_async import AsyncFetchSource
+from .source_inline import InlineSource
+from .source_pool import PoolSource
 
 _LG = logging.getLogger(__name__)
 
@@ -92,6 +110,11 @@ def bound_window(window: int, index_sampler: Any, num_workers: int) -> int:
     return min(window, max(cap, _SMALL_WINDOW))
 
 
+def draw_base_seed(generator: torch.Generator | None) -> int:
+    """Draw the per-iterator base seed exactly as torch does (one int64 draw)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
 def superseded_error() -> EpochSupersededError:
     """What ``next()`` raises on an epoch whose persistent workers a newer epoch took."""
     return EpochSupersededError(
@@ -122,62 +145,91 @@ _TRANSITIONS: dict[PipelineState, frozenset[PipelineState]] = {
 }
 
 
-class _PipelineCore(_Stages):
-    """One epoch: workers, or without them an async dataset or the in-process worker.
+class _PipelineCore:
+    """One epoch: the Dispatcher, the ReorderBuffer, one source, the device stage.
 
-    With workers or an async dataset a background task owns the intake stages. With
-    neither (:attr:`inline`) the in-process :attr:`worker` (:mod:`aioloader._pipeline.source_inline`)
-    fetches each batch inside the call that drew it: no background task, and the epoch
-    stays NEW (nothing of it runs on a loop) until it stops.
+    With an :class:`InlineSource` (:attr:`inline`) each batch is fetched inside the call
+    that drew it: no background task, and the epoch stays NEW (nothing of it runs on a
+    loop) until it stops. Otherwise a background task runs the source and the sender.
     """
 
-    #: The in-process worker (``num_workers=0``, sync dataset); None otherwise.
-    worker: _InProcessWorker | None = None
+    def __init__(self, config: LoaderConfig, *, keeper: PoolKeeper,
+                 resume: dict[str, Any] | None, rec: Recorder | None,
+                 len_called: int | None) -> None:
+        """Build the epoch (torch's ``iter()``): draw its seeds, prime the window.
 
-    def __init__(self, loader: DataLoaderCore[Any]) -> None:
-        super().__init__(loader)
-        if self.inline and loader.timeout != 0:
+        Args:
+            config: the loader's configuration.
+            keeper: where the loader keeps persistent workers between epochs.
+            resume: a loaded state to resume from (``load_state_dict``), or None.
+            rec: this epoch's statistics recorder (None: statistics are off).
+            len_called: what ``len(loader)`` returned for an iterable dataset, if asked.
+        """
+        kind = config.kind
+        num_workers = config.num_workers
+        self.kind = kind
+        self.dataset = config.dataset
+        self.num_workers = num_workers
+        self.index_sampler = config.index_sampler
+        self.inline = num_workers == 0 and not kind.is_async
+        if self.inline and config.timeout != 0:
             raise AssertionError(
                 "timeout applies to multi-process loading only (as in torch): set "
                 "timeout=0 with num_workers=0, or use num_workers > 0"
             )
-        # Weak: the loader keeps its persistent iterator (``loader._iterator``, as torch), so
-        # a strong reference back would be a cycle that keeps the workers alive until the
-        # cyclic GC runs (torch's stop as soon as the last reference to the loader goes). An
-        # epoch that outlives its loader keeps the pool through ``self.lease`` and closes it
-        # at its end (``_PoolLease.orphaned``).
-        self.loader: weakref.ref[DataLoaderCore[Any]] | None = weakref.ref(loader)
-        self.lease_released = False
-        self.persistent = loader.persistent_workers
-        self.state = _NEW
-        self.state_lock = threading.Lock()
-        # Set once this epoch no longer touches its worker pool (by _to, at CLOSED).
-        self.stopped = threading.Event()
-        if self.num_workers > 0 and loader.prefetch_factor == 0:
+        if num_workers > 0 and config.prefetch_factor == 0:
             # torch asserts this at iter() too; PrefetchFactorError is an AssertionError.
             raise PrefetchFactorError(
                 "prefetch_factor must be greater than 0 with num_workers > 0 (it is how many "
                 "batches each worker is asked for ahead; 0 would request none): pass "
                 "prefetch_factor=1 or more, or leave it None for the default of 2"
             )
-        bs = loader.batch_size or 1
+        self.timeout = config.timeout
+        self.pin = PinPolicy(config.pin_memory, config.pin_memory_device)
+        self.failures = FailureReport(config.failure_policy, kind.iterable)
+        self.track = EpochTracker(config, resume)
+        self.rec = rec
+        self.delivery = Delivery(self.failures, rec, auto_collation=config.auto_collation,
+                                 dataset=config.dataset, len_called=len_called,
+                                 iterable=kind.iterable, num_workers=num_workers)
+        collate_fn = TimedCollate(config.collate_fn, rec) if rec is not None else (
+            config.collate_fn)
+        self.runner = ThreadRunner("aioloader-fetch" if self.inline else "aioloader-pipeline")
+        self.closed = False
+        self.keeper = keeper
+        self.lease_released = False
+        self.persistent = config.persistent
+        self.state = _NEW
+        self.state_lock = threading.Lock()
+        # Set once this epoch no longer touches its worker pool (by _to, at CLOSED).
+        self.stopped = threading.Event()
+        # Created on the consumer's loop when the background task starts.
+        self.wakeup: anyio.Event | None = None
+        self.cmd_ready: anyio.Event | None = None
+        self.done: anyio.Event | None = None  # set when the background task ends
+        # An error of the background task, raised by every next() until the epoch is closed.
+        self.fatal: BaseException | None = None
+        self.device_stage = (DeviceStage(config.device, config.device_prefetch, self.runner,
+                                         rec)
+                             if config.device is not None and not self.inline else None)
+        bs = config.batch_size or 1
         # Async datasets keep enough batches in flight to use the fetch limit, plus one
         # (docs/async_datasets.md): with num_workers=0 this is the documented prefetch.
-        async_depth = math.ceil(loader.fetch_concurrency / bs) + 1
-        sampler_iter = self.track.sampler_iter(loader._index_sampler)
-        # torch draws the base seed at iter() for every fresh iterator; persistent
-        # workers keep theirs, so later epochs draw nothing.
+        async_depth = math.ceil(config.fetch_concurrency / bs) + 1
+        sampler_iter = self.track.sampler_iter(config.index_sampler)
         self.lease: _PoolLease | None = None
         self.after: threading.Event | None = None  # the superseded epoch's `stopped`
         self.pid = os.getpid()  # its loop and threads exist in this process only
-        # An IterDataPipe's shared seed (aioloader._datapipes): drawn where torch draws it,
-        # before the base seed; the reset of a persistent epoch carries it to the workers.
+        # Seeds, drawn where torch draws them: an IterDataPipe's shared seed (before the
+        # base seed; a persistent epoch's reset carries it to the workers), then the base
+        # seed for every fresh iterator (persistent workers keep theirs: later epochs draw
+        # nothing).
         iter_dp = is_iter_datapipe(self.dataset)
-        self.reset_seed: int | None = None
-        if self.num_workers > 0:
-            lease = loader._pool_lease if self.persistent else None
-            if lease is not None and lease.closed:  # shut down by _shutdown_workers()
-                lease = None
+        generator = config.generator
+        reset_seed: int | None = None
+        fresh_epoch = False
+        if num_workers > 0:
+            lease = keeper.live() if self.persistent else None
             if lease is None:
                 group = seed_group() if iter_dp else None
                 # torch's fresh iterator: one shared seed for its workers, then its _reset
@@ -185,27 +237,23 @@ class _PipelineCore(_Stages):
                 # Persistent workers restarted by a resume keep the draws of the run they
                 # continue: one seed for the epoch, as the reset of a live pool draws.
                 continues = self.track.keeps_base_seed
-                worker_seed = self._shared_seed(loader, group) if iter_dp else None
-                base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
-                lease = _PoolLease(_start_pool(loader, base_seed, self.track.worker_states,
-                                               worker_seed),
+                worker_seed = self._shared_seed(generator, group) if iter_dp else None
+                base_seed = self.track.base_seed(lambda: draw_base_seed(generator))
+                lease = _PoolLease(start_pool(config, base_seed, self.track.worker_states,
+                                              worker_seed),
                                    base_seed)
                 lease.seed_group = group
                 if iter_dp and not continues:
-                    self._shared_seed(loader, group)
+                    self._shared_seed(generator, group)
                 self.track.shared = worker_seed
                 if self.persistent:
-                    loader._pool_lease = lease
-                    # The workers belong to the loader: they stop when it is collected (or,
-                    # if an epoch still runs then, when that epoch stops).
-                    weakref.finalize(loader, lease.loader_collected)
-                self.fresh_epoch = False
+                    keeper.lease = lease
             else:
                 lease.epoch += 1
-                self.fresh_epoch = True
+                fresh_epoch = True
                 if iter_dp:
-                    self.reset_seed = self._shared_seed(loader, lease.seed_group)
-                    self.track.shared = self.reset_seed
+                    reset_seed = self._shared_seed(generator, lease.seed_group)
+                    self.track.shared = reset_seed
             previous = lease.holder() if lease.holder is not None else None
             if previous is not None and previous is not self:
                 previous.detach()
@@ -216,44 +264,62 @@ class _PipelineCore(_Stages):
             self.lease = lease
             self.track.seed = lease.base_seed
             self.epoch = lease.epoch
-            per_worker = loader.prefetch_factor or 0
-            if self.kind.is_async:
+            per_worker = config.prefetch_factor or 0
+            if kind.is_async:
                 per_worker = max(per_worker, async_depth)
-            self.window = bound_window(per_worker * self.num_workers, loader._index_sampler,
-                                       self.num_workers)
+            self.window = bound_window(per_worker * num_workers, config.index_sampler,
+                                       num_workers)
         else:
             if iter_dp:
-                self.track.shared = self._shared_seed(loader, seed_group())
-            self.base_seed = self.track.base_seed(lambda: _draw_base_seed(loader.generator))
-            self.track.seed = self.base_seed
+                self.track.shared = self._shared_seed(generator, seed_group())
+            self.track.seed = self.track.base_seed(lambda: draw_base_seed(generator))
             if is_datapipe(self.dataset):
                 shard_main(self.dataset)  # over the distributed ranks, at every iter()
-            self.fresh_epoch = False
             self.epoch = 0
-            # The in-process worker fetches each batch in the call that drew it: window 1.
+            # The inline source fetches each batch in the call that drew it: window 1.
             self.window = 1 if self.inline else bound_window(async_depth,
-                                                             loader._index_sampler, 1)
-        self.dispatch = Dispatcher(sampler_iter, ReorderBuffer(loader.in_order),
-                                   num_workers=self.num_workers, window=self.window,
-                                   in_order=loader.in_order, epoch=self.epoch,
-                                   track=self.track, rec=self.rec,
+                                                             config.index_sampler, 1)
+        self.dispatch = Dispatcher(sampler_iter, ReorderBuffer(config.in_order),
+                                   num_workers=num_workers, window=self.window,
+                                   in_order=config.in_order, epoch=self.epoch,
+                                   track=self.track, rec=rec,
                                    skip=self.track.cycle_skip())
         self.buffer = self.dispatch.buffer
-        self.slots = self.buffer.slots
         self.pending_cmds = self.dispatch.pending
         self.handle: _LoopHandle | None = None
         self.task: Any = None
         self.scope: anyio.CancelScope | None = None
-        if self.num_workers > 0:
+        self.source: InlineSource | AsyncFetchSource | PoolSource
+        if self.lease is not None:
+            self.source = PoolSource(
+                self.lease, self.dispatch, num_workers=num_workers, epoch=self.epoch,
+                fresh_epoch=fresh_epoch, reset_seed=reset_seed, window=self.window, rec=rec,
+                pin=self.pin, runner=self.runner, wake=self._wake,
+                commands_ready=self._commands_ready,
+                allow_respawn=(self._allow_respawn if config.failure_policy.max_respawns
+                               else None))
             # Prime the window now, as torch does at iter(): sampler draws happen here.
             self._prime()
-        if self.inline:
-            self.worker = _InProcessWorker(self, loader, sampler_iter)
-            self.sampled_waits = self.worker.sampled_waits
+        elif self.inline:
+            self.source = InlineSource(config, sampler_iter, delivery=self.delivery,
+                                       track=self.track, rec=rec, runner=self.runner,
+                                       pin=self.pin, owner=self, collate_fn=collate_fn)
+        else:
+            self.source = AsyncFetchSource(
+                self.dataset, kind, self.dispatch, auto_collation=config.auto_collation,
+                collate_fn=collate_fn, drop_last=config.drop_last,
+                fetch_concurrency=config.fetch_concurrency, failure=config.failure_policy,
+                rec=rec, pin=self.pin, runner=self.runner, wake=self._wake)
+        # What the consumer's iterator calls per batch, chosen once: the inline source's
+        # own methods (its few attributes are read faster than the epoch's), else the
+        # epoch's. `sampled_waits`: the iterator times 1 wait in Recorder.time_every.
+        inline = self.source if isinstance(self.source, InlineSource) else None
+        self.inline_source = inline
+        self.sampled_waits = inline.sampled_waits if inline is not None else False
 
-    def _shared_seed(self, loader: DataLoaderCore[Any], group: Any) -> int:
+    def _shared_seed(self, generator: torch.Generator | None, group: Any) -> int:
         """Draw an ``IterDataPipe``'s shared seed and seed the main process's graph with it."""
-        seed = self.track.shared_seed(lambda: share_seed(loader.generator, group))
+        seed = self.track.shared_seed(lambda: share_seed(generator, group))
         seed_graph(self.dataset, seed)
         return seed
 
@@ -277,8 +343,8 @@ class _PipelineCore(_Stages):
                 raise RuntimeError(f"illegal pipeline transition {old.name} -> {new.name}")
             # Over for the consumer once stopping, unless an error is still to be raised.
             self.closed = self.state.value >= _STOPPING.value and self.fatal is None
-            if self.closed and self.worker is not None:
-                self.worker.closed = True  # it fetches nothing more
+            if self.closed and self.inline_source is not None:
+                self.inline_source.closed = True  # it fetches nothing more
         if new is _CLOSED:
             self.stopped.set()
         return left
@@ -316,19 +382,15 @@ class _PipelineCore(_Stages):
 
     async def _background(self) -> None:
         assert self.scope is not None and self.done is not None
+        source = self.source
+        assert not isinstance(source, InlineSource)
         try:
             with self.scope:
                 if self.after is not None and not self.after.is_set():
                     await self.runner.run(self._wait_for_previous)
-                if self.lease is not None:
-                    await self.lease.start(self.runner)
-                    self._push_commands_now()
                 async with anyio.create_task_group() as tg:
-                    if self.num_workers > 0:
-                        tg.start_soon(self._serve_workers)
-                    else:
-                        await self._start_in_process(tg)
-                    tg.start_soon(self._sender, tg)
+                    await source.start(tg)
+                    tg.start_soon(self._sender, source)
         except BaseException as exc:  # trio system tasks must never raise
             if not isinstance(exc, anyio.get_cancelled_exc_class()):
                 self.fatal = _unwrap(exc)
@@ -345,6 +407,30 @@ class _PipelineCore(_Stages):
             self.done.set()
             self._wake()
 
+    async def _sender(self, source: AsyncFetchSource | PoolSource) -> None:
+        """Hand each command the dispatcher queued to the source, as they come."""
+        assert self.cmd_ready is not None
+        await source.begin_sending()
+        pending = self.pending_cmds
+        while True:
+            while pending:
+                worker, cmd = pending.popleft()
+                await source.send(worker, cmd)
+            self.cmd_ready = anyio.Event()
+            if pending:
+                continue
+            await self.cmd_ready.wait()
+
+    def _wake(self) -> None:
+        """A slot was filled (or the background task ended): wake the waiting consumer."""
+        if self.wakeup is not None:
+            self.wakeup.set()
+
+    def _commands_ready(self) -> None:
+        """The dispatcher queued commands: wake the sender."""
+        if self.cmd_ready is not None:
+            self.cmd_ready.set()
+
     def _wait_for_previous(self) -> None:
         """Block until the superseded epoch of a persistent pool stopped using it."""
         if self.after is not None and not self.after.wait(PREVIOUS_EPOCH_WAIT_S):
@@ -355,9 +441,8 @@ class _PipelineCore(_Stages):
     def _forget_failed_lease(self) -> None:
         """A failed epoch closes its persistent workers: the loader's next epoch must not
         take them, even while this epoch's teardown (which closes them) still runs."""
-        loader = self.loader() if self.loader is not None else None
-        if self.persistent and loader is not None and loader._pool_lease is self.lease:
-            loader._pool_lease = None
+        if self.persistent:
+            self.keeper.forget(self.lease)
 
     def _release(self, failed: bool) -> _PoolLease | None:
         """Let go of batches, the loader and the pool; the lease this epoch must close."""
@@ -366,8 +451,6 @@ class _PipelineCore(_Stages):
         if self.device_stage is not None:
             self.device_stage.staged.clear()
         lease = self.lease
-        loader_ref, self.loader = self.loader, None
-        loader = loader_ref() if loader_ref is not None else None
         if lease is None:
             return None
         with lease.lock:
@@ -376,20 +459,14 @@ class _PipelineCore(_Stages):
             orphaned = lease.orphaned and lease.holder is not None and lease.holder() is self
         if self.persistent and not failed and not orphaned:
             return None
-        if self.persistent and loader is not None and loader._pool_lease is lease:
-            loader._pool_lease = None
+        if self.persistent:
+            self.keeper.forget(lease)
         return lease
 
     async def _teardown(self, failed: bool = False) -> None:
         """Every exit ends here, on the loop: STOPPING (or SUPERSEDED) -> CLOSED."""
-        if isinstance(self.afetch, AsyncIterFetcher):
-            try:
-                await self.afetch.aclose()
-            except Exception:
-                _LG.debug("closing the async iterator failed", exc_info=True)
+        await self.source.aclose()
         await self.runner.aclose()
-        if self.worker is not None:
-            self.worker.close_fetcher()
         lease = self._release(failed)
         if lease is not None:
             await lease.aclose()
@@ -398,8 +475,7 @@ class _PipelineCore(_Stages):
     def _teardown_sync(self) -> None:
         """:meth:`_teardown` from any thread, where the loop is not there (or never was)."""
         self.runner.close()
-        if self.worker is not None:
-            self.worker.close_fetcher()
+        self.source.close()
         lease = self._release(False)
         if lease is not None:
             lease.close()
@@ -450,7 +526,8 @@ class _PipelineCore(_Stages):
             except BaseException:
                 self.close_from_gc()
                 raise
-            self._push_commands_now()
+            assert isinstance(self.source, PoolSource)
+            self.source.push_now()
 
     def _allow_respawn(self, error: WorkerDiedError) -> bool:
         """respawn_workers: may the dead worker be replaced (bounded per worker per epoch)?"""
@@ -468,9 +545,8 @@ class _PipelineCore(_Stages):
     # -- consumer side ---------------------------------------------------------------------
 
     async def anext(self) -> Any:
-        if self.inline:  # the in-process worker: no background task (stays NEW)
-            assert self.worker is not None
-            return await self.worker.anext()
+        if self.inline_source is not None:  # no background task (stays NEW)
+            return await self.inline_source.anext()
         if self.state is not _RUNNING:  # once per epoch, and after its end
             if self.state is _NEW:
                 self._start()
@@ -506,6 +582,77 @@ class _PipelineCore(_Stages):
             self._stop(_STOPPING)
             self._drop_fatal()
             raise
-        self._count_yield()
+        self.delivery.count_yield()
         self.track.delivered()
         return data
+
+    # -- the reorder buffer's consumer side --------------------------------------------------
+
+    def _record_occupancy(self, rec: Recorder) -> None:
+        slots = self.buffer.slots
+        ready = sum(1 for s in slots.values() if s.has_data)
+        staged = len(self.device_stage.staged) if self.device_stage is not None else 0
+        rec.occupancy(len(slots) - ready, ready, staged)
+
+    async def _next_host(self) -> Any:
+        """Next batch in order (or as it comes with in_order=False), before the device stage."""
+        dispatch = self.dispatch
+        while True:
+            if self.fatal is not None:
+                raise self.fatal
+            slot = self.buffer.pop()
+            if slot is None:
+                await self._wait_for_data()
+                continue
+            if slot is DRAINED:
+                if dispatch.exhausted():
+                    raise StopAsyncIteration
+                # Sampler not exhausted but nothing dispatched (in_order=False capacity): retry.
+                if not dispatch.put_index():
+                    raise StopAsyncIteration
+                self._commands_ready()
+                continue
+            data = slot.data
+            if self.num_workers > 0:
+                dispatch.tasks[slot.worker] -= 1
+                if data is EXHAUSTED:
+                    self.track.commit(slot.logical, slot.worker, slot.wstate, yielded=False)
+                    dispatch.retire(slot.worker)
+                    if dispatch.put_index():
+                        self._commands_ready()
+                    continue
+            elif data is EXHAUSTED:
+                dispatch.done = True
+                self.buffer.clear()
+                raise StopAsyncIteration
+            if dispatch.put_index():
+                self._commands_ready()
+            worker = slot.worker if self.num_workers else None
+            failed = isinstance(data, (RemoteError, _ErrorBox))
+            if not failed:
+                data = self.delivery.absorb(slot.index, data)
+                if data is NOTHING:  # every sample of the batch failed (on_error="skip")
+                    self.track.commit(slot.logical, worker, slot.wstate, yielded=False)
+                    continue
+            self.track.taken(slot.logical, worker, slot.wstate, failed=failed)
+            if isinstance(data, RemoteError):
+                data.reraise(batch_note(slot.logical, slot.index))
+            if isinstance(data, _ErrorBox):
+                data.raise_it()
+            return data
+
+    async def _wait_for_data(self) -> None:
+        assert self.wakeup is not None and self.done is not None
+        if self.done.is_set() and self.fatal is None:
+            raise IteratorClosedError("the loader's pipeline stopped before the epoch ended")
+        event = self.wakeup
+        if self.timeout > 0:
+            try:
+                with anyio.fail_after(self.timeout):
+                    await event.wait()
+            except TimeoutError:
+                raise LoaderTimeoutError(
+                    f"DataLoader timed out after {self.timeout} seconds") from None
+        else:
+            await event.wait()
+        self.wakeup = anyio.Event()

@@ -1,89 +1,19 @@
-"""What every epoch shares: per-epoch state, the inline policy, thread calls.
+"""Work handed off the event loop: where it runs, and what survives a cancelled wait.
 
-:class:`_CoreBase` is the state the pipeline core (:mod:`aioloader._pipeline.epoch`) and its
-in-process worker (:mod:`aioloader._pipeline.source_inline`) start from; :class:`_InlinePolicy`
-decides whether a sync fetch or collate runs on the loop or in a thread;
-:class:`_ThreadCall` keeps a thread call's result when its waiter is cancelled;
-:class:`_ErrorBox` carries an in-process fetch's exception to its batch's position.
+:class:`_InlinePolicy` decides whether a sync fetch or collate runs on the loop or in a
+thread; :class:`_ThreadCall` keeps a thread call's result when its waiter is cancelled;
+:class:`_ErrorBox` carries a fetch's exception to its batch's position; :func:`_unwrap`
+reduces a task group's single-exception group to its exception.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-
-from .._fetch.report import FailureReport
-from .._resume import state as _state
-from .._stats.book import Recorder, TimedCollate
 from .._threads import ThreadRunner, _noop
-from . import device as _device
-
-if TYPE_CHECKING:
-    from .._loader import DataLoaderCore
-
-def _draw_base_seed(generator: torch.Generator | None) -> int:
-    """Draw the per-iterator base seed exactly as torch does (one int64 draw)."""
-    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-
-
-
-class _CoreBase:
-    """State every epoch iterator has, whatever its shape."""
-
-    def __init__(self, loader: DataLoaderCore[Any]) -> None:
-        self.kind = loader._kind
-        self.dataset = loader.dataset
-        self.auto_collation = loader._auto_collation
-        self.collate_fn = loader.collate_fn
-        self.drop_last = loader.drop_last
-        self.num_workers = loader.num_workers
-        self.len_called = loader._IterableDataset_len_called
-        self.num_yielded = 0
-        self.closed = False
-        self.index_sampler = loader._index_sampler
-        self.pin = _device.PinPolicy(loader.pin_memory, loader.pin_memory_device)
-        self.failure_policy = loader._failure_policy
-        self.failures = FailureReport(self.failure_policy, self.kind.iterable)
-        loader._failure_report = self.failures
-        self.track = _state.EpochTracker(loader, _state.take_pending(loader))
-        loader._resume_tracker = self.track
-        self.rec: Recorder | None = loader._stats_book.new_epoch() if loader.collect_stats \
-            else None
-        self.sampled_waits = False  # see _InProcessWorker
-        if self.rec is not None:
-            self.collate_fn = TimedCollate(loader.collate_fn, self.rec)
-        # Read once per batch on the hot path: plain attributes, not properties.
-        self.policy_active = self.failure_policy.active
-        self.check_len = self.kind.iterable and self.len_called is not None
-
-    def _absorb(self, index: Any, data: Any) -> Any:
-        """Count a delivered batch for the failure report; NOTHING: every sample failed.
-
-        Raises TooManyFailuresError past ``max_failures``.
-        """
-        if self.rec is not None:
-            self.rec.delivered(index, self.auto_collation)
-        if not self.policy_active:  # torch's behaviour: nothing to count
-            return data
-        self.failures.count_requested(len(index) if self.auto_collation else 1)
-        return self.failures.absorb(data)
-
-    def _count_yield(self) -> None:
-        self.num_yielded += 1
-        if self.check_len and self.num_yielded > (self.len_called or 0):
-            msg = (f"Length of IterableDataset {self.dataset} was reported to be "
-                   f"{self.len_called} (when accessing len(dataloader)), but "
-                   f"{self.num_yielded} samples have been fetched. ")
-            if self.num_workers > 0:
-                msg += ("For multiprocessing data-loading, this could be caused by not "
-                        "properly configuring the IterableDataset replica at each worker. "
-                        "Please see the IterableDataset documentation for examples.")
-            warnings.warn(msg, stacklevel=4)
 
 
 class _InlinePolicy:

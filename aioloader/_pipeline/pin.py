@@ -26,6 +26,7 @@ import collections.abc
 import copy
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ __all__ = [
     "PIN_MEMORY_DEVICE_DEPRECATED_WARNING",
     "PIN_ON_MPS_WARNING",
     "PIN_WITHOUT_ACCELERATOR_WARNING",
+    "PinPolicy",
     "move_to_device",
     "pin_available",
     "pin_memory",
@@ -279,3 +281,42 @@ def record_stream(data: Any, stream: Any) -> None:
         return tensor
 
     _walk(data, on_tensor, None)
+
+
+class PinPolicy:
+    """Whether and where to pin, decided once per iterator, as torch does.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True):
+        ...     warnings.simplefilter("always")
+        ...     PinPolicy(False, "").enabled
+        False
+    """
+
+    __slots__ = ("device", "enabled")
+
+    def __init__(self, pin_memory: bool, pin_memory_device: str) -> None:
+        if pin_memory and pin_memory_device:
+            warnings.warn(PIN_MEMORY_DEVICE_DEPRECATED_WARNING.format(pin_memory_device),
+                          stacklevel=4)
+        available = pin_available() if pin_memory else False
+        if pin_memory and not available:
+            warnings.warn(PIN_WITHOUT_ACCELERATOR_WARNING, stacklevel=4)
+        self.enabled = bool(pin_memory and available)
+        self.device: str | None = _accelerator_type() if self.enabled else None
+        if self.device == "mps":
+            self.enabled = False
+            warnings.warn(PIN_ON_MPS_WARNING, stacklevel=4)
+
+    def apply(self, data: Any) -> Any:
+        """Pin every tensor of ``data`` (call it off the event loop)."""
+        return pin_memory(data, self.device)
+
+
+def _accelerator_type() -> str | None:
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "current_accelerator"):
+        dev = acc.current_accelerator()
+        return dev.type if dev is not None else None
+    return "cuda" if torch.cuda.is_available() else None

@@ -1,90 +1,87 @@
-"""The in-process pseudo-worker: ``num_workers=0`` with a sync dataset.
+"""The inline source: ``num_workers=0`` with a sync dataset, one fetch per ``next``.
 
-Worker 0 of the pipeline when there are no workers (:class:`aioloader._pipeline.epoch._PipelineCore`
-in its inline mode): the consumer's call draws one batch of indices and fetches it at once,
-as torch's single-process iterator does, in the calling thread (the sync facade's
-:meth:`_InProcessWorker.next_sync`), or for ``async for`` in the pipeline's thread or, for
-batches measured tiny, on the loop (:class:`aioloader._pipeline.offload._InlinePolicy`). Its window is
-one batch, fetched inside the call that drew it, so nothing runs between calls and the
-pipeline starts no background task. A small object of its own: the per-batch code reads
-its attributes, and an instance with at most 30 attributes keeps CPython's fast
-attribute access (the pipeline core has about 60: reading them per batch cost 0.1 us).
+The source of an epoch (:class:`aioloader._pipeline.epoch._PipelineCore`) when there are
+no workers and the dataset is sync: the consumer's call draws one batch of indices and
+fetches it at once, as torch's single-process iterator does, in the calling thread (the
+sync facade's :meth:`InlineSource.next_sync`), or for ``async for`` in the epoch's thread
+or, for batches measured tiny, on the loop (:class:`~aioloader._pipeline.offload._InlinePolicy`).
+Its window is one batch, fetched inside the call that drew it, so nothing runs between
+calls and the epoch starts no background task. A small object of its own: the per-batch
+code reads its attributes, and an instance with at most 30 attributes keeps CPython's
+fast attribute access.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import anyio
 
-from .._fetch.report import NOTHING, TooManyFailuresError, apply_to_batch, guard_fetcher
+from .._config import LoaderConfig
+from .._fetch.guard import guard_fetcher
+from .._fetch.records import NOTHING, apply_to_batch
+from .._fetch.report import TooManyFailuresError
 from .._fetch.sync import EXHAUSTED, DatasetKind, fetch_or_exhausted, make_fetcher
-from .._resume import state as _state
-from .._stats.book import COLLATE, DEVICE, FETCH, PIN, SAMPLING, Recorder
+from .._resume import dataset_state as _dstate
+from .._resume.tracker import EpochTracker
+from .._stats.recorder import COLLATE, DEVICE, FETCH, PIN, SAMPLING, Recorder
+from .._threads import ThreadRunner
 from . import device as _device
-from .offload import _CoreBase, _InlinePolicy, _ThreadCall, _timed
-
-if TYPE_CHECKING:
-    from .._loader import DataLoaderCore
-    from .epoch import _PipelineCore
+from .delivery import Delivery
+from .offload import _InlinePolicy, _ThreadCall, _timed
+from .pin import PinPolicy
 
 _ns = time.perf_counter_ns
 
 
-class _InProcessWorker(_CoreBase):
+class InlineSource:
     """``num_workers=0`` with a sync dataset: fetch one batch per ``next``, as torch.
 
     With ``device=`` the batch is also copied to the device inside the same
     ``next`` (no lookahead: the dataset's ``__getitem__`` never runs between calls).
     A cancelled ``__anext__`` keeps its drawn batch: the fetch finishes in the
     thread and the next call delivers it without drawing from the sampler again.
-    Its lifecycle (closing, teardown) is the pipeline core's, which sets :attr:`closed`.
-    The per-epoch state is the core's (the same objects; ``_CoreBase.__init__`` is not
-    run again: it would start a second epoch record).
+    Its lifecycle (closing, teardown) is its epoch's (``owner``), which sets
+    :attr:`closed`.
     """
 
-    def __init__(self, core: _PipelineCore, loader: DataLoaderCore[Any],
-                 sampler_iter: Iterator[Any]) -> None:
-        """Set up the fetch side; the pipeline drew the base seed already."""
-        self.kind = core.kind
-        self.dataset = core.dataset
-        self.auto_collation = core.auto_collation
-        self.collate_fn = core.collate_fn
-        self.drop_last = core.drop_last
-        self.num_workers = core.num_workers
-        self.len_called = core.len_called
-        self.pin = core.pin
-        self.failure_policy = core.failure_policy
-        self.failures = core.failures
-        self.track = core.track
-        self.rec = core.rec
-        self.policy_active = core.policy_active
-        self.check_len = core.check_len
-        self.runner = core.runner  # the pipeline's thread (started on first use)
-        self.num_yielded = 0
+    def __init__(self, config: LoaderConfig, sampler_iter: Iterator[Any], *,
+                 delivery: Delivery, track: EpochTracker, rec: Recorder | None,
+                 runner: ThreadRunner, pin: PinPolicy, owner: Any,
+                 collate_fn: Callable[[Any], Any]) -> None:
+        """``collate_fn``: the epoch's (timed when statistics are on); ``owner``: the epoch."""
+        self.kind = config.kind
+        self.dataset = config.dataset
+        self.auto_collation = config.auto_collation
+        self.delivery = delivery
+        self.failures = delivery.failures
+        self.track = track
+        self.rec = rec
+        self.pin = pin
+        self.runner = runner  # the epoch's thread (started on first use)
         self.closed = False
-        # Weak: the core owns this worker; closing goes back through the core's lifecycle.
-        self.owner = weakref.ref(core)
+        # Weak: the epoch owns its source; closing goes back through the epoch's lifecycle.
+        self.owner = weakref.ref(owner)
         self.sampler_iter = sampler_iter
-        wstate = self.track.worker_states.get(0) if self.kind.iterable else None
-        _state.load_dataset_state(self.dataset, wstate)
+        wstate = track.worker_states.get(0) if self.kind.iterable else None
+        _dstate.load_dataset_state(self.dataset, wstate)
         # The per-batch fast path of next_sync(): nothing but fetch, collate, count. Its
         # statistics time reading and collating with MapFetcher.fetch_split.
         self.plain = self.kind is DatasetKind.MAP and not (
-            self.policy_active or self.pin.enabled or loader.device is not None)
-        self.split = self.plain and self.rec is not None
+            delivery.policy_active or pin.enabled or config.device is not None)
+        self.split = self.plain and rec is not None
         # `async for` times the consumer's waits 1 in Recorder.time_every (AsyncLoaderIter).
-        self.sampled_waits = self.split and self.rec is not None and self.rec.time_every > 1
+        self.sampled_waits = self.split and rec is not None and rec.time_every > 1
         # The resume state is read from the plain fetcher; batches come through its guard.
         self.raw_fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
-                                        loader.collate_fn if self.split else self.collate_fn,
-                                        self.drop_last, loader.fetch_threads)
-        _state.load_fetcher_state(self.raw_fetcher, wstate)
-        self.fetcher = guard_fetcher(self.raw_fetcher, self.failure_policy, None)
-        self.device = loader.device
+                                        config.collate_fn if self.split else collate_fn,
+                                        config.drop_last, config.fetch_threads)
+        _dstate.load_fetcher_state(self.raw_fetcher, wstate)
+        self.fetcher = guard_fetcher(self.raw_fetcher, config.failure_policy, None)
+        self.device = config.device
         self.policy = _InlinePolicy()
         self.last_yield = 0  # perf_counter_ns of the latest checkpoint (async for)
         self.pending_call: _ThreadCall | None = None  # a drawn batch whose waiter was cancelled
@@ -105,7 +102,7 @@ class _InProcessWorker(_CoreBase):
         """Every sample of the batch drawn last failed (skipped): it counts as consumed."""
         if self.kind.iterable:
             self.track.commit(self.track.last_drawn, 0,
-                              _state.worker_state(0, self.dataset, self.raw_fetcher),
+                              _dstate.worker_state(0, self.dataset, self.raw_fetcher),
                               yielded=False)
         else:
             self.track.commit(self.track.last_drawn, yielded=False)
@@ -144,7 +141,7 @@ class _InProcessWorker(_CoreBase):
         return _device.stage_to_device(data, self.device)
 
     def _deliver(self, data: Any) -> Any:
-        self._count_yield()
+        self.delivery.count_yield()
         self.track.commit_inline(self.dataset, self.raw_fetcher)
         if self.device is not None:
             return _device.finish_on_device(data)
@@ -187,7 +184,7 @@ class _InProcessWorker(_CoreBase):
                 index = next(self.sampler_iter)
             except StopIteration:
                 track.finished = True
-                self.close_from_gc()
+                self._end_epoch()
                 self.failures.end_of_epoch()
                 raise
             try:
@@ -225,17 +222,16 @@ class _InProcessWorker(_CoreBase):
                 raise
             if data is EXHAUSTED:
                 track.finished = True
-                self.close_from_gc()
+                self._end_epoch()
                 self.failures.end_of_epoch()
                 raise StopIteration
             if plain:  # its statistics were recorded with the fetch
-                self.num_yielded += 1
                 track.commit_next()
                 return data
             try:
-                data = self._absorb(index, data)
+                data = self.delivery.absorb(index, data)
             except TooManyFailuresError:
-                self.close_from_gc()
+                self._end_epoch()
                 raise
             if data is not NOTHING:
                 data = self._deliver(data)
@@ -266,7 +262,7 @@ class _InProcessWorker(_CoreBase):
                 index = next(self.sampler_iter)
             except StopIteration:
                 self.track.finished = True
-                await self.aclose()
+                await self._end_epoch_async()
                 self.failures.end_of_epoch()
                 raise StopAsyncIteration from None
             if policy.inline and self.plain:
@@ -320,7 +316,6 @@ class _InProcessWorker(_CoreBase):
                     rec.inline_samples += len(index)
                 else:
                     rec.untimed_other(index, self.auto_collation)
-        self.num_yielded += 1
         track.commit_next()
         return data
 
@@ -328,38 +323,42 @@ class _InProcessWorker(_CoreBase):
         index, data = fetched
         if data is EXHAUSTED:
             self.track.finished = True
-            await self.aclose()
+            await self._end_epoch_async()
             self.failures.end_of_epoch()
             raise StopAsyncIteration
         try:
-            data = self._absorb(index, data)
+            data = self.delivery.absorb(index, data)
         except TooManyFailuresError:
-            await self.aclose()
+            await self._end_epoch_async()
             raise
         if data is NOTHING:
             self._consumed_nothing()
             return NOTHING
         return self._deliver(data)
 
-    def close_fetcher(self) -> None:
-        """The pipeline's teardown: nothing more is fetched; release the fetcher."""
+    def close(self) -> None:
+        """The epoch's teardown: nothing more is fetched; release the fetcher."""
         self.closed = True
         self.fetcher.close()
 
-    def close_from_gc(self) -> None:
-        """End the epoch through the core's lifecycle (one teardown)."""
+    async def aclose(self) -> None:
+        """The epoch's teardown, on the loop (the same as :meth:`close`)."""
+        self.close()
+
+    def _end_epoch(self) -> None:
+        """The epoch ended here (exhausted, or failed): stop it through its lifecycle."""
         core = self.owner()
         if core is not None:
             core.close_from_gc()
         else:
-            self.close_fetcher()
+            self.close()
 
-    async def aclose(self) -> None:
+    async def _end_epoch_async(self) -> None:
         core = self.owner()
         if core is not None:
             await core.aclose()
         else:
-            self.close_fetcher()
+            self.close()
 
     async def anext(self) -> Any:
         """One batch (``async for``; the core's :meth:`anext` delegates here)."""

@@ -1,28 +1,20 @@
 """The worker pool lease: a pool plus what persistent workers keep across epochs.
 
-:func:`_start_pool` is the pool factory, the one place that picks the kind of workers
-(``worker_method``: processes, threads or Ray actors).
+:class:`_PoolLease` is one pool's lease; :class:`PoolKeeper` is where a loader keeps
+its persistent workers' lease between epochs (the epoch takes and returns it there,
+never through the loader). The pool factory is :mod:`aioloader._pools.factory`.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.context
-import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .._datapipes import is_datapipe, sharding_init_fn, thread_copy
 from .._threads import ThreadRunner
-from .._worker.main import WorkerConfig
 from .process import WorkerPool
 from .ray import RayWorkerPool
 from .thread import ThreadWorkerPool
-
-if TYPE_CHECKING:
-    from .._loader import DataLoaderCore
-    from .._pipeline.epoch import _PipelineCore
 
 #: Every kind of worker pool (one interface: start, send, serve, aclose/close).
 AnyPool = WorkerPool | ThreadWorkerPool | RayWorkerPool
@@ -48,10 +40,11 @@ class _PoolLease:
         self.started = False
         self.closed = False
         # Set when the loader is collected while an epoch still uses the pool: that epoch
-        # closes it when it stops (see loader_collected and _PipelineCore._release_lease).
+        # closes it when it stops (see loader_collected and the epoch's _release).
         self.orphaned = False
         self.lock = threading.Lock()
-        self.holder: weakref.ref[_PipelineCore] | None = None
+        # The epoch using the pool (it has ``lease_released``); weak, the epoch owns the lease.
+        self.holder: weakref.ref[Any] | None = None
         self._finalizer = weakref.finalize(self, pool.close)
 
     def loader_collected(self) -> None:
@@ -86,52 +79,38 @@ class _PoolLease:
         self._finalizer()
 
 
-def _resolve_context(loader: DataLoaderCore[Any]) -> multiprocessing.context.BaseContext:
-    ctx = loader.multiprocessing_context
-    if ctx is None:
-        return multiprocessing.get_context()
-    return ctx
+class PoolKeeper:
+    """Where a loader keeps its persistent workers' lease between epochs.
 
-
-def _start_pool(loader: DataLoaderCore[Any], base_seed: int,
-                resume_states: dict[int, Any] | None = None,
-                shared_seed: int | None = None) -> AnyPool:
-    """The pool factory: the one place that picks the kind of workers (``worker_method``).
-
-    A DataPipe's workers shard it first (torch's ``_sharding_worker_init_fn`` wraps
-    ``worker_init_fn``) and an ``IterDataPipe``'s are seeded from ``shared_seed``; thread
-    workers each get their own copy of the graph (:mod:`aioloader._datapipes`).
+    The loader owns one (``persistent_workers=True``) and hands it to each epoch, which
+    takes the live lease from it or puts a new one there; a failed epoch forgets its
+    lease so that the next one starts fresh workers. The loader's finalizer calls
+    :meth:`owner_gone`: the workers stop with the loader (or with the epoch still using
+    them). Holds no reference to the loader.
     """
-    worker_init_fn = loader.worker_init_fn
-    datapipe = is_datapipe(loader.dataset)
-    if datapipe:
-        worker_init_fn = sharding_init_fn(worker_init_fn)
-    copy_per_thread = datapipe and loader.worker_method == "thread"
-    configs = [
-        WorkerConfig(
-            worker_id=i,
-            num_workers=loader.num_workers,
-            dataset=thread_copy(loader.dataset) if copy_per_thread else loader.dataset,
-            kind=loader._kind,
-            auto_collation=loader._auto_collation,
-            collate_fn=loader.collate_fn,
-            drop_last=loader.drop_last,
-            base_seed=base_seed,
-            worker_init_fn=worker_init_fn,
-            fetch_concurrency=loader.fetch_concurrency,
-            fetch_threads=loader.fetch_threads,
-            parent_pid=os.getpid(),
-            close_fds=[],
-            failure=loader._failure_policy if loader._failure_policy.guards_reads else None,
-            resume_state=(resume_states or {}).get(i),
-            stats=loader.collect_stats,
-            shared_seed=shared_seed,
-        )
-        for i in range(loader.num_workers)
-    ]
-    if loader.worker_method == "thread":
-        return ThreadWorkerPool(configs)
-    if loader.worker_method == "ray":
-        return RayWorkerPool(configs, loader._ray_address, loader._ray_actor_options)
-    return WorkerPool(configs, _resolve_context(loader))
 
+    __slots__ = ("__weakref__", "lease")
+
+    def __init__(self) -> None:
+        self.lease: _PoolLease | None = None
+
+    def live(self) -> _PoolLease | None:
+        """The kept lease, unless it was shut down (``_shutdown_workers()``)."""
+        lease = self.lease
+        return None if lease is None or lease.closed else lease
+
+    def forget(self, lease: _PoolLease | None) -> None:
+        """``lease`` is no longer the one to keep (closed, or its epoch failed)."""
+        if self.lease is lease:
+            self.lease = None
+
+    def pop(self) -> _PoolLease | None:
+        """Take the kept lease out (the loader closes it)."""
+        lease, self.lease = self.lease, None
+        return lease
+
+    def owner_gone(self) -> None:
+        """The loader was collected: its workers stop (now, or when their epoch ends)."""
+        lease = self.lease
+        if lease is not None:
+            lease.loader_collected()

@@ -75,7 +75,7 @@ class _Worker:
 
 
 class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
-    """Worker threads with known ids: same interface as :class:`aioloader._pools.process.WorkerPool`.
+    """Worker threads with known ids: the same interface as the process pool's ``WorkerPool``.
 
     Args:
         configs: one :class:`~aioloader._worker.main.WorkerConfig` per worker (in

@@ -270,21 +270,21 @@ def _length(obj: Any) -> int | None:
         return None
 
 
-def loader_config(loader: Any) -> dict[str, Any]:
+def loader_config(config: Any) -> dict[str, Any]:
     """What a state records of the loader that took it (``state['config']``)."""
-    iterable = bool(loader._kind.iterable)
+    iterable = bool(config.kind.iterable)
     return {
-        "dataset_kind": loader._kind.value,
-        "dataset_len": None if iterable else _length(loader.dataset),
-        "batches": None if iterable else _length(loader._index_sampler),
-        "batch_size": loader.batch_size,
-        "drop_last": bool(loader.drop_last),
-        "shuffle": isinstance(loader.sampler, _tud.RandomSampler),
-        "sampler": _type_name(loader.sampler),
-        "batch_sampler": _type_name(loader.batch_sampler),
-        "num_workers": int(loader.num_workers),
-        "persistent_workers": bool(loader.persistent_workers and loader.num_workers > 0),
-        "generators": sorted(generators(loader)),
+        "dataset_kind": config.kind.value,
+        "dataset_len": None if iterable else _length(config.dataset),
+        "batches": None if iterable else _length(config.index_sampler),
+        "batch_size": config.batch_size,
+        "drop_last": bool(config.drop_last),
+        "shuffle": isinstance(config.sampler, _tud.RandomSampler),
+        "sampler": _type_name(config.sampler),
+        "batch_sampler": _type_name(config.batch_sampler),
+        "num_workers": int(config.num_workers),
+        "persistent_workers": bool(config.persistent_workers and config.num_workers > 0),
+        "generators": sorted(generators(config)),
     }
 
 
@@ -320,8 +320,8 @@ def _fmt(value: Any) -> str:
     return repr(value) if isinstance(value, (str, list)) else str(value)
 
 
-def _compare_config(saved: dict[str, Any], path: str, loader: Any) -> None:
-    here = loader_config(loader)
+def _compare_config(saved: dict[str, Any], path: str, config: Any) -> None:
+    here = loader_config(config)
     diffs = [f"{name}={_fmt(saved[name])}, this loader has {name}={_fmt(here[name])} "
              f"({_key(path, name)})"
              for name in _CONFIG_FIELDS if saved[name] != here[name]]
@@ -399,29 +399,29 @@ def _check_generators(states: dict[str, Any], path: str, gens: dict[str, torch.G
                          f"({_key(path, missing[0])} is missing): {_CORRUPT}")
 
 
-def _check_against_loader(st: dict[str, Any], loader: Any, exact_generators: bool) -> None:
+def _check_against_loader(st: dict[str, Any], config: Any, exact_generators: bool) -> None:
     """The fields that depend on the loader: positions, workers, RNG states."""
-    iterable = bool(loader._kind.iterable)
-    workers = max(1, int(loader.num_workers))
+    iterable = bool(config.kind.iterable)
+    workers = max(1, int(config.num_workers))
     _int(0, workers - 1)(st["last_worker"], "state['last_worker']")
     for name, wstate in st["worker_states"].items():
         path = _key("state['worker_states']", name)
         if int(name) >= workers:
             raise ValueError(f"{path}: worker {int(name)} does not exist in a loader with "
-                             f"num_workers={loader.num_workers}: {_CORRUPT}")
+                             f"num_workers={config.num_workers}: {_CORRUPT}")
         if wstate is not None and not iterable:
             raise ValueError(f"{path}: a map-style dataset has no per-worker state: "
                              f"{_WHAT_TO_DO}")
         if (wstate is not None and wstate[_DATASET_STATE] is not None
-                and not _stateful(loader.dataset)):
+                and not _stateful(config.dataset)):
             raise ValueError(f"{_key(path, _DATASET_STATE)}: the state holds a dataset state "
-                             f"but this loader's dataset ({type(loader.dataset).__name__}) has "
+                             f"but this loader's dataset ({type(config.dataset).__name__}) has "
                              f"no state_dict/load_state_dict: {_WHAT_TO_DO}")
-    sampler_obj = None if iterable else _stateful_sampler(loader)
+    sampler_obj = None if iterable else _stateful_sampler(config)
     if st["sampler_state"] is not None and sampler_obj is None:
         raise ValueError("state['sampler_state']: the state holds a sampler state but this "
                          "loader's sampler has no state_dict/load_state_dict: " + _WHAT_TO_DO)
-    gens = generators(loader)
+    gens = generators(config)
     _check_generators(st["generators"], "state['generators']", gens, exact_generators)
     rng = st["rng"]
     if rng is not None:
@@ -440,7 +440,7 @@ def _check_against_loader(st: dict[str, Any], loader: Any, exact_generators: boo
         raise ValueError(f"state['yielded']={st['yielded']} is more than the batches the "
                          f"state consumed (state['prefix'] + len(state['extra']) = "
                          f"{consumed}): {_CORRUPT}")
-    batches = _length(loader._index_sampler)
+    batches = _length(config.index_sampler)
     last = extra[-1] + 1 if extra else prefix
     if batches is not None and last > batches:
         key = f"state['extra'][{len(extra) - 1}]" if extra else "state['prefix']"
@@ -451,28 +451,28 @@ def _check_against_loader(st: dict[str, Any], loader: Any, exact_generators: boo
                         f"consumed (state['prefix']={prefix}), got None: {_CORRUPT}")
 
 
-def _read_v2(state: dict[str, Any], loader: Any) -> dict[str, Any]:
+def _read_v2(state: dict[str, Any], config: Any) -> dict[str, Any]:
     _V2(state, "state")
-    _compare_config(state["config"], "state['config']", loader)
-    _check_against_loader(state, loader, exact_generators=True)
+    _compare_config(state["config"], "state['config']", config)
+    _check_against_loader(state, config, exact_generators=True)
     return {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
             **{name: state[name] for name in _V2_FIELDS}}
 
 
-def _read_v1(state: dict[str, Any], loader: Any) -> dict[str, Any]:
+def _read_v1(state: dict[str, Any], config: Any) -> dict[str, Any]:
     _V1(state, "state")
-    if state["num_workers"] != loader.num_workers:
+    if state["num_workers"] != config.num_workers:
         raise ValueError(f"the state was taken with num_workers={state['num_workers']}, "
-                         f"this loader has num_workers={loader.num_workers} "
+                         f"this loader has num_workers={config.num_workers} "
                          f"(state['num_workers']): {_WHAT_TO_DO}")
-    _check_against_loader(state, loader, exact_generators=True)
+    _check_against_loader(state, config, exact_generators=True)
     warnings.warn(
         "this state was written by an older aioloader (state version 1), which did not "
         "record the loader's configuration: it is loaded assuming this DataLoader has the "
         "dataset, batch size, sampler and shuffle of the one that saved it (otherwise the "
         "resumed epoch is wrong). A state_dict() taken now records them.",
         UserWarning, stacklevel=5)  # the caller of loader.load_state_dict
-    return {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(loader),
+    return {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config),
             **{name: state[name] for name in _POSITION_FIELDS}}
 
 
@@ -483,7 +483,7 @@ _READERS: dict[int, Callable[[dict[str, Any], Any], dict[str, Any]]] = {
 }
 
 
-def validate(loader: Any, state: Any) -> dict[str, Any]:
+def validate(config: Any, state: Any) -> dict[str, Any]:
     """``state`` checked completely against ``loader``, in the current layout.
 
     Raises TypeError or ValueError naming the offending key (see the module docstring).
@@ -492,7 +492,7 @@ def validate(loader: Any, state: Any) -> dict[str, Any]:
         raise TypeError(f"load_state_dict expects a dict from state_dict(), got "
                         f"{type(state).__name__}")
     if FORMAT_KEY not in state:
-        return read_torchdata(loader, state)
+        return read_torchdata(config, state)
     version = state[FORMAT_KEY]
     _int()(version, _key("state", FORMAT_KEY))
     reader = _READERS.get(int(version))
@@ -500,7 +500,7 @@ def validate(loader: Any, state: Any) -> dict[str, Any]:
         raise ValueError(f"unsupported aioloader state version {version!r} "
                          f"({_key('state', FORMAT_KEY)}): this aioloader reads versions "
                          f"{sorted(_READERS)}")
-    return reader(state, loader)
+    return reader(state, config)
 
 
 # ------------------------------------------------------------------------------ torchdata
@@ -538,7 +538,7 @@ _TD_SNAPSHOT: dict[str, Check] = {
 }
 
 
-def _td_check_sampler(main: dict[str, Any], path: str, loader: Any, yielded: int,
+def _td_check_sampler(main: dict[str, Any], path: str, config: Any, yielded: int,
                       ypath: str) -> None:
     """The sampler side of a torchdata state against this loader."""
     iter_state = main["_sampler_iter_state"]
@@ -550,34 +550,34 @@ def _td_check_sampler(main: dict[str, Any], path: str, loader: Any, yielded: int
             "torch's (and aioloader's): it cannot resume the same order here. Resume it "
             "with torchdata, or checkpoint an aioloader DataLoader")
     taken = main["_sampler_iter_yielded"]
-    size = loader.batch_size
+    size = config.batch_size
     if (iter_state is not None and size is not None
-            and isinstance(loader.batch_sampler, _tud.BatchSampler)):
+            and isinstance(config.batch_sampler, _tud.BatchSampler)):
         samples = iter_state["samples_yielded"]
         if not (taken - 1) * size < samples <= taken * size and (taken or samples):
             raise ValueError(
                 f"{_key(ipath, 'samples_yielded')}={samples} after {taken} batches "
                 f"({_key(path, '_sampler_iter_yielded')}): the state was taken with another "
                 f"batch_size than this loader's batch_size={size}: {_WHAT_TO_DO}")
-    if loader._kind.iterable:
+    if config.kind.iterable:
         return
-    if _stateful_sampler(loader) is not None:
+    if _stateful_sampler(config) is not None:
         if main["_index_sampler_state"] is None:
             raise TypeError(f"{_key(path, '_index_sampler_state')} must be the state of this "
                             f"loader's Stateful sampler, got None: {_WHAT_TO_DO}")
-    elif not isinstance(loader.sampler, _tud.SequentialSampler):
+    elif not isinstance(config.sampler, _tud.SequentialSampler):
         raise ValueError(
             f"{_key(path, '_index_sampler_state')}: torchdata states resume a sequential or "
             f"Stateful sampler only; this loader's sampler is "
-            f"{type(loader.sampler).__name__}, whose order the state does not record: "
+            f"{type(config.sampler).__name__}, whose order the state does not record: "
             f"{_WHAT_TO_DO}")
-    batches = _length(loader._index_sampler)
+    batches = _length(config.index_sampler)
     if batches is not None and yielded > batches:
         raise ValueError(f"{ypath}: the torchdata state consumed {yielded} batches of an "
                          f"epoch of {batches} batches: {_WHAT_TO_DO}")
 
 
-def read_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
+def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
     """A torchdata ``StatefulDataLoader.state_dict()``, checked, in aioloader's layout.
 
     Loads where the two mean the same thing: a sequential or ``Stateful`` sampler,
@@ -585,7 +585,7 @@ def read_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
     ``RandomSampler`` draws a different permutation than torch's: refused. Keys that
     aioloader does not use are ignored, as torchdata ignores keys it does not read.
     """
-    iterable = bool(loader._kind.iterable)
+    iterable = bool(config.kind.iterable)
     empty_rng: dict[str, Any] = {"global": None, "generators": {}}
     if "_snapshot" in sd:
         _record({"_snapshot": _record(_TD_SNAPSHOT, strict=False),
@@ -593,9 +593,9 @@ def read_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
         snap = sd["_snapshot"]
         main = snap["_main_snapshot"]
         mpath = "state['_snapshot']['_main_snapshot']"
-        if main["_num_workers"] != loader.num_workers:
+        if main["_num_workers"] != config.num_workers:
             raise ValueError(f"the state was taken with num_workers={main['_num_workers']}, "
-                             f"this loader has num_workers={loader.num_workers} "
+                             f"this loader has num_workers={config.num_workers} "
                              f"({_key(mpath, '_num_workers')}): {_WHAT_TO_DO}")
         if sd["_steps_since_snapshot"]:
             raise ValueError(
@@ -612,9 +612,9 @@ def read_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{wpath} must have the keys {names} (torchdata's worker keys), "
                              f"got {sorted(map(_show, snap['_worker_snapshots']))}: "
                              f"{_CORRUPT}")
-        if len(names) > loader.num_workers:
+        if len(names) > config.num_workers:
             raise ValueError(f"{wpath} holds {len(names)} workers, this loader has "
-                             f"num_workers={loader.num_workers}: {_WHAT_TO_DO}")
+                             f"num_workers={config.num_workers}: {_WHAT_TO_DO}")
         for i, name in enumerate(names):
             wstate = snap["_worker_snapshots"][name]
             _worker_state(wstate, _key(wpath, name))
@@ -622,9 +622,9 @@ def read_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"{_key(_key(wpath, name), _WORKER_ID)} is "
                                  f"{wstate[_WORKER_ID]}, not {i}: {_CORRUPT}")
             workers[str(i)] = wstate
-        _int(0, max(0, loader.num_workers - 1))(snap["_last_yielded_worker_id"],
+        _int(0, max(0, config.num_workers - 1))(snap["_last_yielded_worker_id"],
                                                 "state['_snapshot']['_last_yielded_worker_id']")
-        _td_check_sampler(main, mpath, loader, yielded, "state['_snapshot']['_snapshot_step']")
+        _td_check_sampler(main, mpath, config, yielded, "state['_snapshot']['_snapshot_step']")
         has_state = any(w is not None and (w[_DATASET_STATE] is not None or (
             w[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None)
             for w in workers.values())
@@ -642,12 +642,12 @@ def read_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
         }
     elif "_num_yielded" in sd:
         _record(_TD_INLINE, strict=False)(sd, "state")
-        if loader.num_workers:
+        if config.num_workers:
             raise ValueError(f"the state was taken with num_workers=0, this loader has "
-                             f"num_workers={loader.num_workers} (a single-process torchdata "
+                             f"num_workers={config.num_workers} (a single-process torchdata "
                              f"state has no '_snapshot'): {_WHAT_TO_DO}")
         yielded = sd["_num_yielded"]
-        _td_check_sampler(sd, "state", loader, yielded, "state['_num_yielded']")
+        _td_check_sampler(sd, "state", config, yielded, "state['_num_yielded']")
         wstate = None
         if sd[_DATASET_STATE] is not None or (
                 (sd[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None):
@@ -671,6 +671,6 @@ def read_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
                          "(torchdata)")
     # What torchdata leaves out is this loader's: the configuration, no generator states
     # (torchdata sets none). The result passes the same checks as an aioloader state.
-    out = {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(loader), **state}
-    _check_against_loader(out, loader, exact_generators=False)
+    out = {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config), **state}
+    _check_against_loader(out, config, exact_generators=False)
     return out

@@ -29,7 +29,7 @@ How a state is made exact without fetching the skipped samples:
 The per-epoch bookkeeping is :mod:`aioloader._resume.tracker`; a worker's dataset
 state, :mod:`aioloader._resume.dataset_state`. This module is the loader's API:
 ``state_dict()`` (:func:`loader_state_dict`) and ``load_state_dict()``
-(:func:`prepare_resume`); what a loaded state must be (every version of the layout,
+(:func:`checked_state`); what a loaded state must be (every version of the layout,
 torchdata states), :mod:`aioloader._resume.schema`. The names of all four are
 importable from here.
 
@@ -55,67 +55,46 @@ __all__ = [
     "FORMAT_VERSION",
     "EpochTracker",
     "Stateful",
+    "checked_state",
     "from_torchdata",
     "is_stateful_iterable",
     "load_dataset_state",
     "load_fetcher_state",
     "loader_config",
     "loader_state_dict",
-    "prepare_resume",
     "read_torchdata",
-    "take_pending",
     "validate",
     "worker_state",
 ]
 
 
-class _Pending:
-    """A loaded state, waiting for the loader's next ``iter()``."""
-
-    def __init__(self, state: dict[str, Any]) -> None:
-        self.state = state
-
-
-# ------------------------------------------------------------------------------ loader API
-
-
-def loader_state_dict(loader: Any) -> dict[str, Any]:
-    """``loader.state_dict()``: the latest epoch's position, or the pending loaded state."""
-    pending = getattr(loader, "_resume_pending", None)
+def loader_state_dict(config: Any, pending: dict[str, Any] | None,
+                      tracker: EpochTracker | None) -> dict[str, Any]:
+    """``loader.state_dict()``: a loaded state not yet used, else the latest epoch's position
+    (``tracker``), else the state of a loader that has not started an epoch."""
     if pending is not None:
-        return dict(pending.state)
-    tracker = getattr(loader, "_resume_tracker", None)
+        return dict(pending)
     if tracker is None:
-        return EpochTracker(loader, None).state_dict(None, loader_config(loader))
-    state: dict[str, Any] = tracker.state_dict(tracker.seed, loader_config(loader))
+        return EpochTracker(config, None).state_dict(None, loader_config(config))
+    state: dict[str, Any] = tracker.state_dict(tracker.seed, loader_config(config))
     return state
 
 
-def prepare_resume(loader: Any, state: dict[str, Any]) -> None:
-    """``loader.load_state_dict(state)``: validate, convert, and keep it for the next iter().
+def checked_state(config: Any, state: dict[str, Any]) -> dict[str, Any] | None:
+    """``loader.load_state_dict(state)``: the state validated and converted for the next
+    ``iter()``; ``None`` for ``{}`` (nothing to resume).
 
     All of the checking is :func:`aioloader._resume.schema.validate`; a refused state
-    leaves the loader as it was.
+    raises before the loader changes anything.
     """
     if isinstance(state, dict) and state == {}:
-        return
-    loader._resume_pending = _Pending(validate(loader, state))
-    loader._resume_tracker = None
-
-
-def take_pending(loader: Any) -> dict[str, Any] | None:
-    """The loaded state for this ``iter()`` (consumed), if any."""
-    pending = getattr(loader, "_resume_pending", None)
-    if pending is None:
         return None
-    loader._resume_pending = None
-    state: dict[str, Any] = pending.state
-    return state
+    return validate(config, state)
 
 
-def from_torchdata(loader: Any, sd: dict[str, Any]) -> dict[str, Any]:
+def from_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
     """A torchdata ``StatefulDataLoader.state_dict()`` in this module's layout (checked).
 
     See :func:`aioloader._resume.schema.read_torchdata`.
     """
-    return read_torchdata(loader, sd)
+    return read_torchdata(config, sd)

@@ -50,12 +50,12 @@ def _to_tensor(v: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(v), dtype=torch.uint8)  # 10x torch.tensor(list)
 
 
-def generators(loader: Any) -> dict[str, torch.Generator]:
+def generators(config: Any) -> dict[str, torch.Generator]:
     """Every ``torch.Generator`` the loader's sampling may draw from, by attribute path."""
-    bs = loader.batch_sampler
+    bs = config.batch_sampler
     found: dict[str, torch.Generator] = {}
-    for path, owner, attr in (("generator", loader, "generator"),
-                              ("sampler.generator", loader.sampler, "generator"),
+    for path, owner, attr in (("generator", config, "generator"),
+                              ("sampler.generator", config.sampler, "generator"),
                               ("batch_sampler.generator", bs, "generator"),
                               ("batch_sampler.sampler.generator", getattr(bs, "sampler", None),
                                "generator")):
@@ -65,13 +65,13 @@ def generators(loader: Any) -> dict[str, torch.Generator]:
     return found
 
 
-def _stateful_sampler(loader: Any) -> Any:
+def _stateful_sampler(config: Any) -> Any:
     """The sampler object whose ``state_dict`` describes the index stream, if any."""
-    index_sampler = loader._index_sampler
+    index_sampler = config.index_sampler
     if _stateful(index_sampler):
         return index_sampler
-    inner = getattr(loader.batch_sampler, "sampler", None)
-    if loader.batch_sampler is not None and _stateful(inner):
+    inner = getattr(config.batch_sampler, "sampler", None)
+    if config.batch_sampler is not None and _stateful(inner):
         return inner
     return None
 
@@ -85,12 +85,12 @@ class EpochTracker:
     the draw) and, for iterable datasets, the state its worker sent with it.
     """
 
-    def __init__(self, loader: Any, resume: dict[str, Any] | None) -> None:
-        self.num_workers = int(loader.num_workers)
-        self.iterable = bool(loader._kind.iterable)
-        self.persistent = bool(loader.persistent_workers and loader.num_workers > 0)
-        self.gens = generators(loader)
-        self.sampler_obj = None if self.iterable else _stateful_sampler(loader)
+    def __init__(self, config: Any, resume: dict[str, Any] | None) -> None:
+        self.num_workers = int(config.num_workers)
+        self.iterable = bool(config.kind.iterable)
+        self.persistent = bool(config.persistent_workers and config.num_workers > 0)
+        self.gens = generators(config)
+        self.sampler_obj = None if self.iterable else _stateful_sampler(config)
         self.resume = resume
         self.drain = False  # finish the loaded sampler's epoch first (see _adopt)
         self.started = False  # the sampler made its first draw

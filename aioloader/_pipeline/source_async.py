@@ -1,0 +1,124 @@
+"""In-process async fetches: an epoch's batches from an async dataset, ``num_workers=0``.
+
+:class:`AsyncFetchSource` runs each dispatched batch's reads as a task on the consumer's
+loop (:class:`~aioloader._fetch.amap.AsyncFetchPool` for map-style datasets, at most
+``fetch_concurrency`` reads in flight; :class:`~aioloader._fetch.aiter.AsyncIterFetcher`
+for iterable ones), collates small batches on the loop and others in the epoch's thread,
+pins, and puts each batch in its slot of the reorder buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from .._fetch.aiter import AsyncIterFetcher
+from .._fetch.amap import AsyncFetchPool
+from .._fetch.policy import FailurePolicy
+from .._fetch.records import apply_to_batch
+from .._fetch.sync import EXHAUSTED, DatasetKind
+from .._stats.recorder import COLLATE, FETCH, PIN, Recorder
+from .._threads import ThreadRunner
+from .dispatch import Dispatcher
+from .offload import _ErrorBox, _InlinePolicy, _timed
+from .pin import PinPolicy
+
+_LG = logging.getLogger(__name__)
+_ns = time.perf_counter_ns
+
+
+class AsyncFetchSource:
+    """Batches of an async dataset, fetched by tasks on the consumer's loop."""
+
+    def __init__(self, dataset: Any, kind: DatasetKind, dispatch: Dispatcher, *,
+                 auto_collation: bool, collate_fn: Callable[[Any], Any], drop_last: bool,
+                 fetch_concurrency: int, failure: FailurePolicy, rec: Recorder | None,
+                 pin: PinPolicy, runner: ThreadRunner, wake: Callable[[], None]) -> None:
+        self.dataset = dataset
+        self.kind = kind
+        self.slots = dispatch.buffer.slots
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self.fetch_concurrency = fetch_concurrency
+        self.failure = failure
+        self.rec = rec
+        self.pin = pin
+        self.runner = runner
+        self.wake = wake
+        self.collate_policy = _InlinePolicy()
+        self.afetch: AsyncFetchPool | AsyncIterFetcher | None = None
+        self.tg: anyio.abc.TaskGroup | None = None
+
+    async def _collate_adaptively(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Collate small batches on the loop, others in the thread (see _InlinePolicy)."""
+        policy = self.collate_policy
+        if policy.inline:
+            value, took = _timed(fn, *args)
+        else:
+            value, took = await self.runner.run(_timed, fn, *args)
+        policy.record(took)
+        return value
+
+    async def start(self, tg: anyio.abc.TaskGroup) -> None:
+        """Start the fetcher; each dispatched batch then becomes a task of ``tg``."""
+        self.tg = tg
+        run_collate = self._collate_adaptively
+        if self.kind is DatasetKind.ASYNC_MAP:
+            pool = AsyncFetchPool(self.dataset, self.auto_collation, self.collate_fn,
+                                  self.fetch_concurrency, run_collate=run_collate,
+                                  run_sync=self.runner.run, failure=self.failure)
+            self.afetch = pool
+            await tg.start(pool.run)
+        else:
+            self.afetch = AsyncIterFetcher(self.dataset, self.auto_collation,
+                                           self.collate_fn, self.drop_last,
+                                           run_collate=run_collate, run_sync=self.runner.run,
+                                           failure=self.failure)
+
+    async def begin_sending(self) -> None:
+        """Nothing to send ahead: fetches start as they are dispatched."""
+
+    async def send(self, worker: int, cmd: tuple[Any, ...]) -> None:
+        assert self.tg is not None
+        self.tg.start_soon(self._fetch, cmd[2], cmd[3], name="aioloader-batch")
+
+    async def _fetch(self, seq: int, index: Any) -> None:
+        slot = self.slots.get(seq)
+        if slot is None:
+            return
+        rec = self.rec
+        try:
+            assert self.afetch is not None
+            t0 = _ns()
+            collated = rec.ns[COLLATE] if rec is not None else 0
+            data = await self.afetch.fetch(index)
+            if rec is not None and data is not EXHAUSTED:
+                t1 = _ns()  # overlapping fetches: others' collate time is subtracted too
+                rec.add(FETCH, max(0, t1 - t0 - (rec.ns[COLLATE] - collated)))
+            if data is not EXHAUSTED and self.pin.enabled:
+                t0 = _ns()
+                data = await self.runner.run(apply_to_batch, self.pin.apply, data)
+                if rec is not None:
+                    rec.add(PIN, _ns() - t0)
+        except Exception as exc:
+            data = _ErrorBox(exc)
+        slot.data = data
+        slot.has_data = True
+        self.wake()
+
+    async def aclose(self) -> None:
+        """Close an async iterable dataset's iterator (its ``aclose()``)."""
+        if isinstance(self.afetch, AsyncIterFetcher):
+            try:
+                await self.afetch.aclose()
+            except Exception:
+                _LG.debug("closing the async iterator failed", exc_info=True)
+
+    def close(self) -> None:
+        """Without a loop nothing was started: nothing to close."""

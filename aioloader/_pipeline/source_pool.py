@@ -1,0 +1,168 @@
+"""The pool reader: an epoch's batches from its worker processes, threads or Ray actors.
+
+:class:`PoolSource` sends the dispatcher's commands to the pool's workers and puts each
+reply in its slot of the reorder buffer (pinned first when ``pin_memory`` is on): the
+worker side of an epoch with ``num_workers > 0``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from .._errors import WorkerDiedError
+from .._fetch.records import apply_to_batch
+from .._fetch.sync import EXHAUSTED
+from .._pools.lease import _PoolLease
+from .._stats.recorder import DISPATCH, PIN, Recorder
+from .._threads import ThreadRunner
+from .dispatch import Dispatcher
+from .pin import PinPolicy
+
+_ns = time.perf_counter_ns
+
+
+class PoolSource:
+    """Batches from a worker pool, into the dispatcher's reorder buffer.
+
+    ``fresh_epoch`` (a persistent pool's new epoch) sends every worker a reset first,
+    with an ``IterDataPipe``'s shared seed (``reset_seed``) when there is one.
+    ``allow_respawn`` decides whether a dead worker may be replaced (``None``: never);
+    ``wake`` tells the consumer a slot was filled, ``commands_ready`` that the
+    dispatcher has commands again (a respawned worker's batches, re-sent).
+    """
+
+    def __init__(self, lease: _PoolLease, dispatch: Dispatcher, *, num_workers: int,
+                 epoch: int, fresh_epoch: bool, reset_seed: int | None, window: int,
+                 rec: Recorder | None, pin: PinPolicy, runner: ThreadRunner,
+                 wake: Callable[[], None], commands_ready: Callable[[], None],
+                 allow_respawn: Callable[[WorkerDiedError], bool] | None) -> None:
+        self.lease = lease
+        self.dispatch = dispatch
+        self.slots = dispatch.buffer.slots  # read once per reply
+        self.num_workers = num_workers
+        self.epoch = epoch
+        self.fresh_epoch = fresh_epoch
+        self.reset_seed = reset_seed
+        self.window = window
+        self.rec = rec
+        self.pin = pin
+        self.runner = runner
+        self.wake = wake
+        self.commands_ready = commands_ready
+        self.allow_respawn = allow_respawn
+
+    # -- commands ----------------------------------------------------------------------------
+
+    def push_now(self) -> None:
+        """Hand the primed commands to the started workers at once (no loop needed).
+
+        torch puts the first ``prefetch_factor * num_workers`` index batches on
+        the workers' queues inside ``iter()``; doing the same here lets workers
+        start on the first batch while the rest of the pipeline comes up.
+        """
+        lease = self.lease
+        if not lease.started:
+            return
+        pool = lease.pool
+        if self.fresh_epoch:
+            self.fresh_epoch = False
+            seed = self.reset_seed  # an IterDataPipe's shared seed for the epoch
+            if seed is not None:
+                pool.set_shared_seed(seed)
+            for w in range(self.num_workers):
+                pool.send_nowait(w, ("reset", self.epoch) if seed is None
+                                 else ("reset", self.epoch, seed))
+        rec = self.rec
+        pending = self.dispatch.pending
+        while pending:
+            worker, cmd = pending.popleft()
+            t0 = _ns()
+            pool.send_nowait(worker, cmd)
+            if rec is not None:
+                rec.add(DISPATCH, _ns() - t0)
+
+    async def start(self, tg: anyio.abc.TaskGroup) -> None:
+        """Start the workers (if not yet), send what is primed, and read their replies."""
+        await self.lease.start(self.runner)
+        self.push_now()
+        tg.start_soon(self._serve)
+
+    async def begin_sending(self) -> None:
+        """Before the sender's loop: a persistent epoch's reset first, then flush."""
+        self.push_now()
+        for w in range(self.num_workers):
+            await self.lease.pool.flush(w)
+
+    async def send(self, worker: int, cmd: tuple[Any, ...]) -> None:
+        t0 = _ns()
+        await self.lease.pool.send(worker, cmd)
+        if self.rec is not None:
+            self.rec.add(DISPATCH, _ns() - t0)
+
+    async def aclose(self) -> None:
+        """Nothing of its own: the epoch releases (or closes) the lease."""
+
+    def close(self) -> None:
+        """Nothing of its own: the epoch releases (or closes) the lease."""
+
+    # -- replies -----------------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        if self.rec is not None:
+            self.rec.reading_ns = _ns()
+        send, recv = anyio.create_memory_object_stream[tuple[int, Any]](self.window + 1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._serve_pool, send)
+            async with recv:
+                async for worker, msg in recv:
+                    await self._intake(worker, msg)
+                    # Not kept while waiting: a cancellation's traceback would keep this
+                    # frame, and so the batch and its shared memory, until the cyclic GC.
+                    del msg
+
+    async def _serve_pool(self, send: Any) -> None:
+        async with send:
+            await self.lease.pool.serve(send, self.allow_respawn)
+
+    async def _intake(self, worker: int, msg: tuple[Any, ...]) -> None:
+        tag = msg[0]
+        if tag == "respawned":
+            self.dispatch.redispatch(worker)
+            self.commands_ready()
+            return
+        if tag == "reset" or msg[1] != self.epoch:
+            return  # acknowledgement, or a stale batch of an abandoned epoch
+        seq = msg[2]
+        slot = self.slots.get(seq)
+        if slot is None:
+            return
+        # Extras after the payload (_worker.loop.serve_commands): a dict is the dataset's
+        # state after this batch (aioloader._resume), a tuple the worker's timings (_stats).
+        # ("data"/"error", epoch, seq, payload, ...) and ("exhausted", epoch, seq, ...).
+        for extra in msg[3 if tag == "exhausted" else 4:]:
+            if isinstance(extra, dict):
+                slot.wstate = extra
+            elif isinstance(extra, tuple) and self.rec is not None:
+                self.rec.worker_batch(worker, extra)
+        if tag == "data":
+            data = msg[3]
+            rec = self.rec
+            if self.pin.enabled:
+                t0 = _ns()
+                data = await self.runner.run(apply_to_batch, self.pin.apply, data)
+                if rec is not None:
+                    rec.add(PIN, _ns() - t0)
+        elif tag == "error":
+            data = msg[3]
+        elif tag == "exhausted":
+            data = EXHAUSTED
+        else:  # pragma: no cover - protocol error
+            raise RuntimeError(f"unexpected message from worker {worker}: {tag!r}")
+        slot.data = data
+        slot.has_data = True
+        self.wake()

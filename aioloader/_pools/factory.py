@@ -1,0 +1,67 @@
+"""The pool factory: the one place that picks the kind of workers (``worker_method``)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context
+import os
+from typing import Any
+
+from .._config import LoaderConfig
+from .._datapipes import is_datapipe, sharding_init_fn, thread_copy
+from .._worker.config import WorkerConfig
+from .lease import AnyPool
+from .process import WorkerPool
+from .ray import RayWorkerPool
+from .thread import ThreadWorkerPool
+
+
+def _resolve_context(config: LoaderConfig) -> multiprocessing.context.BaseContext:
+    ctx = config.mp_context
+    if ctx is None:
+        return multiprocessing.get_context()
+    return ctx
+
+
+def start_pool(config: LoaderConfig, base_seed: int,
+                resume_states: dict[int, Any] | None = None,
+                shared_seed: int | None = None) -> AnyPool:
+    """The pool factory: the one place that picks the kind of workers (``worker_method``).
+
+    A DataPipe's workers shard it first (torch's ``_sharding_worker_init_fn`` wraps
+    ``worker_init_fn``) and an ``IterDataPipe``'s are seeded from ``shared_seed``; thread
+    workers each get their own copy of the graph (:mod:`aioconfig._datapipes`).
+    """
+    worker_init_fn = config.worker_init_fn
+    datapipe = is_datapipe(config.dataset)
+    if datapipe:
+        worker_init_fn = sharding_init_fn(worker_init_fn)
+    copy_per_thread = datapipe and config.worker_method == "thread"
+    configs = [
+        WorkerConfig(
+            worker_id=i,
+            num_workers=config.num_workers,
+            dataset=thread_copy(config.dataset) if copy_per_thread else config.dataset,
+            kind=config.kind,
+            auto_collation=config.auto_collation,
+            collate_fn=config.collate_fn,
+            drop_last=config.drop_last,
+            base_seed=base_seed,
+            worker_init_fn=worker_init_fn,
+            fetch_concurrency=config.fetch_concurrency,
+            fetch_threads=config.fetch_threads,
+            parent_pid=os.getpid(),
+            close_fds=[],
+            failure=config.failure_policy if config.failure_policy.guards_reads else None,
+            resume_state=(resume_states or {}).get(i),
+            stats=config.collect_stats,
+            shared_seed=shared_seed,
+        )
+        for i in range(config.num_workers)
+    ]
+    if config.worker_method == "thread":
+        return ThreadWorkerPool(configs)
+    if config.worker_method == "ray":
+        return RayWorkerPool(configs, config.ray_address, config.ray_actor_options)
+    return WorkerPool(configs, _resolve_context(config))
+
