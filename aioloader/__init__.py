@@ -31,7 +31,7 @@ from ._fetch.report import (
     SkippedSamplesWarning,
     TooManyFailuresError,
 )
-from ._stats.book import LoaderStats, StageStats, WorkerStats
+from ._stats.report import LoaderStats, StageStats, WorkerStats
 from ._worker_info import WorkerInfo, get_worker_info
 from .collate import default_collate, default_convert
 from .dataset import (

@@ -52,7 +52,8 @@ from ._pipeline.epoch import _PipelineCore
 from ._pipeline.source_inline import _InProcessWorker
 from ._pools.lease import _PoolLease
 from ._resume import state as _state
-from ._stats.book import LoaderStats, StatsBook
+from ._stats.book import StatsBook
+from ._stats.report import LoaderStats
 from .collate import default_collate, default_convert
 from .sampler import Sampler
 

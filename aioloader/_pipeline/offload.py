@@ -19,7 +19,7 @@ import torch
 
 from .._fetch.report import FailureReport
 from .._resume import state as _state
-from .._stats.book import Recorder, TimedCollate
+from .._stats.recorder import Recorder, TimedCollate
 from .._threads import ThreadRunner, _noop
 from . import device as _device
 

@@ -23,7 +23,7 @@ import anyio
 from .._fetch.report import NOTHING, TooManyFailuresError, apply_to_batch, guard_fetcher
 from .._fetch.sync import EXHAUSTED, DatasetKind, fetch_or_exhausted, make_fetcher
 from .._resume import state as _state
-from .._stats.book import COLLATE, DEVICE, FETCH, PIN, SAMPLING, Recorder
+from .._stats.recorder import COLLATE, DEVICE, FETCH, PIN, SAMPLING, Recorder
 from . import device as _device
 from .offload import _CoreBase, _InlinePolicy, _ThreadCall, _timed
 
