@@ -23,7 +23,7 @@ from . import _torch_data as _tud
 from ._datapipes import apply_shuffle, is_iter_datapipe
 from ._errors import PrefetchFactorError
 from ._fetch.sync import dataset_kind
-from ._pools.ray import check_ray_options
+from ._worker.ray_actor import check_ray_options
 from .collate import default_collate
 from .sampler import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
