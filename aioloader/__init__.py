@@ -25,12 +25,8 @@ from ._errors import (
     TransportError,
     WorkerDiedError,
 )
-from ._fetch.report import (
-    FailureReport,
-    SampleFailure,
-    SkippedSamplesWarning,
-    TooManyFailuresError,
-)
+from ._fetch.records import SampleFailure
+from ._fetch.report import FailureReport, SkippedSamplesWarning, TooManyFailuresError
 from ._stats.report import LoaderStats, StageStats, WorkerStats
 from ._worker_info import WorkerInfo, get_worker_info
 from .collate import default_collate, default_convert

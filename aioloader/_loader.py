@@ -46,7 +46,8 @@ from ._config import (
     resolve_sampling,
 )
 from ._datapipes import wrap as wrap_datapipe
-from ._fetch.report import DEFAULT_RETRY_DELAY, FailureReport, make_policy
+from ._fetch.policy import DEFAULT_RETRY_DELAY, make_policy
+from ._fetch.report import FailureReport
 from ._fetch.sync import dataset_kind
 from ._pipeline.epoch import _PipelineCore
 from ._pipeline.source_inline import _InProcessWorker

@@ -19,6 +19,7 @@ import torch
 
 from .._fetch.report import FailureReport
 from .._resume import state as _state
+from .._resume.tracker import EpochTracker
 from .._stats.recorder import Recorder, TimedCollate
 from .._threads import ThreadRunner, _noop
 from . import device as _device
@@ -50,7 +51,7 @@ class _CoreBase:
         self.failure_policy = loader._failure_policy
         self.failures = FailureReport(self.failure_policy, self.kind.iterable)
         loader._failure_report = self.failures
-        self.track = _state.EpochTracker(loader, _state.take_pending(loader))
+        self.track = EpochTracker(loader, _state.take_pending(loader))
         loader._resume_tracker = self.track
         self.rec: Recorder | None = loader._stats_book.new_epoch() if loader.collect_stats \
             else None

@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._fetch.report import NOTHING, TooManyFailuresError, apply_to_batch, guard_fetcher
+from .._fetch.guard import guard_fetcher
+from .._fetch.records import NOTHING, apply_to_batch
+from .._fetch.report import TooManyFailuresError
 from .._fetch.sync import EXHAUSTED, DatasetKind, fetch_or_exhausted, make_fetcher
-from .._resume import state as _state
+from .._resume import dataset_state as _state
 from .._stats.recorder import COLLATE, DEVICE, FETCH, PIN, SAMPLING, Recorder
 from . import device as _device
 from .offload import _CoreBase, _InlinePolicy, _ThreadCall, _timed

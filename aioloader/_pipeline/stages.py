@@ -25,7 +25,7 @@ from .._errors import (
 )
 from .._fetch.aiter import AsyncIterFetcher
 from .._fetch.amap import AsyncFetchPool
-from .._fetch.report import NOTHING, apply_to_batch
+from .._fetch.records import NOTHING, apply_to_batch
 from .._fetch.sync import EXHAUSTED, DatasetKind
 from .._stats.recorder import COLLATE, DEVICE, DISPATCH, FETCH, PIN, Recorder
 from .._threads import ThreadRunner

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._datapipes import is_datapipe, sharding_init_fn, thread_copy
 from .._threads import ThreadRunner
-from .._worker.main import WorkerConfig
+from .._worker.config import WorkerConfig
 from .process import WorkerPool
 from .ray import RayWorkerPool
 from .thread import ThreadWorkerPool
