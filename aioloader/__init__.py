@@ -25,13 +25,9 @@ from ._errors import (
     TransportError,
     WorkerDiedError,
 )
-from ._fetch.report import (
-    FailureReport,
-    SampleFailure,
-    SkippedSamplesWarning,
-    TooManyFailuresError,
-)
-from ._stats.book import LoaderStats, StageStats, WorkerStats
+from ._fetch.records import SampleFailure
+from ._fetch.report import FailureReport, SkippedSamplesWarning, TooManyFailuresError
+from ._stats.report import LoaderStats, StageStats, WorkerStats
 from ._worker_info import WorkerInfo, get_worker_info
 from .collate import default_collate, default_convert
 from .dataset import (

@@ -28,7 +28,7 @@ from ._datapipes import wrap as wrap_datapipe
 from ._errors import PrefetchFactorError
 from ._fetch.policy import FailurePolicy, make_policy
 from ._fetch.sync import DatasetKind, dataset_kind
-from ._pools.ray import check_ray_options
+from ._worker.ray_actor import check_ray_options
 from .collate import default_collate, default_convert
 from .sampler import BatchSampler, RandomSampler, Sampler, SequentialSampler
 

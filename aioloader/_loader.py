@@ -40,7 +40,8 @@ from ._pipeline.source_inline import InlineSource
 from ._pools.lease import PoolKeeper
 from ._resume import state as _state
 from ._resume.tracker import EpochTracker
-from ._stats.book import LoaderStats, StatsBook
+from ._stats.book import StatsBook
+from ._stats.report import LoaderStats
 from .sampler import Sampler
 
 __all__ = ["AsyncLoaderIter", "DataLoaderCore"]

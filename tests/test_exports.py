@@ -185,6 +185,8 @@ def test_no_re_export_hubs() -> None:
     for mod, path in MODULES.items():
         if not any(part.startswith("_") and part != "__init__" for part in mod.split(".")):
             continue  # the public modules re-export torch-named names on purpose
+        if mod == "_torch_data":
+            continue  # it exists to hand out torch's own classes (defined in torch, not here)
         tree = ast.parse(path.read_text())
         imported: set[str] = set()
         for node in ast.walk(tree):

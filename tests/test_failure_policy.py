@@ -35,7 +35,9 @@ from aioloader import (
     TooManyFailuresError,
     WorkerDiedError,
 )
-from aioloader._fetch import report as _failure
+from aioloader._fetch.guard import aguard
+from aioloader._fetch.policy import make_policy
+from aioloader._fetch.records import Tally
 
 N = 20
 BAD = {3, 7, 8, 9}  # with batch_size=4: batch 0 loses 3, batch 1 loses 7, batch 2 loses 8, 9
@@ -231,9 +233,8 @@ def test_retry_backoff_doubles_from_the_base_delay(monkeypatch: pytest.MonkeyPat
         delays.append(seconds)
 
     monkeypatch.setattr(anyio, "sleep", fake_sleep)
-    policy = _failure.make_policy(on_error=None, max_failures=None, retries=3,
-                                  retry_delay=0.25, respawn_workers=False, num_workers=0,
-                                  iterable=False, is_async=True)
+    policy = make_policy(on_error=None, max_failures=None, retries=3, retry_delay=0.25,
+                         respawn_workers=False, num_workers=0, iterable=False, is_async=True)
     calls = 0
 
     async def read() -> str:
@@ -243,8 +244,8 @@ def test_retry_backoff_doubles_from_the_base_delay(monkeypatch: pytest.MonkeyPat
             raise OSError("flaky")
         return "ok"
 
-    tally = _failure.Tally()
-    result = anyio.run(_failure.aguard, policy, tally, 0, read, None)
+    tally = Tally()
+    result = anyio.run(aguard, policy, tally, 0, read, None)
     assert result == "ok" and calls == 4 and tally.retried == 3
     assert delays == [0.25, 0.5, 1.0]
 

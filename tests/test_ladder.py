@@ -16,7 +16,7 @@ from torch.utils.data import default_collate
 from aioloader._fetch.sync import DatasetKind
 from aioloader._pools.ladder import KILL_WAIT, TERM_WAIT, climb, process_steps
 from aioloader._pools.process import WorkerPool
-from aioloader._worker.main import WorkerConfig
+from aioloader._worker.config import WorkerConfig
 
 
 def test_climb_acts_on_the_live_workers_and_stops_when_none_is_left() -> None:

@@ -31,7 +31,7 @@ from torch.utils.data._utils.worker import _generate_state
 from aioloader._errors import LoaderClosedError, RemoteError, WorkerDiedError
 from aioloader._fetch.sync import DatasetKind
 from aioloader._pools.process import WorkerPool
-from aioloader._worker.main import WorkerConfig, generate_numpy_seed
+from aioloader._worker.config import WorkerConfig, generate_numpy_seed
 
 log = logging.getLogger(__name__)
 
@@ -599,7 +599,7 @@ _SCRIPT = textwrap.dedent("""
     import _pool_datasets as ds
     from aioloader._fetch.sync import DatasetKind
     from aioloader._pools.process import WorkerPool
-    from aioloader._worker.main import WorkerConfig
+    from aioloader._worker.config import WorkerConfig
 
     if __name__ == "__main__":
         configs = [WorkerConfig(i, 2, ds.DyingDataset(), DatasetKind.MAP, True,

@@ -396,7 +396,7 @@ def test_torchdata_shuffle_state_is_refused() -> None:
 
 def test_exports_stateful() -> None:
     """The Stateful protocol is importable for type checks."""
-    from aioloader._resume.state import Stateful
+    from aioloader._resume.dataset_state import Stateful
 
     assert isinstance(StatefulPermSampler(3), Stateful)
     assert not isinstance(aioloader.SequentialSampler(range(3)), Stateful)

@@ -629,5 +629,6 @@ def test_one_checker() -> None:
     """Regression test for issue 18: one checker, with a reader per layout version."""
     from aioloader._resume import schema as _state_schema
     from aioloader._resume import state as _state
-    assert _state.validate is _state_schema.validate
-    assert sorted(_state_schema._READERS) == [1, _state.FORMAT_VERSION]
+    from aioloader._resume.tracker import FORMAT_VERSION
+    assert _state.validate is _state_schema.validate  # load_state_dict's checker is the schema's
+    assert sorted(_state_schema._READERS) == [1, FORMAT_VERSION]

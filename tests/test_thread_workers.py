@@ -20,7 +20,7 @@ import aioloader
 from aioloader import DataLoader, LoaderTimeoutError, TensorDataset
 from aioloader._fetch.sync import DatasetKind
 from aioloader._pools.thread import ThreadWorkerPool
-from aioloader._worker.main import WorkerConfig
+from aioloader._worker.config import WorkerConfig
 
 THREAD_PREFIX = "aioloader-thread-worker-"
 

@@ -21,7 +21,7 @@ import torch.utils.data as tud
 
 import aioloader
 from aioloader import DataLoader, StackDataset, Subset, TensorDataset, random_split
-from aioloader._worker.wire import decode, encode
+from aioloader._worker.codec import decode, encode
 
 FORK = {"multiprocessing_context": "fork"}
 TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(tud.DataLoader.__init__).parameters

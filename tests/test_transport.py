@@ -16,19 +16,16 @@ import pytest
 import torch
 from conftest import open_fds, shm_entries
 
-from aioloader._worker.wire import (
-    HEADER,
+from aioloader._errors import TransportError
+from aioloader._worker.codec import (
     LARGE_PAYLOAD,
     MAX_FDS_PER_MESSAGE,
     SHARE_THRESHOLD,
-    FrameReader,
-    FrameWriter,
-    TransportError,
     close_fds,
     decode,
     encode,
-    send_message,
 )
+from aioloader._worker.wire import HEADER, FrameReader, FrameWriter, send_message
 
 
 @pytest.fixture

@@ -11,9 +11,8 @@ collated when its last sample arrives; samples keep the sampler's order. The
 first error in a batch cancels that batch's other fetches and is raised by
 :meth:`AsyncFetchPool.fetch` with its original type and traceback.
 
-The async iterable-style fetcher lives in :mod:`aioloader._fetch.aiter`
-(re-exported here), the sample reads through dataset wrappers in
-:mod:`aioloader._fetch.aread`.
+The async iterable-style fetcher lives in :mod:`aioloader._fetch.aiter`, the
+sample reads through dataset wrappers in :mod:`aioloader._fetch.aread`.
 """
 
 from __future__ import annotations
@@ -28,14 +27,13 @@ import anyio.lowlevel
 import sniffio
 from anyio.abc import TaskStatus
 
-from .aiter import AsyncIterFetcher
 from .aread import RunSync, _run_inline, read_sample
 from .guard import aguard
 from .policy import FailurePolicy
 from .records import NOTHING, Outcome, Tally
 from .sync import _is_coro_method
 
-__all__ = ["AsyncFetchPool", "AsyncIterFetcher"]
+__all__ = ["AsyncFetchPool"]
 
 
 class _Batch:

@@ -6,7 +6,7 @@ drops a sample whose read raised from its batch, collates the rest, and
 reports it; ``retries=N`` re-awaits a failing async read with exponential
 backoff first. See ``docs/failure_policy.md``.
 
-The pieces, by module (all re-exported here):
+The pieces, by module (import each name from its own):
 
 * :mod:`aioloader._fetch.policy` - :class:`FailurePolicy`, the validated
   settings, picklable (workers get a copy), built by :func:`make_policy`.
@@ -34,29 +34,10 @@ from collections import deque
 from typing import Any
 
 from .._errors import LoaderError
-from .guard import GuardedIterFetcher, GuardedMapFetcher, aguard, guard_fetcher
-from .policy import DEFAULT_MAX_RESPAWNS, DEFAULT_RETRY_DELAY, FailurePolicy, make_policy
-from .records import NOTHING, Outcome, SampleFailure, Tally, apply_to_batch
+from .policy import FailurePolicy
+from .records import NOTHING, Outcome, SampleFailure
 
-__all__ = [
-    "DEFAULT_MAX_RESPAWNS",
-    "DEFAULT_RETRY_DELAY",
-    "KEEP_ERRORS",
-    "NOTHING",
-    "FailurePolicy",
-    "FailureReport",
-    "GuardedIterFetcher",
-    "GuardedMapFetcher",
-    "Outcome",
-    "SampleFailure",
-    "SkippedSamplesWarning",
-    "Tally",
-    "TooManyFailuresError",
-    "aguard",
-    "apply_to_batch",
-    "guard_fetcher",
-    "make_policy",
-]
+__all__ = ["KEEP_ERRORS", "FailureReport", "SkippedSamplesWarning", "TooManyFailuresError"]
 
 #: How many of the latest failures a report keeps (with their tracebacks).
 KEEP_ERRORS = 20

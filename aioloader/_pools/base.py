@@ -27,7 +27,7 @@ import anyio
 
 from .._errors import IteratorClosedError, add_note
 from .._threads import close_at_exit
-from .._worker.main import WorkerConfig
+from .._worker.config import WorkerConfig
 
 __all__ = ["ConfigSource", "PoolBase"]
 
@@ -42,7 +42,7 @@ class PoolBase(Generic[W]):
     """Workers with known ids ``0..N-1`` and their lifecycle.
 
     Args:
-        configs: one :class:`~aioloader._worker.main.WorkerConfig` per worker (in
+        configs: one :class:`~aioloader._worker.config.WorkerConfig` per worker (in
             worker-id order), or a zero-argument callable returning them,
             called by :meth:`start`.
 

@@ -26,8 +26,10 @@ from anyio.abc import ObjectSendStream
 
 from .._errors import WorkerDiedError
 from .._threads import ThreadRunner
-from .._worker.main import WorkerConfig, worker_main
-from .._worker.wire import LARGE_PAYLOAD, Frame, FrameReader, FrameWriter, decode
+from .._worker.codec import LARGE_PAYLOAD, decode
+from .._worker.config import WorkerConfig
+from .._worker.main import worker_main
+from .._worker.wire import Frame, FrameReader, FrameWriter
 from .ladder import reap
 
 __all__ = ["Conn"]

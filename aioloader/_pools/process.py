@@ -45,7 +45,7 @@ from anyio.abc import ObjectSendStream
 from .._errors import IteratorClosedError, WorkerDiedError
 from .._park import quiet_for_fork
 from .._threads import ThreadRunner
-from .._worker.main import WorkerConfig
+from .._worker.config import WorkerConfig
 from .base import ConfigSource, PoolBase
 from .conn import Conn
 from .ladder import climb, is_alive, process_steps, wait_exit, wait_exit_blocking
@@ -62,7 +62,7 @@ class WorkerPool(PoolBase[Conn]):
     """Worker processes with known ids, their sockets and their lifecycle.
 
     Args:
-        configs: one :class:`~aioloader._worker.main.WorkerConfig` per worker (in
+        configs: one :class:`~aioloader._worker.config.WorkerConfig` per worker (in
             worker-id order), or a zero-argument callable returning them,
             called by :meth:`start`. ``parent_pid`` and ``close_fds`` are
             filled in by the pool.

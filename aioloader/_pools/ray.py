@@ -37,18 +37,11 @@ import sniffio
 from anyio.abc import ObjectSendStream
 
 from .._errors import IteratorClosedError, RemoteError, WorkerDiedError
-from .._worker.main import WorkerConfig
-from .._worker.ray_actor import (
-    DEFAULT_ACTOR_OPTIONS,
-    RAY_INSTALL_HINT,
-    RayWorker,
-    check_ray_options,
-    import_ray,
-    require_ray,
-)
+from .._worker.config import WorkerConfig
+from .._worker.ray_actor import DEFAULT_ACTOR_OPTIONS, RayWorker, import_ray
 from .base import ConfigSource, PoolBase
 
-__all__ = ["RAY_INSTALL_HINT", "RayWorkerPool", "check_ray_options", "require_ray"]
+__all__ = ["RayWorkerPool"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +80,7 @@ class RayWorkerPool(PoolBase[_Actor]):
     """N workers as Ray actors, with :class:`~aioloader._pools.process.WorkerPool`'s interface.
 
     Args:
-        configs: one :class:`~aioloader._worker.main.WorkerConfig` per worker, in id order.
+        configs: one :class:`~aioloader._worker.config.WorkerConfig` per worker, in id order.
         address: given to ``ray.init(address=...)`` if Ray is not initialised in this
             process when the pool starts; ignored (logged) if it is. ``None`` then means
             ``ray.init()``: ``RAY_ADDRESS``, a running local cluster, or a new local one.

@@ -2,7 +2,7 @@
 
 :class:`ThreadWorkerPool` runs ``num_workers`` threads of the main process
 with known ids ``0..N-1``. Each serves the same command protocol as a worker
-process (:func:`aioloader._worker.main.serve_commands`: ``fetch``, ``reset``,
+process (:func:`aioloader._worker.loop.serve_commands`: ``fetch``, ``reset``,
 ``exit``), so the loader's dispatch, reordering, persistence, timeout and
 pinning are the same code for both kinds of workers. What differs:
 
@@ -47,7 +47,7 @@ from anyio.abc import ObjectSendStream
 
 from .._errors import IteratorClosedError, WorkerDiedError
 from .._threads import ThreadRunner
-from .._worker.main import WorkerConfig
+from .._worker.config import WorkerConfig
 from .._worker.thread import Channel, thread_worker_main, torch_thread_local
 from .base import ConfigSource, PoolBase
 from .ladder import climb, join_threads
@@ -78,7 +78,7 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
     """Worker threads with known ids: the same interface as the process pool's ``WorkerPool``.
 
     Args:
-        configs: one :class:`~aioloader._worker.main.WorkerConfig` per worker (in
+        configs: one :class:`~aioloader._worker.config.WorkerConfig` per worker (in
             worker-id order), or a zero-argument callable returning them,
             called by :meth:`start`.
 

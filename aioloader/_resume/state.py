@@ -30,42 +30,19 @@ The per-epoch bookkeeping is :mod:`aioloader._resume.tracker`; a worker's datase
 state, :mod:`aioloader._resume.dataset_state`. This module is the loader's API:
 ``state_dict()`` (:func:`loader_state_dict`) and ``load_state_dict()``
 (:func:`checked_state`); what a loaded state must be (every version of the layout,
-torchdata states), :mod:`aioloader._resume.schema`. The names of all four are
-importable from here.
-
-This module is imported by worker processes: stdlib and torch only.
+torchdata states), :mod:`aioloader._resume.schema`. Each name is imported from the
+module that defines it: worker processes import only
+:mod:`~aioloader._resume.dataset_state` (stdlib only).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .dataset_state import (
-    Stateful,
-    is_stateful_iterable,
-    load_dataset_state,
-    load_fetcher_state,
-    worker_state,
-)
 from .schema import loader_config, read_torchdata, validate
-from .tracker import FORMAT_KEY, FORMAT_VERSION, EpochTracker
+from .tracker import EpochTracker
 
-__all__ = [
-    "FORMAT_KEY",
-    "FORMAT_VERSION",
-    "EpochTracker",
-    "Stateful",
-    "checked_state",
-    "from_torchdata",
-    "is_stateful_iterable",
-    "load_dataset_state",
-    "load_fetcher_state",
-    "loader_config",
-    "loader_state_dict",
-    "read_torchdata",
-    "validate",
-    "worker_state",
-]
+__all__ = ["checked_state", "from_torchdata", "loader_state_dict"]
 
 
 def loader_state_dict(config: Any, pending: dict[str, Any] | None,

@@ -9,45 +9,15 @@ Three modules, one job each:
 * :mod:`aioloader._stats.report`: the results (:class:`LoaderStats`, its table and
   log line) and the hint.
 
-The names of all three are importable from here.
+Each name is imported from the module that defines it.
 """
 
 from __future__ import annotations
 
-from .recorder import (
-    COLLATE,
-    DEVICE,
-    DISPATCH,
-    FETCH,
-    PIN,
-    SAMPLING,
-    STAGES,
-    TRANSPORT,
-    WAIT,
-    Recorder,
-    TimedCollate,
-    WorkerClock,
-)
+from .recorder import COLLATE, DEVICE, FETCH, SAMPLING, STAGES, WAIT, Recorder
 from .report import LoaderStats, StageStats, WorkerStats, bottleneck_hint
 
-__all__ = [
-    "COLLATE",
-    "DEVICE",
-    "DISPATCH",
-    "FETCH",
-    "PIN",
-    "SAMPLING",
-    "STAGES",
-    "TRANSPORT",
-    "WAIT",
-    "LoaderStats",
-    "Recorder",
-    "StageStats",
-    "StatsBook",
-    "TimedCollate",
-    "WorkerClock",
-    "WorkerStats",
-]
+__all__ = ["StatsBook"]
 
 
 class _Totals:

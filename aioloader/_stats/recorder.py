@@ -32,20 +32,29 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .book import StatsBook
+    from .report import LoaderStats
 
-__all__ = ["STAGES", "Recorder", "TimedCollate", "WorkerClock"]
+__all__ = ["STAGES", "Recorder", "Snapshots", "TimedCollate", "WorkerClock"]
 
-_LOG = logging.getLogger("aioloader")
+# A child of the "aioloader" logger: configuring "aioloader" shows these lines too.
+_LOG = logging.getLogger(__name__)
 _now = time.perf_counter_ns
 
 #: Stage names, in pipeline order (the keys of :attr:`LoaderStats.stages`).
 STAGES = ("sampling", "dispatch", "fetch", "collate", "transport", "pin", "device",
           "consumer_wait")
 SAMPLING, DISPATCH, FETCH, COLLATE, TRANSPORT, PIN, DEVICE, WAIT = range(len(STAGES))
+
+
+class Snapshots(Protocol):
+    """What a :class:`Recorder` needs of its book (:class:`aioloader._stats.book.StatsBook`)
+    for periodic logging: the statistics of one recorder. A protocol, so that this module
+    does not import the book that imports it."""
+
+    def snapshot_of(self, rec: Recorder) -> LoaderStats: ...
 
 
 # ------------------------------------------------------------------------- hot-path recorders
@@ -91,7 +100,7 @@ class Recorder:
     )
 
     def __init__(self, num_workers: int, log_every_s: float | None = None,
-                 book: StatsBook | None = None, epoch: int = 0) -> None:
+                 book: Snapshots | None = None, epoch: int = 0) -> None:
         self.count = [0] * len(STAGES)
         self.ns = [0] * len(STAGES)
         self.batches = 0

@@ -21,9 +21,10 @@ from typing import Any
 from .._errors import RemoteError
 from .._fetch.sync import DatasetKind
 from .._stats.recorder import WorkerClock
+from .codec import close_fds, decode
 from .config import WorkerConfig, _where
 from .loop import _encode_reply, _error_reply
-from .wire import FrameReader, FrameWriter, close_fds, decode
+from .wire import FrameReader, FrameWriter
 
 # Encoded replies waiting for the writer. The parent asks a worker for at most its window
 # of batches (prefetch_factor, or the async depth), so this rarely fills; when the parent
@@ -52,7 +53,8 @@ class _AsyncEpoch:
         """Own the epoch's fetcher and fetch tasks until cancelled by :meth:`stop`."""
         import anyio
 
-        from .._fetch.amap import AsyncFetchPool, AsyncIterFetcher
+        from .._fetch.aiter import AsyncIterFetcher
+        from .._fetch.amap import AsyncFetchPool
 
         cfg = self.cfg
         iter_fetcher: AsyncIterFetcher | None = None

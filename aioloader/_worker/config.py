@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .._datapipes import is_iter_datapipe, seed_graph
-from .._fetch.report import FailurePolicy
+from .._fetch.policy import FailurePolicy
 from .._fetch.sync import DatasetKind
 from .._worker_info import WorkerInfo, _set_worker_info
 

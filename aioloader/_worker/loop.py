@@ -16,13 +16,17 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import RemoteError
-from .._fetch.report import guard_fetcher
+from .._fetch.guard import guard_fetcher
 from .._fetch.sync import IterFetcher, MapFetcher, make_fetcher
-from .._resume import state as _state
+from .._resume.dataset_state import (
+    is_stateful_iterable,
+    load_dataset_state,
+    load_fetcher_state,
+    worker_state,
+)
 from .._stats.recorder import WorkerClock
-from .codec import unlink_failed_segments
+from .codec import encode, unlink_failed_segments
 from .config import WorkerConfig, _where, reseed_datapipe
-from .wire import encode
 
 __all__ = ["serve_commands"]
 
@@ -66,11 +70,11 @@ class _SyncEpoch:
         if init_error is None:
             resume, cfg.resume_state = cfg.resume_state, None  # the first epoch's only
             try:
-                _state.load_dataset_state(cfg.dataset, resume)
+                load_dataset_state(cfg.dataset, resume)
                 raw = make_fetcher(cfg.kind, cfg.dataset, cfg.auto_collation, cfg.collate_fn,
                                    cfg.drop_last, cfg.fetch_threads)
-                _state.load_fetcher_state(raw, resume)
-                self.stateful = cfg.kind.iterable and _state.is_stateful_iterable(
+                load_fetcher_state(raw, resume)
+                self.stateful = cfg.kind.iterable and is_stateful_iterable(
                     cfg.dataset, raw)
                 self.raw = raw  # the state is read from the unguarded fetcher
                 self.fetcher = guard_fetcher(raw, cfg.failure, cfg.worker_id)
@@ -84,10 +88,10 @@ class _SyncEpoch:
             return ("exhausted", epoch, seq)
         assert self.fetcher is not None
         try:
-            if self.stateful:  # the dataset's position goes with each batch (_state)
+            if self.stateful:  # the dataset's position goes with each batch (dataset_state)
                 batch = self.fetcher.fetch(index)
                 return ("data", epoch, seq, batch,
-                        _state.worker_state(cfg.worker_id, cfg.dataset, self.raw))
+                        worker_state(cfg.worker_id, cfg.dataset, self.raw))
             return ("data", epoch, seq, self.fetcher.fetch(index))
         except StopIteration:
             if cfg.kind.iterable:
@@ -95,7 +99,7 @@ class _SyncEpoch:
                 if self.stateful:
                     self.raw._ended = True  # type: ignore[union-attr]
                     return ("exhausted", epoch, seq,
-                            _state.worker_state(cfg.worker_id, cfg.dataset, self.raw))
+                            worker_state(cfg.worker_id, cfg.dataset, self.raw))
                 return ("exhausted", epoch, seq)
             return _error_reply(cfg, epoch, seq)
         except Exception:

@@ -19,13 +19,13 @@ command (parent -> worker)            reply (worker -> parent)
 ====================================  ========================================
 
 With the failure policy's skip or retries (``WorkerConfig.failure``), a
-``"data"`` reply's batch may be an :class:`aioloader._fetch.report.Outcome` (the
+``"data"`` reply's batch may be an :class:`aioloader._fetch.records.Outcome` (the
 batch, or ``NOTHING``, plus the samples skipped). The pool itself adds
 ``("respawned", worker_id)`` to the parent's stream when it replaced a dead
 worker (``respawn_workers``).
 An iterable dataset that implements ``state_dict``/``load_state_dict`` (torchdata's
 ``Stateful``) adds its state after the batch as a last element of ``data`` and
-``exhausted`` replies (:mod:`aioloader._resume.state`).
+``exhausted`` replies (:mod:`aioloader._resume.dataset_state`).
 
 Sync datasets are served one command at a time, in order
 (:func:`aioloader._worker.loop.serve_commands`, here over the worker's
@@ -56,13 +56,12 @@ import torch
 
 from .._errors import RemoteError
 from .aserver import _serve_async
-from .config import WorkerConfig, generate_numpy_seed, seed_worker
-from .config import _where as _where
+from .codec import decode
+from .config import WorkerConfig, _where, seed_worker
 from .loop import _encode_reply, serve_commands
-from .loop import _SyncEpoch as _SyncEpoch
-from .wire import Frame, FrameReader, decode, send_frame
+from .wire import Frame, FrameReader, send_frame
 
-__all__ = ["WorkerConfig", "generate_numpy_seed", "seed_worker", "serve_commands", "worker_main"]
+__all__ = ["worker_main"]
 
 logger = logging.getLogger(__name__)
 

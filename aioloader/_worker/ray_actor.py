@@ -1,8 +1,8 @@
 """The Ray side of ``worker_method="ray"``: the actor, and the checks on ``ray_options``.
 
 :class:`RayWorker` is one worker as a Ray actor: it does what a worker process
-does, with the same code (:func:`aioloader._worker.main.seed_worker`, then the
-worker's own fetch logic, :class:`aioloader._worker.main._SyncEpoch`).
+does, with the same code (:func:`aioloader._worker.config.seed_worker`, then the
+worker's own fetch logic, :class:`aioloader._worker.loop._SyncEpoch`).
 :func:`check_ray_options` validates the user's ``ray_options`` at construction.
 Ray itself is imported lazily: the package imports and runs without it. The
 parent side is :class:`aioloader._pools.ray.RayWorkerPool`.
@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._errors import RemoteError
-from .config import reseed_datapipe
-from .main import WorkerConfig, _SyncEpoch, _where, seed_worker
+from .config import WorkerConfig, _where, reseed_datapipe, seed_worker
+from .loop import _SyncEpoch
 
 __all__ = ["DEFAULT_ACTOR_OPTIONS", "RAY_INSTALL_HINT", "RayWorker", "check_ray_options",
            "import_ray", "require_ray"]

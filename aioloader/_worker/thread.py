@@ -3,7 +3,7 @@
 A worker thread (:func:`thread_worker_main`) seeds its own generators, sets its
 ``get_worker_info()`` (aioloader's and torch's, per thread), runs
 ``worker_init_fn`` and then the worker's own command loop
-(:func:`aioloader._worker.main.serve_commands`), reading commands from its queue and
+(:func:`aioloader._worker.loop.serve_commands`), reading commands from its queue and
 posting replies to the :class:`Channel` it shares with its pool
 (:class:`aioloader._pools.thread.ThreadWorkerPool`).
 """
@@ -23,8 +23,8 @@ import torch
 
 from .._errors import RemoteError
 from .._worker_info import WorkerInfo, _set_thread_worker_info
-from .config import reseed_datapipe
-from .main import WorkerConfig, _where, generate_numpy_seed, serve_commands
+from .config import WorkerConfig, _where, generate_numpy_seed, reseed_datapipe
+from .loop import serve_commands
 
 __all__ = ["Channel", "thread_worker_main", "torch_thread_local"]
 

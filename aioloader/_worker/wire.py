@@ -31,32 +31,9 @@ import struct
 from typing import Any, NamedTuple
 
 from .._errors import TransportError
-from .codec import (
-    LARGE_PAYLOAD,
-    MAX_FDS_PER_MESSAGE,
-    SHARE_THRESHOLD,
-    TOO_MANY_FDS,
-    close_fds,
-    decode,
-    encode,
-)
+from .codec import TOO_MANY_FDS, close_fds, encode
 
-__all__ = [
-    "HEADER",
-    "LARGE_PAYLOAD",
-    "MAX_FDS_PER_MESSAGE",
-    "SHARE_THRESHOLD",
-    "TOO_MANY_FDS",
-    "Frame",
-    "FrameReader",
-    "FrameWriter",
-    "TransportError",
-    "close_fds",
-    "decode",
-    "encode",
-    "send_frame",
-    "send_message",
-]
+__all__ = ["HEADER", "Frame", "FrameReader", "FrameWriter", "send_frame", "send_message"]
 
 HEADER = struct.Struct("<QI")
 """Frame header: payload length (u64) and number of attached fds (u32)."""
@@ -95,6 +72,7 @@ def send_message(sock: socket.socket, obj: Any) -> None:
 
     Example:
         >>> import socket
+        >>> from aioloader._worker.codec import decode
         >>> a, b = socket.socketpair()
         >>> send_message(a, {"k": 1})
         >>> reader = FrameReader(b)
@@ -273,6 +251,7 @@ class FrameWriter:
 
     Example:
         >>> import socket
+        >>> from aioloader._worker.codec import decode
         >>> a, b = socket.socketpair()
         >>> w = FrameWriter(a)
         >>> w.write(("fetch", 0, 0, [1, 2]))
