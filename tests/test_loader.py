@@ -432,6 +432,7 @@ def test_errors_do_not_end_the_epoch() -> None:
     assert errors == 1 and out == [[0, 1], [2, 3], [6, 7]]
 
 
+@pytest.mark.gc_off
 async def test_break_then_gc_leaves_no_thread() -> None:
     """break out of async for: the iterator's thread is gone once it is collected."""
     async for _ in DataLoader(Slow(100, 0.001), batch_size=1):
@@ -440,6 +441,7 @@ async def test_break_then_gc_leaves_no_thread() -> None:
     # the autouse fixture checks that no aioloader thread is left
 
 
+@pytest.mark.gc_off
 async def test_aclose_and_async_with() -> None:
     """aclose() and `async with` stop the epoch; later anext ends the iteration."""
     it = DataLoader(range(10), batch_size=2).__aiter__()
@@ -452,6 +454,7 @@ async def test_aclose_and_async_with() -> None:
         assert (await it2.__anext__()).tolist() == [0, 1]
 
 
+@pytest.mark.gc_off
 async def test_cancel_consumer_task() -> None:
     """Cancelling the task that runs async for stops loading promptly."""
     started = anyio.Event()
@@ -467,6 +470,7 @@ async def test_cancel_consumer_task() -> None:
             tg.cancel_scope.cancel()
 
 
+@pytest.mark.gc_off
 def test_sync_break_leaves_nothing_running() -> None:
     """A for loop that breaks early leaves no thread (checked by the autouse fixture)."""
     for _ in DataLoader(Slow(100, 0.001), batch_size=1):
