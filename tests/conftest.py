@@ -191,25 +191,11 @@ def _wait_for_leaks(snap: _Snapshot, allowed: Callable[[threading.Thread], bool]
             time.sleep(0.01)
 
 
-_GC_FREE_WORDS = ("break", "close", "cancel", "leak", "kill", "dead", "die")
-
-
 def pytest_configure(config: Any) -> None:
     _set_default_start_method()
     config.addinivalue_line(
-        "markers", "no_cycle_gc: run with the cyclic GC disabled and check for leaks without "
-        "collecting: clean-up must not depend on gc.collect() (applied automatically to "
-        "tests whose name says break/close/cancel/leak/kill/dead/die)")
-    config.addinivalue_line(
         "markers", "keeps_threads(prefix): threads whose name starts with prefix may outlive "
         "the test (say why where it is used)")
-
-
-def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    for item in items:
-        name = getattr(item, "originalname", item.name)
-        if any(word in name for word in _GC_FREE_WORDS):
-            item.add_marker(pytest.mark.no_cycle_gc)
 
 
 @pytest.fixture(autouse=True)
@@ -218,11 +204,11 @@ def _no_leaks(request: Any) -> Iterator[None]:
 
     Snapshots every thread, open fd and this process tree's /dev/shm entries
     before the test and compares after, waiting at most :data:`LEAK_GRACE_S`.
-    Tests marked ``no_cycle_gc`` run with the cyclic GC off and are checked
+    Tests marked ``gc_off`` run with the cyclic GC off and are checked
     without a collection; the others get one collection before a failure is
     reported (a half-consumed iterator in a reference cycle).
     """
-    no_gc = request.node.get_closest_marker("no_cycle_gc") is not None
+    no_gc = request.node.get_closest_marker("gc_off") is not None
     prefixes = tuple(m.args[0] for m in request.node.iter_markers("keeps_threads"))
 
     def allowed(t: threading.Thread) -> bool:

@@ -403,6 +403,7 @@ def test_num_workers_the_system_cannot_start_is_refused_before_any_starts() -> N
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.gc_off
 @pytest.mark.parametrize("worker_method", ["multiprocessing", "thread"])
 def test_worker_start_failing_part_way_stops_the_started_ones_and_leaks_nothing(
         monkeypatch: pytest.MonkeyPatch, worker_method: str) -> None:

@@ -106,6 +106,7 @@ async def test_concurrency_limit_is_reached_and_respected() -> None:
     assert ds.peak == 32
 
 
+@pytest.mark.gc_off
 async def test_error_cancels_the_batch_and_keeps_type() -> None:
     """One failing fetch cancels its batch's other fetches and surfaces as ValueError quickly."""
     ds = AsyncItems(8, fail_at=2)
@@ -118,6 +119,7 @@ async def test_error_cancels_the_batch_and_keeps_type() -> None:
     assert ds.cancelled >= 3
 
 
+@pytest.mark.gc_off
 async def test_cancelled_consumer_cancels_inflight_fetches() -> None:
     """Cancelling the consumer cancels every fetch in flight."""
     ds = AsyncItems(64, fail_at=-1)  # every fetch sleeps 10 s
@@ -209,6 +211,7 @@ async def test_async_iterable_dataset_subclass() -> None:
         iter(ds)
 
 
+@pytest.mark.gc_off
 def test_error_cancels_the_batch_under_trio() -> None:
     """The cancel-scope path (trio): a failing fetch cancels its siblings, error keeps its type."""
     ds = AsyncItems(8, fail_at=2)

@@ -46,6 +46,7 @@ LOADERS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+@pytest.mark.gc_off
 @pytest.mark.parametrize("kw", [kw for _, kw in LOADERS], ids=[name for name, _ in LOADERS])
 async def test_async_with_iterator_break_leaves_nothing(kw: dict[str, Any]) -> None:
     """After ``async with aiter(loader) as it`` + ``break`` (and ``async with loader``):
@@ -67,6 +68,7 @@ async def test_async_with_iterator_break_leaves_nothing(kw: dict[str, Any]) -> N
         gc.enable()
 
 
+@pytest.mark.gc_off
 async def test_async_with_loader_closes_persistent_workers() -> None:
     """``async with loader`` shuts down persistent workers kept across epochs."""
     async with DataLoader(Items(), batch_size=8, num_workers=2, persistent_workers=True) as ld:

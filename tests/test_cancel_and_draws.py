@@ -128,6 +128,7 @@ def flat(batches: list[Any]) -> list[int]:
 # --------------------------------------------------------------------------- cancellation
 
 
+@pytest.mark.gc_off
 async def test_cancelled_anext_keeps_its_batch_inline() -> None:
     """Regression (issue 8): num_workers=0, 50 ms fetches, 30 ms deadlines lost every batch."""
     loader = DataLoader(SlowItems(6, 0.05), batch_size=1)
@@ -136,6 +137,7 @@ async def test_cancelled_anext_keeps_its_batch_inline() -> None:
     assert cancelled > 0  # the deadlines did cut calls short
 
 
+@pytest.mark.gc_off
 async def test_cancelled_anext_does_not_draw_again() -> None:
     """A cancelled call's batch is delivered by the next call: one sampler draw per batch."""
     ds = Gated(4)
@@ -157,6 +159,7 @@ async def test_cancelled_anext_does_not_draw_again() -> None:
         await it.aclose()
 
 
+@pytest.mark.gc_off
 async def test_cancelled_anext_keeps_its_batch_with_device_stage() -> None:
     """device='cpu' (num_workers=0): a cancelled call loses nothing either."""
     loader = DataLoader(SlowItems(5, 0.05), batch_size=1, device="cpu")
@@ -165,6 +168,7 @@ async def test_cancelled_anext_keeps_its_batch_with_device_stage() -> None:
     assert cancelled > 0
 
 
+@pytest.mark.gc_off
 async def test_cancelled_anext_keeps_its_batch_async_dataset() -> None:
     """Async dataset (pipeline path): every index once, in order, under deadlines."""
     loader = DataLoader(AsyncSlowItems(8, 0.05), batch_size=2, fetch_concurrency=1)
@@ -173,6 +177,7 @@ async def test_cancelled_anext_keeps_its_batch_async_dataset() -> None:
     assert cancelled > 0
 
 
+@pytest.mark.gc_off
 async def test_cancelled_anext_keeps_its_batch_workers() -> None:
     """Workers (pipeline path): every index once, in order, under deadlines."""
     loader = DataLoader(SlowItems(6, 0.05), batch_size=1, num_workers=1, prefetch_factor=1)
@@ -181,6 +186,7 @@ async def test_cancelled_anext_keeps_its_batch_workers() -> None:
     assert cancelled > 0
 
 
+@pytest.mark.gc_off
 async def test_cancelled_anext_keeps_its_batch_workers_device_stage() -> None:
     """Workers plus the device stage's lookahead: nothing lost under deadlines."""
     loader = DataLoader(SlowItems(6, 0.05), batch_size=1, num_workers=1, prefetch_factor=1,

@@ -92,6 +92,7 @@ async def test_anext_after_the_end_raises_stop_async_iteration(kw: dict[str, Any
             assert await anext(it, "end") == "end"
 
 
+@pytest.mark.gc_off
 def test_next_after_a_dead_worker_raises_stop_iteration() -> None:
     """Regression test for issue 18: after a worker died (WorkerDiedError), next() on the
     `for` iterator raises StopIteration, as after any other end."""
@@ -165,6 +166,7 @@ async def test_tasks_sharing_an_async_iterator_get_every_batch_once_and_end(
     assert got == collections.Counter(range(40))
 
 
+@pytest.mark.gc_off
 async def test_a_task_cancelled_while_waiting_its_turn_passes_it_on() -> None:
     """Regression test for issue 18: a task cancelled while it waits for (or has just been
     handed) its turn on a shared async iterator does not leave the others waiting."""

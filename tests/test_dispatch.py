@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from aioloader._pipeline.dispatch import DRAINED, Dispatcher, ReorderBuffer, Slot
 
 
@@ -146,6 +148,7 @@ def test_retired_worker_gets_nothing_and_its_unanswered_batches_are_dropped() ->
     assert d.exhausted()
 
 
+@pytest.mark.gc_off
 def test_redispatch_sends_a_dead_workers_unanswered_batches_again_in_order() -> None:
     d = make(n=20, window=6)
     for _ in range(6):

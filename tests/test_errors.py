@@ -55,6 +55,7 @@ def test_the_hierarchy_is_exported_and_shown_as_aioloader() -> None:
     assert transport.TransportError is TransportError  # one class, not a twin
 
 
+@pytest.mark.gc_off
 def test_closed_and_superseded_are_told_apart_but_caught_alike() -> None:
     assert not issubclass(IteratorClosedError, EpochSupersededError)
     assert not issubclass(EpochSupersededError, IteratorClosedError)
@@ -63,6 +64,7 @@ def test_closed_and_superseded_are_told_apart_but_caught_alike() -> None:
             raise cls("x")
 
 
+@pytest.mark.gc_off
 def test_worker_died_error_pickles_with_its_fields() -> None:
     err = WorkerDiedError("DataLoader worker (pid 7) is killed by signal: Killed.",
                           worker_id=1, pid=7, exitcode=-9)
@@ -70,6 +72,7 @@ def test_worker_died_error_pickles_with_its_fields() -> None:
     assert type(back) is WorkerDiedError and str(back) == str(err)
 
 
+@pytest.mark.gc_off
 def test_a_closed_worker_pool_says_closed() -> None:
     from aioloader._pools.thread import ThreadWorkerPool
 

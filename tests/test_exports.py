@@ -267,3 +267,14 @@ def test_the_first_epoch_imports_no_event_loop_machinery() -> None:
             "print(sorted(m for m in set(sys.modules) - before"
             " if m.split('.')[0] in ('anyio', 'asyncio', 'uvloop')))\n")
     assert _run_python(code) == "[]"
+
+
+def test_the_package_map_names_every_file_and_only_files_that_exist() -> None:
+    """aioloader/README.md (the package's map) lists every .py file, and every file it names exists."""
+    text = (PKG / "README.md").read_text()
+    named = set(re.findall(r"^- `([\w/]+\.py)`: \S", text, re.MULTILINE))  # one line a file
+    files = {p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py")}
+    assert not files - named, f"not in aioloader/README.md: {sorted(files - named)}"
+    assert not named - files, f"named in aioloader/README.md, missing: {sorted(named - files)}"
+    folders = set(re.findall(r"`(_\w+)/`", text))
+    assert folders == {p.parent.name for p in PKG.glob("*/__init__.py")}, folders

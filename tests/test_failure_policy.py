@@ -289,6 +289,7 @@ def test_policy_arguments_are_attributes() -> None:
 # ------------------------------------------------------------------------------ respawn
 
 
+@pytest.mark.gc_off
 @pytest.mark.parametrize("how", ["kill", "exit"])
 @pytest.mark.parametrize("dataset_cls", [CrashOnce, AsyncCrashOnce])
 def test_respawn_after_a_worker_dies_delivers_every_index_once_in_order(
@@ -309,6 +310,7 @@ def test_respawn_after_a_worker_dies_delivers_every_index_once_in_order(
     assert len(inits) == 3 and len(set(inits)) == 2
 
 
+@pytest.mark.gc_off
 def test_respawn_after_kill_9_from_outside_mid_epoch_no_leak() -> None:
     gate = multiprocessing.get_context("fork").Semaphore(0)
     loader = DataLoader(Gated(30, 3, gate), batch_size=3, num_workers=2,
@@ -335,6 +337,7 @@ def test_respawn_spawn_start_method(tmp_path: Any) -> None:
     assert loader.failures is not None and loader.failures.respawns == 1
 
 
+@pytest.mark.gc_off
 def test_respawn_crash_loop_raises_after_the_bound_and_dies_cleanly(tmp_path: Any) -> None:
     loader = DataLoader(CrashOnce(40, 13, str(tmp_path / "marker"), always=True),
                         batch_size=3, num_workers=2, respawn_workers=2)
@@ -368,6 +371,7 @@ def test_reinstantiable_from_attributes_keeps_the_policy() -> None:
     assert out == [0, 1, 3, 4, 5, 6, 7]
 
 
+@pytest.mark.gc_off
 @pytest.mark.parametrize("in_order", [True, False])
 async def test_respawn_async_for_after_a_worker_dies(tmp_path: Any, in_order: bool) -> None:
     loader = DataLoader(CrashOnce(30, 10, str(tmp_path / "marker")), batch_size=2,

@@ -35,6 +35,7 @@ def test_climb_acts_on_the_live_workers_and_stops_when_none_is_left() -> None:
     assert acted == [("term", ["b"])]
 
 
+@pytest.mark.gc_off
 def test_process_steps_wait_grace_then_term_then_kill() -> None:
     steps = process_steps(1.5)
     assert [limit for _, limit in steps] == [1.5, TERM_WAIT, KILL_WAIT]
@@ -57,6 +58,7 @@ class IgnoresSigtermAndHangs:
         return i
 
 
+@pytest.mark.gc_off
 @pytest.mark.parametrize("how", ["close", "aclose"])
 def test_both_drivers_climb_to_sigkill_for_a_worker_that_ignores_sigterm(how: str) -> None:
     ctx = multiprocessing.get_context("fork")

@@ -2,8 +2,8 @@
 
 The autouse fixture in conftest.py checks every test for leftover threads, fds
 and /dev/shm entries; the tests here name the cases that used to leak and
-check them explicitly too. Their names put them under ``no_cycle_gc``: clean-up
-must not need a ``gc.collect()``.
+check them explicitly too. They are marked ``gc_off``: clean-up must not need a
+``gc.collect()``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def _new_threads(before: set[threading.Thread]) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t not in before and t.is_alive()]
 
 
+@pytest.mark.gc_off
 def test_sync_iterator_dropped_on_its_loop_thread_leaves_no_leak() -> None:
     """The facade finalized on its own loop thread stops that thread and closes its fds."""
     loader = DataLoader(Slow(1000, 0.0), batch_size=2, num_workers=1, **FORK)
@@ -52,6 +53,7 @@ def test_sync_iterator_dropped_on_its_loop_thread_leaves_no_leak() -> None:
     assert _new_threads(threads) == []
 
 
+@pytest.mark.gc_off
 def test_sync_for_in_a_thread_with_a_killed_worker_leaves_nothing() -> None:
     """The error is raised, and the loop thread, workers and fds are gone at once (no GC)."""
     loader = DataLoader(Dies(21, "kill"), batch_size=2, num_workers=2, **FORK)
@@ -85,6 +87,7 @@ class BigStrings(aioloader.Dataset[list[str]]):
         return [f"sample {i} string {k}" for k in range(60_000)]
 
 
+@pytest.mark.gc_off
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_large_frame_decode_thread_ends_with_the_epoch_no_leak(mode: str) -> None:
     """The thread that unpickles large replies is joined when the epoch ends."""
@@ -105,6 +108,7 @@ def test_large_frame_decode_thread_ends_with_the_epoch_no_leak(mode: str) -> Non
     assert _new_threads(threads) == []
 
 
+@pytest.mark.gc_off
 def test_device_path_fetch_threads_end_with_the_epoch_no_leak(monkeypatch: Any) -> None:
     """device= without workers reads with fetch_threads: that pool ends with the epoch."""
     from aioloader._pipeline import device as _device
@@ -149,6 +153,7 @@ def _stack(batch: list[Any]) -> Any:
     return torch.stack(batch)  # a plain (not shared) tensor: moved to shm when sent
 
 
+@pytest.mark.gc_off
 @pytest.mark.parametrize("method", ["multiprocessing", "thread"])
 def test_a_full_dev_shm_leaves_no_segment_leak(monkeypatch: Any, method: str) -> None:
     """Regression test for issue 18: a batch whose shared memory cannot be allocated
@@ -166,6 +171,7 @@ def test_a_full_dev_shm_leaves_no_segment_leak(monkeypatch: Any, method: str) ->
     assert shm_entries() <= shm, "segments of failed allocations left in /dev/shm"
 
 
+@pytest.mark.gc_off
 def test_a_full_dev_shm_while_sending_inlines_the_batch_no_leak(monkeypatch: Any) -> None:
     """Regression test for issue 18: a batch that cannot be moved to shared memory to be
     sent (/dev/shm full) travels inline, and the file torch created is removed."""
@@ -204,6 +210,7 @@ def _parent_ends(it: Any) -> set[int]:
     return {os.fstat(conn.sock.fileno()).st_ino for conn in it._core.lease.pool._workers}
 
 
+@pytest.mark.gc_off
 @pytest.mark.parametrize("ctx", ["fork", "spawn", "forkserver"])
 def test_a_port_the_parent_closes_is_not_held_by_its_workers_leak(ctx: str) -> None:
     """Regression test for issue 18: a listening socket the parent closes while its
@@ -222,6 +229,7 @@ def test_a_port_the_parent_closes_is_not_held_by_its_workers_leak(ctx: str) -> N
     it.close()
 
 
+@pytest.mark.gc_off
 def test_workers_do_not_hold_another_loaders_sockets_leak() -> None:
     """Regression test for issue 18: a forked worker holds no loader's parent-side worker
     socket (its own loader's or another's), so every worker sees its parent hang up."""

@@ -30,6 +30,7 @@ def core_of(it: Any) -> _PipelineCore:
     return core
 
 
+@pytest.mark.gc_off
 def test_an_epoch_goes_new_running_closed() -> None:
     async def main() -> None:
         it = aiter(aioloader.DataLoader(AsyncRange(6), batch_size=2))
@@ -81,6 +82,7 @@ def test_a_superseded_sync_epoch_stops_before_the_new_one_uses_the_workers() -> 
         loader.close()
 
 
+@pytest.mark.gc_off
 def test_a_background_error_is_raised_until_the_epoch_is_closed() -> None:
     async def main() -> None:
         it = aiter(aioloader.DataLoader(AsyncRange(8), batch_size=2))
@@ -103,6 +105,7 @@ def test_a_background_error_is_raised_until_the_epoch_is_closed() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.gc_off
 def test_a_background_task_cancelled_by_its_loop_says_so() -> None:
     async def main() -> None:
         it = aiter(aioloader.DataLoader(AsyncRange(1000), batch_size=2))

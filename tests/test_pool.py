@@ -356,6 +356,7 @@ async def test_async_iterable_exhausts_and_resets() -> None:
 # --------------------------------------------------------------------------- start failures
 
 
+@pytest.mark.gc_off
 @one_loop
 async def test_lambda_worker_init_fn_with_spawn_fails_at_start_and_leaks_nothing() -> None:
     """With spawn, an unpicklable worker_init_fn fails start() clearly; started workers die."""
@@ -431,6 +432,7 @@ async def serve_until_error(pool: WorkerPool, limit: float = 10,
     raise AssertionError("serve() returned without an error")
 
 
+@pytest.mark.gc_off
 async def test_kill9_mid_fetch_is_reported_within_a_second() -> None:
     """SIGKILL of a worker busy in __getitem__ makes serve() raise WorkerDiedError at once.
 
@@ -504,6 +506,7 @@ async def test_exit_code_is_named_after_replies_sent_before_death() -> None:
             await pool.aclose()
 
 
+@pytest.mark.gc_off
 async def test_aclose_stops_a_worker_hanging_in_getitem_within_grace() -> None:
     """aclose() ends a worker stuck in __getitem__ within its grace bound, reaping it."""
     with no_leaks():
@@ -521,6 +524,7 @@ async def test_aclose_stops_a_worker_hanging_in_getitem_within_grace() -> None:
             await pool.send(0, ("fetch", 0, 1, [0]))
 
 
+@pytest.mark.gc_off
 async def test_aclose_while_serving_returns_quietly() -> None:
     """aclose() called while serve() runs stops serve() without an error and frees all."""
     with no_leaks():
@@ -542,6 +546,7 @@ async def test_aclose_while_serving_returns_quietly() -> None:
 # --------------------------------------------------------------------------- lifecycle
 
 
+@pytest.mark.gc_off
 @one_loop
 async def test_200_start_aclose_cycles_with_fork_leave_nothing() -> None:
     """200 start/aclose cycles (one fetch every 25th) leave no process, fd or shm entry."""
@@ -567,6 +572,7 @@ async def test_200_start_aclose_cycles_with_fork_leave_nothing() -> None:
         log.info("200 cycles in %.2f s", time.monotonic() - start)
 
 
+@pytest.mark.gc_off
 def test_sync_close_from_another_thread_without_loop() -> None:
     """close() works with no event loop, from any thread, and is idempotent."""
     with no_leaks():
@@ -614,6 +620,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.gc_off
 @pytest.mark.parametrize("how", ["die", "exit"])
 def test_workers_end_when_the_parent_dies_or_exits_without_closing(how: str) -> None:
     """Workers of a parent that os._exit()s (or exits without closing) end within seconds."""

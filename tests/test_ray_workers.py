@@ -216,6 +216,7 @@ def test_datapipe_shards_and_reseeds_as_torch_workers(ray: Any) -> None:
     assert sorted(x for b in ours[1] for x in b) == list(range(17))
 
 
+@pytest.mark.gc_off
 def test_actor_killed_mid_epoch_is_named(ray: Any) -> None:
     loader = DataLoader(Counting(200), batch_size=2, num_workers=2, worker_method="ray",
                         timeout=60)
@@ -234,6 +235,7 @@ def test_actor_killed_mid_epoch_is_named(ray: Any) -> None:
     _assert_actors_dead(ray, names)
 
 
+@pytest.mark.gc_off
 def test_break_then_gc_kills_the_actors(ray: Any) -> None:
     loader = DataLoader(Counting(100), batch_size=2, num_workers=1, worker_method="ray",
                         timeout=60)
@@ -245,6 +247,7 @@ def test_break_then_gc_kills_the_actors(ray: Any) -> None:
     _assert_actors_dead(ray, names)
 
 
+@pytest.mark.gc_off
 def test_close_and_error_exit_kill_the_actors(ray: Any) -> None:
     class Boom(Exception):
         pass
@@ -268,6 +271,7 @@ def test_close_and_error_exit_kill_the_actors(ray: Any) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.gc_off
 def test_timeout_then_close_kills_a_stuck_actor(ray: Any) -> None:
     loader = DataLoader(Counting(8, stall_at=0), batch_size=2, num_workers=1, timeout=3,
                         worker_method="ray")
@@ -317,6 +321,7 @@ def test_example_goes_from_local_workers_to_ray_by_one_argument(
     assert checksum(on_ray) == checksum(local)
 
 
+@pytest.mark.gc_off
 def test_killed_actor_is_respawned_and_every_index_arrives_once(ray: Any) -> None:
     """respawn_workers=True: the killed actor's unanswered batches go to its replacement."""
     loader = DataLoader(Counting(60), batch_size=2, num_workers=2, worker_method="ray",

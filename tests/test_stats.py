@@ -138,6 +138,7 @@ def test_in_process_fetch_time_agrees_with_known_cost() -> None:
     assert 0.7 * n * SAMPLE_S <= fetch <= 3 * n * SAMPLE_S
 
 
+@pytest.mark.gc_off
 @pytest.mark.parametrize("use_async", [False, True], ids=["for", "async_for"])
 def test_sampled_timing_keeps_counts_exact_and_times_close(use_async: bool) -> None:
     """num_workers=0, plain map-style: past the first 16 batches one in 16 is timed

@@ -281,6 +281,7 @@ def test_worker_init_fn_error_reaches_the_consumer() -> None:
                         worker_init_fn=init))
 
 
+@pytest.mark.gc_off
 def test_timeout_raises_and_close_does_not_hang_on_a_busy_thread(
         caplog: pytest.LogCaptureFixture) -> None:
     """A thread stuck in the dataset cannot be killed: close gives up after its grace."""
@@ -307,6 +308,7 @@ def test_pin_memory_without_accelerator_gives_same_batches() -> None:
 # ------------------------------------------------------------------------------ clean-up
 
 
+@pytest.mark.gc_off
 def test_break_in_sync_for_leaves_no_thread() -> None:
     for i, _ in enumerate(DataLoader(range(100), num_workers=2, worker_method="thread")):
         if i == 2:
@@ -314,6 +316,7 @@ def test_break_in_sync_for_leaves_no_thread() -> None:
     assert_threads_gone()  # the iterator's garbage collection stopped them
 
 
+@pytest.mark.gc_off
 async def test_break_in_async_for_then_aclose_leaves_no_thread() -> None:
     loader = DataLoader(range(100), num_workers=2, worker_method="thread")
     it = aiter(loader)
@@ -324,6 +327,7 @@ async def test_break_in_async_for_then_aclose_leaves_no_thread() -> None:
     assert not worker_threads()  # aclose joined them
 
 
+@pytest.mark.gc_off
 def test_close_and_gc_of_half_consumed_iterators_leave_no_thread() -> None:
     it = iter(DataLoader(range(100), batch_size=2, num_workers=2, worker_method="thread"))
     next(it)
@@ -344,6 +348,7 @@ def test_exception_in_the_loop_body_leaves_no_thread() -> None:
     assert_threads_gone()
 
 
+@pytest.mark.gc_off
 def test_persistent_threads_serve_every_epoch_and_stop_at_close() -> None:
     loader = DataLoader(Identity(), batch_size=None, num_workers=2, worker_method="thread",
                         persistent_workers=True)
@@ -369,6 +374,7 @@ def test_persistent_threads_same_batches_as_persistent_processes() -> None:
     assert epochs("thread") == epochs("multiprocessing")
 
 
+@pytest.mark.gc_off
 async def test_async_close_of_persistent_loader_joins_threads() -> None:
     loader = DataLoader(range(10), num_workers=2, worker_method="thread",
                         persistent_workers=True)

@@ -162,6 +162,7 @@ def test_more_than_250_large_tensors_in_one_message(no_fd_leak: None) -> None:
     del out, ts
 
 
+@pytest.mark.gc_off
 def test_no_fd_leak_after_1000_round_trips() -> None:
     """1000 socket round trips with fds leave the descriptor count unchanged."""
     a, b = socket.socketpair()
@@ -191,6 +192,7 @@ def test_no_fd_leak_after_1000_round_trips() -> None:
     b.close()
 
 
+@pytest.mark.gc_off
 def test_decode_of_corrupt_payload_closes_its_fds(no_fd_leak: None) -> None:
     """A payload that fails to unpickle still closes every attached fd."""
     _payload, fds = encode([big_tensor(), big_tensor(3.0)])
@@ -205,6 +207,7 @@ def test_decode_of_corrupt_payload_closes_its_fds(no_fd_leak: None) -> None:
         decode(payload2[: len(payload2) // 2], fds2)
 
 
+@pytest.mark.gc_off
 def test_encode_failure_closes_fds(no_fd_leak: None) -> None:
     """If pickling fails after some storages were shared, their fds are closed."""
     with pytest.raises((pickle.PicklingError, AttributeError)):
@@ -239,6 +242,7 @@ def test_frame_reader_reassembles_byte_by_byte(no_fd_leak: None) -> None:
     b.close()
 
 
+@pytest.mark.gc_off
 def test_frame_writer_keeps_fds_until_sent_and_closes_them(no_fd_leak: None) -> None:
     """FrameWriter attaches fds to their frame and closes them once sent or dropped."""
     a, b = socket.socketpair()
@@ -261,6 +265,7 @@ def test_frame_writer_keeps_fds_until_sent_and_closes_them(no_fd_leak: None) -> 
     b.close()
 
 
+@pytest.mark.gc_off
 def test_frame_reader_close_releases_pending_fds(no_fd_leak: None) -> None:
     """Fds of frames received but never popped are closed by FrameReader.close()."""
     a, b = socket.socketpair()

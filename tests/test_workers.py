@@ -165,6 +165,7 @@ def test_timeout_raises_runtime_error() -> None:
         list(loader)
 
 
+@pytest.mark.gc_off
 @pytest.mark.parametrize(("how", "pattern"), [
     ("kill", r"DataLoader worker \(pid \d+\) is killed by signal: Killed"),
     ("exit", r"DataLoader worker \(pid \d+\) exited unexpectedly with exit code 7"),
@@ -208,6 +209,7 @@ def _check_named_before_the_other_left(directory: Any, error: WorkerDiedError) -
     assert (directory / "released").exists()
 
 
+@pytest.mark.gc_off
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_dead_worker_is_named_while_the_other_is_in_a_long_batch(method: str,
                                                                   tmp_path: Any) -> None:
@@ -232,6 +234,7 @@ def test_dead_worker_is_named_while_the_other_is_in_a_long_batch(method: str,
         os.close(gate)
 
 
+@pytest.mark.gc_off
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 async def test_dead_worker_is_named_in_async_for_while_the_other_is_in_a_long_batch(
         method: str, tmp_path: Any) -> None:
@@ -270,12 +273,14 @@ def test_worker_exception_type_traceback_and_continuation() -> None:
     assert "broken sample 1" in errors[0]
 
 
+@pytest.mark.gc_off
 def test_break_after_one_batch_stops_workers() -> None:
     """Breaking out of a for loop ends every worker (checked by the autouse fixture)."""
     for _ in DataLoader(Slow(1000, 0.01), batch_size=2, num_workers=2, **FORK):
         break
 
 
+@pytest.mark.gc_off
 async def test_cancelled_task_stops_workers() -> None:
     """Cancelling the consuming task ends every worker."""
     got_one = anyio.Event()
@@ -306,6 +311,7 @@ async def test_gc_of_half_consumed_async_iterator_stops_workers() -> None:
             await anyio.sleep(0.01)
 
 
+@pytest.mark.gc_off
 def test_many_iterators_leak_nothing() -> None:
     """200 iterator create/close cycles leave no process, fd or shared-memory segment."""
     loader = DataLoader(Slow(64, 0.0), batch_size=8, num_workers=1, **FORK)
