@@ -2,8 +2,10 @@
 
 anyio's ``to_thread`` keeps idle pooled threads alive after use, so a loader
 built on it would leave threads behind after ``aclose()``. A loader iterator
-instead owns one :class:`ThreadRunner` (fetch + collate for sync datasets,
-pinning), starts it lazily and joins it on close.
+instead owns one :class:`ThreadRunner` (fetch, collate, pinning and device copies
+share it), starts it lazily and ends it on close: ``aclose()`` waits up to its grace
+for the current call and then abandons a thread still busy in user code (logged),
+``close()`` asks the thread to exit after its current call.
 
 Waiting is readiness-based: the thread hands the result back with
 ``loop.call_soon_threadsafe`` (asyncio, uvloop) or ``TrioToken.run_sync_soon``
