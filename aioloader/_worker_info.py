@@ -78,7 +78,20 @@ class WorkerInfo:
 
 
 _worker_info: WorkerInfo | None = None
-_thread_local = threading.local()  # a thread worker's info (``_thread_local.info``)
+
+
+class _ThreadInfo(threading.local):
+    """A thread worker's info (``_thread_local.info``); ``None`` in every other thread.
+
+    The class attribute is the default: reading it costs no ``AttributeError`` (a
+    ``getattr(local, "info", None)`` that misses costs 0.4 us, and collate asks once
+    per stacked batch).
+    """
+
+    info: WorkerInfo | None = None
+
+
+_thread_local = _ThreadInfo()
 
 
 def get_worker_info() -> WorkerInfo | None:
@@ -96,7 +109,7 @@ def get_worker_info() -> WorkerInfo | None:
         >>> get_worker_info() is None  # we are in the main process
         True
     """
-    info: WorkerInfo | None = getattr(_thread_local, "info", None)
+    info = _thread_local.info
     if info is not None:
         return info
     if _worker_info is not None:

@@ -194,6 +194,10 @@ class MapFetcher:
 
     def fetch(self, index: Any) -> Any:
         """Read the samples for ``index`` and return the collated batch."""
+        if self.auto_collation and self._getitems is None and not self._threads:
+            # :meth:`read`'s common case written out: this runs once per batch.
+            ds = self.dataset
+            return self.collate_fn([ds[i] for i in index])
         return self.collate_fn(self.read(index))
 
     def fetch_split(self, index: Any, now: Callable[[], int]) -> tuple[Any, int]:

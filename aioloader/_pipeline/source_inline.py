@@ -13,12 +13,14 @@ fast attribute access.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import anyio
+import sniffio
 
 from .._config import LoaderConfig
 from .._fetch.guard import guard_fetcher
@@ -35,6 +37,17 @@ from .offload import _InlinePolicy, _ThreadCall, _timed
 from .pin import PinPolicy
 
 _ns = time.perf_counter_ns
+#: An inline batch slower than this sends the fetches back to the thread (_InlinePolicy).
+_SLOW_NS = int(_InlinePolicy.SLOW_S * 1e9)
+
+
+async def _checkpoint() -> None:
+    """``anyio.lowlevel.checkpoint()``, on asyncio without anyio's backend lookup (2.5 us
+    of its 6 us): anyio's asyncio backend checkpoints with ``asyncio.sleep(0)``."""
+    if sniffio.current_async_library() == "asyncio":
+        await asyncio.sleep(0)
+    else:
+        await anyio.lowlevel.checkpoint()
 
 
 class InlineSource:
@@ -190,17 +203,23 @@ class InlineSource:
             try:
                 if plain:
                     if rec is None:
-                        data = fetch_or_exhausted(self.fetcher, index)
+                        try:
+                            data = self.fetcher.fetch(index)
+                        except StopIteration:  # the dataset ended the epoch (torch)
+                            data = EXHAUSTED
                     else:
                         rec.countdown -= 1
                         if rec.countdown > 0:  # counted, not timed (Recorder.TIME_EVERY)
-                            data = fetch_or_exhausted(self.fetcher, index)
-                            if data is not EXHAUSTED:
+                            try:
+                                data = self.fetcher.fetch(index)
+                            except StopIteration:  # the dataset ended the epoch (torch)
+                                data = EXHAUSTED
+                            else:
                                 rec.inline_untimed += 1
                                 if auto and type(index) is list:
                                     rec.inline_samples += len(index)
                                 else:
-                                    rec.untimed_other(index, self.auto_collation)
+                                    rec.untimed_other(index, auto)
                         else:
                             t1 = _ns()
                             try:
@@ -244,44 +263,53 @@ class InlineSource:
                 t_draw = _ns()
 
     async def _anext_in_process(self) -> Any:
-        if self.closed:
-            raise StopAsyncIteration
-        if self.track.discard and not self.track.replaying:
-            await self.track.areplay(self.anext)
-        call = self.pending_call
-        if call is None:
-            policy = self.policy
-            t0 = _ns()
-            # Inline, yield to the loop at least every YIELD_EVERY_S so other tasks keep
-            # running (and cancellation is seen) without paying a loop round-trip per
-            # tiny batch. Before the draw: a cancellation here loses nothing.
-            if policy.inline and t0 - self.last_yield > _InlinePolicy.YIELD_EVERY_NS:
-                await anyio.lowlevel.checkpoint()
-                self.last_yield = t0 = _ns()
-            try:
-                index = next(self.sampler_iter)
-            except StopIteration:
-                self.track.finished = True
-                await self._end_epoch_async()
-                self.failures.end_of_epoch()
-                raise StopAsyncIteration from None
-            if policy.inline and self.plain:
-                data = self._fetch_plain(index, t0)
-                if data is EXHAUSTED:
-                    return await self._finish((index, data))
+        """One batch for ``async for`` (:meth:`anext`): batches whose every sample was
+        skipped are consumed here, so it never returns :data:`NOTHING`."""
+        track = self.track
+        while True:
+            if self.closed:
+                raise StopAsyncIteration
+            if track.discard and not track.replaying:
+                await track.areplay(self.anext)
+            call = self.pending_call
+            if call is None:
+                policy = self.policy
+                t0 = _ns()
+                # Inline, yield to the loop at least every YIELD_EVERY_S so other tasks keep
+                # running (and cancellation is seen) without paying a loop round-trip per
+                # tiny batch. Before the draw: a cancellation here loses nothing.
+                if policy.inline and t0 - self.last_yield > _InlinePolicy.YIELD_EVERY_NS:
+                    await _checkpoint()
+                    self.last_yield = t0 = _ns()
+                try:
+                    index = next(self.sampler_iter)
+                except StopIteration:
+                    track.finished = True
+                    await self._end_epoch_async()
+                    self.failures.end_of_epoch()
+                    raise StopAsyncIteration from None
+                if policy.inline and self.plain:
+                    data = self._fetch_plain(index, t0)
+                    if data is EXHAUSTED:
+                        return await self._finish((index, data))
+                    return data
+                if self.rec is not None:
+                    self.rec.add(SAMPLING, _ns() - t0)
+                if policy.inline:
+                    data, took = track.consumed_on_error(_timed, self._fetch, index)
+                    policy.record(took)
+                    data = await self._finish(data)
+                    if data is not NOTHING:
+                        return data
+                    continue
+                call = self.pending_call = _ThreadCall(_timed, self._fetch, index)
+            await call.wait(self.runner)  # cancelled: `pending` keeps the batch
+            self.pending_call = None
+            data, took = track.consumed_on_error(call.result)
+            self.policy.record(took)
+            data = await self._finish(data)
+            if data is not NOTHING:
                 return data
-            if self.rec is not None:
-                self.rec.add(SAMPLING, _ns() - t0)
-            if policy.inline:
-                data, took = self.track.consumed_on_error(_timed, self._fetch, index)
-                policy.record(took)
-                return await self._finish(data)
-            call = self.pending_call = _ThreadCall(_timed, self._fetch, index)
-        await call.wait(self.runner)  # cancelled: `pending` keeps the batch
-        self.pending_call = None
-        data, took = self.track.consumed_on_error(call.result)
-        self.policy.record(took)
-        return await self._finish(data)
 
     def _fetch_plain(self, index: Any, t0: int) -> Any:
         """``async for``: a plain map-style batch (:attr:`plain`) fetched on the loop
@@ -306,7 +334,8 @@ class InlineSource:
             track.commit(track.last_drawn)  # consumed (as in torch, not retried)
             raise
         t2 = _ns()
-        self.policy.record((t2 - t1) * 1e-9)
+        if t2 - t1 > _SLOW_NS:  # all that policy.record() does for an inline batch
+            self.policy.record((t2 - t1) * 1e-9)
         if rec is not None:
             if timed:
                 rec.inline_split(index, self.auto_collation, t0, t1, t_read, t2)
@@ -360,9 +389,7 @@ class InlineSource:
         else:
             self.close()
 
-    async def anext(self) -> Any:
-        """One batch (``async for``; the core's :meth:`anext` delegates here)."""
-        while True:
-            data = await self._anext_in_process()
-            if data is not NOTHING:
-                return data
+    def anext(self) -> Coroutine[Any, Any, Any]:
+        """One batch (``async for``; the core's :meth:`anext` delegates here): the
+        coroutine of :meth:`_anext_in_process` itself, one frame less per batch."""
+        return self._anext_in_process()
