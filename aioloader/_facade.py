@@ -524,14 +524,8 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
         try:
             if rec is None:
                 return driver.next()  # type: ignore[no-any-return]
-            t0 = rec.begin_wait()  # statistics: the consumer's wait (docs/stats.md)
-            try:
-                batch = driver.next()
-            except BaseException:
-                rec.end_wait(t0, False)
-                raise
-            rec.end_wait(t0, True)
-            return batch  # type: ignore[no-any-return]
+            with rec.waiting():  # statistics: the consumer's wait (docs/stats.md)
+                return driver.next()  # type: ignore[no-any-return]
         finally:
             lock.release()
 

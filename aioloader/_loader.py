@@ -151,7 +151,6 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         self.collate_fn = config.collate_fn
         self.persistent_workers = config.persistent_workers
 
-        self._kind = config.kind
         # Per-stage statistics (docs/stats.md): loader.stats(); logged every stats_interval s.
         self._stats_book = StatsBook(config.num_workers, config.kind.is_async,
                                      config.stats_interval if config.collect_stats else None)
@@ -199,7 +198,7 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         return self.batch_sampler if self._auto_collation else self.sampler
 
     def __len__(self) -> int:
-        if self._kind.iterable:
+        if self._config.kind.iterable:
             length = len(self.dataset)  # type: ignore[arg-type]
             self._IterableDataset_len_called = length
             if self.batch_size is not None:
@@ -442,14 +441,8 @@ class AsyncLoaderIter(Generic[T_co]):
                 if timed:
                     rec.sampled_wait(t0, _ns())
                 return batch  # type: ignore[no-any-return]
-            t0 = rec.begin_wait()
-            try:
-                batch = await core.anext()
-            except BaseException:
-                rec.end_wait(t0, False)
-                raise
-            rec.end_wait(t0, True)
-            return batch  # type: ignore[no-any-return]
+            with rec.waiting():
+                return await core.anext()  # type: ignore[no-any-return]
         finally:
             turns.release()
 

@@ -148,6 +148,11 @@ class Recorder:
         self.begin_at(t)
         return t
 
+    def waiting(self) -> ConsumerWait:
+        """``with rec.waiting(): batch = next_batch()``: time one wait of the consumer
+        (:meth:`begin_wait` and :meth:`end_wait`; a call that raises delivered nothing)."""
+        return ConsumerWait(self)
+
     def begin_at(self, t: int) -> None:
         """:meth:`begin_wait`, the consumer having asked at ``t``."""
         if self.last_ns:
@@ -296,6 +301,22 @@ class Recorder:
             _LOG.info("%s", book.snapshot_of(self).line())
         except Exception:  # statistics must never break loading
             _LOG.debug("stats logging failed", exc_info=True)
+
+
+class ConsumerWait:
+    """One timed wait of the consumer (:meth:`Recorder.waiting`), sync or async."""
+
+    __slots__ = ("rec", "t0")
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+        self.t0 = 0
+
+    def __enter__(self) -> None:
+        self.t0 = self.rec.begin_wait()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.rec.end_wait(self.t0, exc_type is None)
 
 
 class TimedCollate:
