@@ -137,6 +137,15 @@ def _iterable_or_none(name: str, value: Any, what: str) -> None:
                         f"subclass, or any object with __iter__")
 
 
+def _no_prefetch() -> PrefetchFactorError:
+    """``prefetch_factor=0`` with workers: at construction, or assigned before ``iter()``."""
+    return PrefetchFactorError(
+        "prefetch_factor must be greater than 0 with num_workers > 0 (it is how many "
+        "batches each worker is asked for ahead; 0 would request none): pass "
+        "prefetch_factor=1 or more, or leave it None for the default of 2"
+    )
+
+
 def check_worker_options(
     num_workers: Any, timeout: Any, prefetch_factor: Any, persistent_workers: Any,
 ) -> tuple[int, int | float, int | None, bool]:
@@ -180,11 +189,7 @@ def check_worker_options(
                          f"prefetch_factor={prefetch_factor}")
     elif prefetch_factor == 0:
         # torch asserts this at iter(); PrefetchFactorError is an AssertionError too.
-        raise PrefetchFactorError(
-            "prefetch_factor must be greater than 0 with num_workers > 0 (it is how many "
-            "batches each worker is asked for ahead; 0 would request none): pass "
-            "prefetch_factor=1 or more, or leave it None for the default of 2"
-        )
+        raise _no_prefetch()
     persistent = as_flag("persistent_workers", persistent_workers)
     if persistent and num_workers == 0:
         raise ValueError("persistent_workers option needs num_workers > 0")
@@ -535,6 +540,24 @@ ASSIGNABLE = frozenset({
     "worker_init_fn", "generator", "in_order", "collate_fn",
     "fetch_concurrency", "fetch_threads", "device_prefetch", "collect_stats",
 })
+
+
+def check_at_iter(config: LoaderConfig) -> None:
+    """The checks torch makes at ``iter()``: attributes assigned after construction
+    (``loader.timeout``, ``loader.prefetch_factor``) are read only then.
+
+    Raises:
+        AssertionError: ``timeout`` without workers with a sync dataset (torch's
+            single-process iterator asserts it), or ``prefetch_factor=0`` with workers
+            (:class:`PrefetchFactorError`, an AssertionError).
+    """
+    if config.num_workers == 0 and not config.kind.is_async and config.timeout != 0:
+        raise AssertionError(
+            "timeout applies to multi-process loading only (as in torch): set "
+            "timeout=0 with num_workers=0, or use num_workers > 0"
+        )
+    if config.num_workers > 0 and config.prefetch_factor == 0:
+        raise _no_prefetch()
 
 
 def make_config(

@@ -37,7 +37,7 @@ from typing import Any
 import anyio
 import torch
 
-from .._config import LoaderConfig
+from .._config import LoaderConfig, check_at_iter
 from .._datapipes import (
     is_datapipe,
     is_iter_datapipe,
@@ -50,7 +50,6 @@ from .._errors import (
     EpochSupersededError,
     IteratorClosedError,
     LoaderTimeoutError,
-    PrefetchFactorError,
     RemoteError,
     WorkerDiedError,
     batch_note,
@@ -171,19 +170,8 @@ class _PipelineCore:
         self.dataset = config.dataset
         self.num_workers = num_workers
         self.index_sampler = config.index_sampler
+        check_at_iter(config)
         self.inline = num_workers == 0 and not kind.is_async
-        if self.inline and config.timeout != 0:
-            raise AssertionError(
-                "timeout applies to multi-process loading only (as in torch): set "
-                "timeout=0 with num_workers=0, or use num_workers > 0"
-            )
-        if num_workers > 0 and config.prefetch_factor == 0:
-            # torch asserts this at iter() too; PrefetchFactorError is an AssertionError.
-            raise PrefetchFactorError(
-                "prefetch_factor must be greater than 0 with num_workers > 0 (it is how many "
-                "batches each worker is asked for ahead; 0 would request none): pass "
-                "prefetch_factor=1 or more, or leave it None for the default of 2"
-            )
         self.timeout = config.timeout
         self.pin = PinPolicy(config.pin_memory, config.pin_memory_device)
         self.failures = FailureReport(config.failure_policy, kind.iterable)

@@ -39,10 +39,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .schema import loader_config, read_torchdata, validate
+from .schema import loader_config, validate
 from .tracker import EpochTracker
 
-__all__ = ["checked_state", "from_torchdata", "loader_state_dict"]
+__all__ = ["checked_state", "loader_state_dict"]
 
 
 def loader_state_dict(config: Any, pending: dict[str, Any] | None,
@@ -67,11 +67,3 @@ def checked_state(config: Any, state: dict[str, Any]) -> dict[str, Any] | None:
     if isinstance(state, dict) and state == {}:
         return None
     return validate(config, state)
-
-
-def from_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
-    """A torchdata ``StatefulDataLoader.state_dict()`` in this module's layout (checked).
-
-    See :func:`aioloader._resume.schema.read_torchdata`.
-    """
-    return read_torchdata(config, sd)
