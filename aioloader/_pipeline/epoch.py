@@ -166,7 +166,6 @@ class _PipelineCore:
         """
         kind = config.kind
         num_workers = config.num_workers
-        self.kind = kind
         self.dataset = config.dataset
         self.num_workers = num_workers
         self.index_sampler = config.index_sampler
