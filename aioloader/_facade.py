@@ -33,7 +33,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDat
 
 from ._fetch.report import FailureReport
 from ._loader import DataLoaderCore, _shutdown_persistent_pool, _worker_processes
-from ._park import forking_here, join_ending_threads, register, track_ending
+from ._park import ParkableThread, forking_here, join_ending_threads, register, track_ending
 from ._pipeline.epoch import PipelineState, _PipelineCore, superseded_error
 
 __all__ = ["DataLoader", "SyncLoaderIter"]
@@ -318,7 +318,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-class _FacadeLoop:
+class _FacadeLoop(ParkableThread):
     """The facade's event loop and the thread that runs it, parked around the loader's forks.
 
     The loop runs one task that serves a blocking portal until the portal is stopped; that
@@ -418,31 +418,17 @@ class _FacadeLoop:
                 self.ready.set_exception(RuntimeError("the facade's event loop ended"))
             self.ended.set()
 
-    def park(self, limit: float) -> None:
-        """Stop the loop and end its thread (up to ``limit`` s); never the calling thread."""
-        with self._lock:
-            thread = self._thread
-            if thread is threading.current_thread():
-                return
-            self._parked = True
-            if thread is None:
-                return
+    def _ask_to_end(self) -> None:
+        """Parking: stop the loop between two callbacks; its thread then ends (:meth:`_run`)."""
         try:
             self.loop.call_soon_threadsafe(self.loop.stop)
         except RuntimeError:  # closed: the thread is ending
             pass
-        thread.join(limit)
-        if thread.is_alive():
-            _LG.warning("facade loop thread still busy after %.0f s; forking beside it", limit)
 
-    def unpark(self) -> None:
-        """Run the loop again in a new thread."""
-        with self._lock:
-            if not self._parked:
-                return
-            self._parked = False
-            if self._thread is None and not self.ended.is_set():
-                self._spawn()
+    def _restart(self) -> None:
+        """Unparking: run the loop again in a new thread (unless it has ended)."""
+        if not self.ended.is_set():
+            self._spawn()
 
     def runs_here(self) -> bool:
         """True on the loop's thread."""

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-__all__ = ["PARK_WAIT_S", "Parkable", "forking_here", "join_ending_threads", "quiet_for_fork",
-           "register", "track_ending"]
+__all__ = ["PARK_WAIT_S", "Parkable", "ParkableThread", "forking_here", "join_ending_threads",
+           "quiet_for_fork", "register", "track_ending"]
 
 _LG = logging.getLogger(__name__)
 
@@ -57,6 +57,70 @@ class Parkable(Protocol):
 
     def unpark(self) -> None:
         """Undo :meth:`park`: start the thread again if there is work (no-op if not parked)."""
+
+
+class ParkableThread:
+    """:class:`Parkable` for an owner of one restartable thread: the park/unpark steps.
+
+    The owner keeps ``_lock`` (ordering parks, unparks and its thread's own exit),
+    ``_thread`` (the running thread, or ``None``) and ``_parked``, and says how its
+    thread is asked to end (:meth:`_ask_to_end`, called with ``_lock`` held; the thread
+    then sets ``_thread = None`` itself, under ``_lock``, when it sees ``_parked``) and
+    how it starts again (:meth:`_restart`, with ``_lock`` held and no thread running).
+
+    Example:
+        >>> class Idle(ParkableThread):
+        ...     park_order = 2
+        ...     def __init__(self):
+        ...         self._lock, self._thread, self._parked = threading.Lock(), None, False
+        ...     def _ask_to_end(self): pass
+        ...     def _restart(self): pass
+        >>> owner = Idle()
+        >>> owner.park(1.0); owner._parked
+        True
+        >>> owner.unpark(); owner._parked
+        False
+    """
+
+    park_order: int
+    _lock: threading.Lock
+    _thread: threading.Thread | None
+    _parked: bool
+
+    def _ask_to_end(self) -> None:
+        """Make the running thread end once it is done with its current work."""
+        raise NotImplementedError
+
+    def _restart(self) -> None:
+        """Start a new thread if there is work for one (no thread runs)."""
+        raise NotImplementedError
+
+    def park(self, limit: float) -> None:
+        """End the thread (waiting up to ``limit`` s); never the calling thread.
+
+        A thread still busy after ``limit`` is logged and left running: never a hang.
+        """
+        with self._lock:
+            thread = self._thread
+            if thread is threading.current_thread():
+                return
+            self._parked = True
+            if thread is None:
+                return
+            self._ask_to_end()
+        thread.join(limit)
+        if thread.is_alive():
+            _LG.warning("thread %s still busy after %.0f s; forking beside it", thread.name,
+                        limit)
+
+    def unpark(self) -> None:
+        """Undo :meth:`park`: a new thread takes over what was handed over meanwhile."""
+        with self._lock:
+            if not self._parked:
+                return
+            self._parked = False
+            if self._thread is None:
+                self._restart()
 
 
 class Joinable(Protocol):

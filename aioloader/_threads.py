@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 import sniffio
 
-from ._park import register
+from ._park import ParkableThread, register
 
 __all__ = ["ThreadRunner", "close_at_exit"]
 
@@ -63,7 +63,7 @@ class _Waiter:
         self.value: Any = None
 
 
-class ThreadRunner:
+class ThreadRunner(ParkableThread):
     """Run blocking callables one at a time in a thread this object owns.
 
     Args:
@@ -120,35 +120,16 @@ class ThreadRunner:
         self._thread.start()
         _LG.debug("started thread %s", self._name)
 
-    def park(self, limit: float) -> None:
-        """Let the thread finish the jobs queued so far, then end it (waits up to ``limit`` s).
+    def _ask_to_end(self) -> None:
+        """Parking: the thread ends after the jobs queued so far (see :meth:`_main`)."""
+        self._jobs.put(_PARK)
 
-        Jobs handed over while parked wait for :meth:`unpark`. Never parks the calling
-        thread itself; a thread still busy after ``limit`` is logged and left running.
-        """
-        with self._lock:
-            thread = self._thread
-            if thread is threading.current_thread():
-                return
-            self._parked = True
-            if thread is None:
-                return
-            self._jobs.put(_PARK)
-        thread.join(limit)
-        if thread.is_alive():
-            _LG.warning("thread %s still busy after %.0f s; forking beside it", self._name,
-                        limit)
-
-    def unpark(self) -> None:
-        """Undo :meth:`park`: a new thread serves the jobs that were handed over meanwhile."""
-        with self._lock:
-            if not self._parked:
-                return
-            self._parked = False
-            if self._thread is None and not self._jobs.empty():
-                self._spawn()
-                if self._closed:
-                    self._jobs.put(_STOP)
+    def _restart(self) -> None:
+        """Unparking: a new thread serves the jobs handed over while parked."""
+        if not self._jobs.empty():
+            self._spawn()
+            if self._closed:
+                self._jobs.put(_STOP)
 
     def _main(self) -> None:
         jobs = self._jobs
