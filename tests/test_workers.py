@@ -361,7 +361,10 @@ async def test_sync_facade_with_workers_inside_running_loop() -> None:
 
 
 SCRIPT = textwrap.dedent("""
-    import os, sys, time
+    import os, signal, sys, time
+    # Ctrl-C raises KeyboardInterrupt even where the test runs in a background job
+    # (which starts its children with SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {root!r})
     sys.path.insert(0, {root!r} + '/tests')
     from _loader_datasets import Slow
