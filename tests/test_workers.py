@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -416,7 +417,15 @@ def test_ctrl_c_in_parent_ends_workers() -> None:
     """SIGINT to the parent mid-epoch: KeyboardInterrupt, and every worker ends."""
     proc, pids = _run_script("loop")
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # fail this test alone: leave no process behind
+        proc.kill()
+        proc.communicate()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        raise
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
     assert wait_until(lambda: not any(_alive(p) for p in pids), timeout=10)
 
