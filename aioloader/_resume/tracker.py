@@ -11,14 +11,13 @@ API (``state_dict()``/``load_state_dict()``, torchdata states) is
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import torch
 
 from ..sampler import _iter_index_sampler
-from .dataset_state import _stateful, worker_state
+from .dataset_state import _stateful
 
 __all__ = ["FORMAT_KEY", "FORMAT_VERSION", "EpochTracker", "generators"]
 
@@ -79,10 +78,14 @@ def _stateful_sampler(config: Any) -> Any:
 class EpochTracker:
     """What one epoch has consumed, enough to resume it exactly (one per iterator).
 
-    The iterator calls :meth:`sampler_iter` (instead of ``iter(index_sampler)``),
-    :meth:`base_seed`, then :meth:`commit` for every batch it hands out (or whose
-    error it raises), with the batch's logical number (:attr:`last_drawn` right after
-    the draw) and, for iterable datasets, the state its worker sent with it.
+    The epoch calls :meth:`sampler_iter` (instead of ``iter(index_sampler)``): the
+    sampler iterator is wrapped once, and the wrapper numbers every batch drawn
+    (:attr:`last_drawn` right after the draw; the dispatcher keeps it in the batch's
+    slot). Then :meth:`base_seed`, and one :meth:`commit` per batch, made by the
+    epoch's delivery boundary (:class:`aioloader._pipeline.delivery.Delivery`) when the
+    consumer receives the batch (or its error is raised, or it is skipped), with the
+    batch's number and what came with it from its worker (an iterable dataset's state,
+    the worker's RNG states).
     """
 
     def __init__(self, config: Any, resume: dict[str, Any] | None) -> None:
@@ -113,7 +116,11 @@ class EpochTracker:
         self.seed: int | None = None  # the epoch's base seed (set by the iterator)
         self.shared: int | None = None  # an IterDataPipe's shared seed (set by the iterator)
         self.replaying = False
-        self.fifo: deque[tuple[int, int | None, Any]] = deque()  # taken, not yet yielded
+        # Per worker, its RNG states after its last consumed batch (aioloader._worker.rng):
+        # the states before its first batch not consumed. Shared with a persistent pool's
+        # lease, so that a later epoch starts from where its workers' streams stand.
+        self.worker_rng: dict[int, Any] = {}
+        self.elastic = False  # resumed with another number of workers (no worker RNG)
         if resume is not None:
             self._adopt(resume)
 
@@ -248,8 +255,15 @@ class EpochTracker:
             self.sampler_states[logical] = self.sampler_obj.state_dict()
 
     def commit(self, logical: int, worker: int | None = None, wstate: Any = None,
-               yielded: bool = True) -> None:
-        """Batch ``logical`` was handed out (or its error raised, or its worker ended)."""
+               rng: Any = None, yielded: bool = True) -> None:
+        """Batch ``logical`` was handed out (or its error raised, or its worker ended).
+
+        The one commit of a batch, called by the epoch's delivery boundary only
+        (:meth:`aioloader._pipeline.delivery.Delivery.commit`). ``worker``: the worker that
+        fetched it (None in-process); ``wstate``: the iterable dataset's state that came
+        with it; ``rng``: that worker's RNG states after it (:mod:`aioloader._worker.rng`);
+        ``yielded``: the consumer received it (False: skipped, or its worker ran out).
+        """
         if (logical == self.prefix and worker is None and yielded and not self.extra
                 and self.sampler_obj is None and not self.replaying):
             self.prefix = logical + 1  # the common case: in order, nothing else to update
@@ -258,6 +272,8 @@ class EpochTracker:
         if worker is not None:
             if wstate is not None:
                 self.worker_states[worker] = wstate
+            if rng is not None:
+                self.worker_rng[worker] = rng
             if yielded:
                 self.last_worker = worker
         if yielded and not self.replaying:
@@ -275,46 +291,9 @@ class EpochTracker:
 
     def cycle_skip(self) -> int:
         """How far the workers' round robin advances at a resume (past the last yielder)."""
-        if self.resume is None or self.discard or not self.num_workers:
+        if self.resume is None or self.discard or not self.num_workers or self.elastic:
             return 0
         return (self.last_worker + 1) % self.num_workers
-
-    def taken(self, logical: int, worker: int | None, wstate: Any, failed: bool) -> None:
-        """The pipeline took batch ``logical`` in order; an error counts as consumed now."""
-        if failed:
-            self.commit(logical, worker, wstate)
-        else:
-            self.fifo.append((logical, worker, wstate))
-
-    def delivered(self) -> None:
-        """The consumer received the oldest taken batch (after the device stage, if any)."""
-        if self.fifo:
-            self.commit(*self.fifo.popleft())
-
-    def commit_next(self) -> None:
-        """:meth:`commit_inline` for a map-style dataset (the per-batch fast path)."""
-        logical = self.last_drawn
-        if (logical == self.prefix and not self.extra and self.sampler_obj is None
-                and not self.replaying):
-            self.prefix = logical + 1
-            self.yielded += 1
-        else:
-            self.commit(logical)
-
-    def commit_inline(self, dataset: Any, fetcher: Any) -> None:
-        """``num_workers=0`` without a pipeline: the batch drawn last was handed out."""
-        if self.iterable:
-            self.commit(self.last_drawn, 0, worker_state(0, dataset, fetcher))
-        else:
-            self.commit(self.last_drawn)
-
-    def consumed_on_error(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``; a batch whose fetch raised is consumed (as in torch, not retried)."""
-        try:
-            return fn(*args)
-        except Exception:
-            self.commit(self.last_drawn)
-            raise
 
     def replay(self, next_batch: Callable[[], Any]) -> None:
         """Iterable dataset without state: fetch and drop the batches already consumed."""
