@@ -228,8 +228,9 @@ class _PipelineCore:
                 worker_seed = self._shared_seed(generator, group) if iter_dp else None
                 base_seed = self.track.base_seed(lambda: draw_base_seed(generator))
                 lease = _PoolLease(start_pool(config, base_seed, self.track.worker_states,
-                                              worker_seed),
+                                              worker_seed, self.track.resume_rngs()),
                                    base_seed)
+                lease.worker_rng = self.track.worker_rng
                 lease.seed_group = group
                 if iter_dp and not continues:
                     self._shared_seed(generator, group)
@@ -239,6 +240,7 @@ class _PipelineCore:
             else:
                 lease.epoch += 1
                 fresh_epoch = True
+                self.track.worker_rng = lease.worker_rng  # the workers' streams go on
                 if iter_dp:
                     reset_seed = self._shared_seed(generator, lease.seed_group)
                     self.track.shared = reset_seed

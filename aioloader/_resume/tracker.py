@@ -25,7 +25,7 @@ _LG = logging.getLogger(__name__)
 
 #: Marks an aioloader state dict, and its layout version.
 FORMAT_KEY = "aioloader_state"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 def _to_list(t: torch.Tensor) -> list[int]:
@@ -127,6 +127,13 @@ class EpochTracker:
     # -- loading -------------------------------------------------------------------------
 
     def _adopt(self, st: dict[str, Any]) -> None:
+        saved_workers = (st.get("config") or {}).get("num_workers", self.num_workers)
+        self.elastic = saved_workers != self.num_workers
+        if not self.elastic and (self.persistent or not st.get("finished")):
+            # Workers start from the states after their last consumed batch (a persistent
+            # pool's streams go on into the next epoch too).
+            self.worker_rng = {int(k): bytes(v)
+                               for k, v in (st.get("worker_rng") or {}).items()}
         if st.get("finished"):
             # The epoch ended: the next one starts afresh, from the generators' (and a
             # stateful sampler's) final states.
@@ -146,7 +153,8 @@ class EpochTracker:
         self.extra = {int(x) for x in st.get("extra", ())}
         self.skip = set(self.extra)
         self.yielded = int(st.get("yielded", self.prefix + len(self.extra)))
-        self.last_worker = int(st.get("last_worker", self.last_worker))
+        if not self.elastic:  # the round robin goes on after the last consumed batch's
+            self.last_worker = int(st.get("last_worker", self.last_worker))
         self.worker_states = {int(k): v for k, v in (st.get("worker_states") or {}).items()}
         self.sampler_state = st.get("sampler_state")
         if self.iterable and self.yielded and not any(
@@ -157,6 +165,12 @@ class EpochTracker:
                 "the resumed epoch fetches and drops its first %d batches. For faster "
                 "resumes, implement state_dict and load_state_dict in the IterableDataset "
                 "or its iterator.", self.yielded)
+
+    def resume_rngs(self) -> dict[int, bytes] | None:
+        """The RNG states resumed workers start from (``None``: their seeds' streams)."""
+        if self.discard or self.elastic or not self.worker_rng:
+            return None  # a replay refetches from the epoch's start; elastic: reseeded
+        return dict(self.worker_rng)
 
     def _set_gens(self, states: dict[str, Any]) -> None:
         for path, value in states.items():
@@ -330,6 +344,8 @@ class EpochTracker:
             "prefix": self.prefix,
             "extra": sorted(self.extra),
             "last_worker": self.last_worker,
+            "worker_rng": ({str(k): list(v) for k, v in sorted(self.worker_rng.items())}
+                           if self.persistent or not self.finished else {}),
             "worker_states": {str(k): v for k, v in sorted(self.worker_states.items())},
             "sampler_state": (self.sampler_state if self.started and not self.finished
                               else self.sampler_obj.state_dict() if self.sampler_obj is not None
