@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from typing import Any
 
 import anyio
@@ -15,6 +16,7 @@ import pytest
 import torch
 from _resume_datasets import Augment, PlainRange, collate_with_draw
 
+import aioloader
 from aioloader import DataLoader
 
 SEED = 4321
@@ -128,3 +130,101 @@ def test_iterable_state_refuses_another_number_of_workers() -> None:
     with pytest.raises(ValueError, match=re.escape("state['config']['num_workers']")
                        + ".*iterable dataset"):
         other.load_state_dict(state)
+
+
+# -- world size W -> W' (DistributedSampler) ---------------------------------------------
+
+N_DIST, EPOCH = 43, 3
+
+
+def _dist_loader(world: int, rank: int, workers: int = 0, epoch: int = EPOCH,
+                 in_order: bool = True) -> DataLoader[Any]:
+    ds = list(range(N_DIST))
+    sampler = aioloader.DistributedSampler(ds, num_replicas=world, rank=rank, seed=9)
+    sampler.set_epoch(epoch)
+    return DataLoader(ds, batch_size=4, sampler=sampler, num_workers=workers,
+                      in_order=in_order)
+
+
+def _run_ranks(world: int, takes: list[int], state: dict[str, Any] | None = None,
+               workers: int = 0) -> tuple[list[int], list[dict[str, Any]]]:
+    """Each rank takes ``takes[rank]`` batches (-1: all) from a loader (resumed from
+    ``state`` when given); returns the samples delivered and each rank's state."""
+    delivered: list[int] = []
+    states = []
+    for rank in range(world):
+        loader = _dist_loader(world, rank, workers)
+        if state is not None:
+            loader.load_state_dict(json.loads(json.dumps(state)))
+        it = iter(loader)
+        for n, batch in enumerate(it):
+            delivered += [int(x) for x in batch]
+            if n + 1 == takes[rank]:
+                break
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        it.close()
+        loader.close()
+    return delivered, states
+
+
+def _epoch_samples(world: int) -> Counter[int]:
+    """What the uninterrupted run's ranks deliver in the epoch, padding included."""
+    out: Counter[int] = Counter()
+    for rank in range(world):
+        sampler = aioloader.DistributedSampler(list(range(N_DIST)), num_replicas=world,
+                                               rank=rank, seed=9)
+        sampler.set_epoch(EPOCH)
+        out.update(sampler)
+    return out
+
+
+@pytest.mark.parametrize(("new_world", "workers"), [(1, 0), (3, 2), (2, 0)])
+def test_world_size_change_delivers_the_rest_exactly_once(new_world: int,
+                                                          workers: int) -> None:
+    """Regression test for issue 22: the states of 2 ranks, merged, resume on W' ranks: every
+    sample no rank had delivered is delivered once over the new ranks, none repeated."""
+    before, states = _run_ranks(2, [2, 4])
+    merged = aioloader.merge_rank_states(states)
+    json.dumps(merged)  # plain data
+    after, _ = _run_ranks(new_world, [-1] * new_world, merged, workers)
+    assert Counter(before) + Counter(after) == _epoch_samples(2)
+    # The epoch after the elastic one is the new world's plain epoch.
+    loader = _dist_loader(new_world, 0, epoch=EPOCH + 1)
+    loader.load_state_dict(merged)
+    list(loader)
+    loader.sampler.set_epoch(EPOCH + 1)  # type: ignore[attr-defined]
+    assert [int(x) for b in loader for x in b] == [
+        int(x) for b in _dist_loader(new_world, 0, epoch=EPOCH + 1) for x in b]
+
+
+def test_elastic_epoch_resumes_and_merges_again() -> None:
+    """Regression test for issue 22: a state taken during an elastic epoch resumes on its
+    rank, and the states of that epoch merge again onto another world size."""
+    before, states = _run_ranks(2, [1, 3])
+    merged = aioloader.merge_rank_states(states)
+    mid, mid_states = _run_ranks(3, [1, 2, 1], merged)
+    # Resume each of the 3 ranks from its own state: the rest of its share.
+    rest3: list[int] = []
+    for rank in range(3):
+        loader = _dist_loader(3, rank)
+        loader.load_state_dict(mid_states[rank])
+        rest3 += [int(x) for b in loader for x in b]
+    assert Counter(before) + Counter(mid) + Counter(rest3) == _epoch_samples(2)
+    # Or merge the 3 ranks' states and go on with 2 ranks.
+    again = aioloader.merge_rank_states(mid_states)
+    rest2, _ = _run_ranks(2, [-1, -1], again)
+    assert Counter(before) + Counter(mid) + Counter(rest2) == _epoch_samples(2)
+
+
+def test_rank_state_needs_merging_for_another_world_size() -> None:
+    """Regression test for issue 22: one rank's state loaded at another world size is a
+    ValueError naming the field and merge_rank_states, never a silent repeat."""
+    _, states = _run_ranks(2, [1, 1])
+    with pytest.raises(ValueError, match=re.escape("state['distributed']['num_replicas']")
+                       + ".*merge_rank_states"):
+        _dist_loader(1, 0).load_state_dict(states[1])
+    with pytest.raises(ValueError, match=re.escape("state['distributed']['rank']")):
+        _dist_loader(2, 0).load_state_dict(states[1])
+    with pytest.raises(ValueError, match="every one of the 2 ranks"):
+        aioloader.merge_rank_states(states[:1])
+    _dist_loader(2, 1).load_state_dict(states[1])  # its own rank: a plain resume

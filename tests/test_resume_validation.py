@@ -154,7 +154,8 @@ def _refused(make: Callable[[], DataLoader[Any]], state: State, exc: type[Except
 
 
 _TOP = ["config", "finished", "base_seed", "shared_seed", "yielded", "prefix", "extra", "last_worker",
-        "worker_rng", "worker_states", "sampler_state", "rng", "generators"]
+        "worker_rng", "worker_states", "distributed", "elastic", "sampler_state", "rng",
+        "generators"]
 _CONFIG = ["dataset_kind", "dataset_len", "batches", "batch_size", "drop_last", "shuffle",
            "sampler", "batch_sampler", "num_workers", "persistent_workers", "generators"]
 _STR_FIELDS = {("config", "dataset_kind"), ("config", "sampler"), ("config", "batch_sampler")}
@@ -459,7 +460,8 @@ def test_version_1_state_loads_with_a_warning() -> None:
     def to_v1(state: State) -> State:
         st = json.loads(json.dumps(state))
         config = st.pop("config")
-        del st["aioloader_state"], st["shared_seed"], st["worker_rng"]
+        del st["aioloader_state"], st["shared_seed"], st["worker_rng"], st["distributed"]
+        del st["elastic"]
         return {"aioloader_state": 1, "num_workers": config["num_workers"], **st}
     with pytest.warns(UserWarning, match="version 1"):
         _resume_check(_map_loader, 2, to_v1)
@@ -474,7 +476,7 @@ def test_version_2_state_loads() -> None:
     """Regression test for issue 22: a state without worker RNG states (v2) still resumes."""
     def to_v2(state: State) -> State:
         st = json.loads(json.dumps(state))
-        del st["worker_rng"]
+        del st["worker_rng"], st["distributed"], st["elastic"]
         return {**st, "aioloader_state": 2}
     _resume_check(_map_loader, 2, to_v2)
     state = to_v2(_take(_map_loader(), 1))

@@ -48,6 +48,7 @@ from .dataset_state import (
     _WORKER_ID,
     _stateful,
 )
+from .elastic import check_distributed, check_elastic, distributed_info
 from .tracker import FORMAT_KEY, FORMAT_VERSION, _stateful_sampler, generators
 
 __all__ = [
@@ -330,10 +331,13 @@ def _elastic(saved: dict[str, Any]) -> bool:
     return saved["dataset_kind"] in ("map", "async_map")
 
 
-def _compare_config(saved: dict[str, Any], path: str, config: Any) -> None:
+def _compare_config(saved: dict[str, Any], path: str, config: Any,
+                    elastic: bool = False) -> None:
     here = loader_config(config)
-    skip = _ELASTIC_FIELDS if _elastic(saved) and saved["dataset_kind"] == here[
-        "dataset_kind"] else ()
+    skip: tuple[str, ...] = _ELASTIC_FIELDS if _elastic(saved) and saved[
+        "dataset_kind"] == here["dataset_kind"] else ()
+    if elastic:  # another world size: another number of batches per rank
+        skip = (*skip, "batches")
     diffs = [f"{name}={_fmt(saved[name])}, this loader has {name}={_fmt(here[name])} "
              f"({_key(path, name)})"
              for name in _CONFIG_FIELDS if saved[name] != here[name] and name not in skip]
@@ -438,8 +442,10 @@ _POSITION_FIELDS: dict[str, Check] = {
 #: Version 2 adds an ``IterDataPipe`` epoch's shared seed (version 1 states have none).
 _V2_FIELDS: dict[str, Check] = {**_POSITION_FIELDS, "shared_seed": _optional(_int(0, _MAX_SEED))}
 _V2 = _record({FORMAT_KEY: _int(), "config": _record(_CONFIG_FIELDS), **_V2_FIELDS})
-#: Version 3 adds each worker's RNG states after its last consumed batch.
-_V3_FIELDS: dict[str, Check] = {**_V2_FIELDS, "worker_rng": _worker_rngs}
+#: Version 3 adds each worker's RNG states after its last consumed batch, a
+#: DistributedSampler's settings and where an elastic epoch comes from (_resume.elastic).
+_V3_FIELDS: dict[str, Check] = {**_V2_FIELDS, "worker_rng": _worker_rngs,
+                                "distributed": check_distributed, "elastic": check_elastic}
 _V3 = _record({FORMAT_KEY: _int(), "config": _record(_CONFIG_FIELDS), **_V3_FIELDS})
 _V1 = _record({FORMAT_KEY: _int(), "num_workers": _int(), **_POSITION_FIELDS})
 
@@ -502,6 +508,8 @@ def _check_against_loader(st: dict[str, Any], config: Any, exact_generators: boo
     if iterable:
         return
     consumed = prefix + len(extra)
+    if st.get("elastic") is not None:
+        return  # its batches are its share of what other ranks left (_resume.elastic)
     if st["yielded"] > consumed:
         raise ValueError(f"state['yielded']={st['yielded']} is more than the batches the "
                          f"state consumed (state['prefix'] + len(state['extra']) = "
@@ -517,9 +525,36 @@ def _check_against_loader(st: dict[str, Any], config: Any, exact_generators: boo
                         f"consumed (state['prefix']={prefix}), got None: {_CORRUPT}")
 
 
+def _check_world(state: dict[str, Any], config: Any) -> None:
+    """A DistributedSampler's state resumes on the same rank of the same world size, or
+    across world sizes once merged (``merge_rank_states``)."""
+    here = distributed_info(config)
+    saved = state["distributed"]
+    if state["elastic"] is not None:
+        if here is None:
+            raise ValueError("state['elastic']: the state resumes a DistributedSampler's epoch "
+                             "across world sizes; this loader's sampler is "
+                             f"{type(config.sampler).__name__}: {_WHAT_TO_DO}")
+        names: tuple[str, ...] = ("num_replicas", "rank")  # a merged state fits every rank
+    else:
+        names = ("num_replicas", "rank", "seed", "shuffle", "drop_last")
+    if saved is None or here is None:
+        return
+    for name in names:
+        if saved[name] != here[name]:
+            raise ValueError(
+                f"state['distributed'][{name!r}]: the state was taken by the "
+                f"DistributedSampler with {name}={saved[name]!r}, this loader's has "
+                f"{name}={here[name]!r}. To resume on another number of ranks, merge the "
+                f"states of all ranks with aioloader.merge_rank_states(states) and load "
+                f"that (docs/resume.md, 'Elastic resume')")
+
+
 def _read_v3(state: dict[str, Any], config: Any) -> dict[str, Any]:
     _V3(state, "state")
-    _compare_config(state["config"], "state['config']", config)
+    _check_world(state, config)
+    _compare_config(state["config"], "state['config']", config,
+                    elastic=state["elastic"] is not None)
     _check_against_loader(state, config, exact_generators=True)
     return {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
             **{name: state[name] for name in _V3_FIELDS}}
@@ -530,7 +565,8 @@ def _read_v2(state: dict[str, Any], config: Any) -> dict[str, Any]:
     _compare_config(state["config"], "state['config']", config)
     _check_against_loader(state, config, exact_generators=True)
     return {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
-            **{name: state[name] for name in _V2_FIELDS}, "worker_rng": {}}
+            **{name: state[name] for name in _V2_FIELDS}, "worker_rng": {},
+            "distributed": None, "elastic": None}
 
 
 def _read_v1(state: dict[str, Any], config: Any) -> dict[str, Any]:
@@ -547,7 +583,8 @@ def _read_v1(state: dict[str, Any], config: Any) -> dict[str, Any]:
         "resumed epoch is wrong). A state_dict() taken now records them.",
         UserWarning, stacklevel=5)  # the caller of loader.load_state_dict
     return {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config),
-            **{name: state[name] for name in _POSITION_FIELDS}, "worker_rng": {}}
+            **{name: state[name] for name in _POSITION_FIELDS}, "worker_rng": {},
+            "distributed": None, "elastic": None}
 
 
 #: How each version of aioloader's layout is read (into the current one).
@@ -715,6 +752,8 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
             "rng": empty_rng,
             "generators": {},
             "worker_rng": {},
+            "distributed": None,
+            "elastic": None,
         }
     elif "_num_yielded" in sd:
         _record(_TD_INLINE, strict=False)(sd, "state")
@@ -741,6 +780,8 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
             "rng": empty_rng,
             "generators": {},
             "worker_rng": {},
+            "distributed": None,
+            "elastic": None,
         }
     else:
         raise ValueError("not a state from DataLoader.state_dict(): it has neither "

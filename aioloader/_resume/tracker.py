@@ -18,6 +18,7 @@ import torch
 
 from ..sampler import _iter_index_sampler
 from .dataset_state import _stateful
+from .elastic import distributed_info, rank_batches
 
 __all__ = ["FORMAT_KEY", "FORMAT_VERSION", "EpochTracker", "generators"]
 
@@ -121,6 +122,10 @@ class EpochTracker:
         # lease, so that a later epoch starts from where its workers' streams stand.
         self.worker_rng: dict[int, Any] = {}
         self.elastic = False  # resumed with another number of workers (no worker RNG)
+        # A DistributedSampler's settings (state['distributed']), and where an epoch
+        # resumed across world sizes comes from (state['elastic'], _resume.elastic).
+        self.dist = None if self.iterable else distributed_info(config)
+        self.elastic_src: dict[str, Any] | None = None
         if resume is not None:
             self._adopt(resume)
 
@@ -148,6 +153,9 @@ class EpochTracker:
             self.resume = None
             return
         self._seed = int(st["base_seed"]) if st.get("base_seed") is not None else None
+        self.elastic_src = st.get("elastic")
+        if self.elastic_src is not None and st.get("distributed") is None:
+            self.elastic = True  # merged from other ranks: workers reseeded, round robin anew
         self._shared = int(st["shared_seed"]) if st.get("shared_seed") is not None else None
         self.prefix = int(st.get("prefix", 0))
         self.extra = {int(x) for x in st.get("extra", ())}
@@ -207,6 +215,12 @@ class EpochTracker:
             self.drain = False
             for _ in _iter_index_sampler(index_sampler):
                 pass
+        if st is not None and self.elastic_src is not None and self.dist is not None:
+            # This rank's share of what the old ranks had not consumed (_resume.elastic).
+            batches = rank_batches(self.elastic_src, self.dist)
+            self.started = True
+            self.drawn = self.prefix
+            return _TrackedIter(self, iter(batches[self.prefix:]))
         if st is None or self.iterable:
             if st is not None:
                 # Only the base seed draws from the loader's generator: as it was then.
@@ -347,6 +361,8 @@ class EpochTracker:
             "worker_rng": ({str(k): list(v) for k, v in sorted(self.worker_rng.items())}
                            if self.persistent or not self.finished else {}),
             "worker_states": {str(k): v for k, v in sorted(self.worker_states.items())},
+            "distributed": self.dist,
+            "elastic": self.elastic_src if not self.finished else None,
             "sampler_state": (self.sampler_state if self.started and not self.finished
                               else self.sampler_obj.state_dict() if self.sampler_obj is not None
                               else None),
