@@ -22,8 +22,8 @@ import torch
 from _resume_datasets import (
     AFTER_END,
     AsyncInfoMap,
-    Augment,
     AsyncRange,
+    Augment,
     FailsAt,
     InfoMap,
     PlainRange,

@@ -105,7 +105,7 @@ def test_elastic_worker_randomness_is_reseeded_deterministically() -> None:
         runs.append([[[t.tolist() for t in b[0]], b[1].tolist()] for b in resumed])
     assert runs[0] == runs[1]
     assert sorted(int(t[0]) for b in runs[0] for t in b[0]) == sorted(
-        set(range(19)) - set(int(i) for i in _consumed(state, 19)))
+        set(range(19)) - {int(i) for i in _consumed(state, 19)})
 
 
 def _consumed(state: dict[str, Any], n: int) -> list[int]:
