@@ -7,7 +7,10 @@ Every sample not yet delivered is delivered exactly once, none repeated, none dr
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from collections import Counter
 from typing import Any
 
@@ -228,3 +231,28 @@ def test_rank_state_needs_merging_for_another_world_size() -> None:
     with pytest.raises(ValueError, match="every one of the 2 ranks"):
         aioloader.merge_rank_states(states[:1])
     _dist_loader(2, 1).load_state_dict(states[1])  # its own rank: a plain resume
+
+
+def test_two_gloo_ranks_resume_on_one(tmp_path: Any) -> None:
+    """Regression test for issue 22: 2 gloo ranks gather their states (gather_rank_states),
+    merged on rank 0; one rank resumes them and delivers exactly the rest of the epoch."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (os.path.dirname(here), os.environ.get("PYTHONPATH")) if p)}
+    out, store = tmp_path / "out.json", tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, "_resume_ddp_script.py"),
+                               str(out), str(store), str(rank), "2"], env=env, cwd=here,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for rank in range(2)]
+    try:
+        logs = [p.communicate(timeout=90)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], logs
+    result = json.loads(out.read_text())
+    before = [x for rank in result["delivered"] for x in rank]
+    after, _ = _run_ranks(1, [-1], result["merged"])
+    assert Counter(before) + Counter(after) == _epoch_samples(2)
