@@ -240,3 +240,14 @@ def collate_with_draw(batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     info = torch.utils.data.get_worker_info()
     thread_only = getattr(info, "rng", None) is not None
     return (list(batch), torch.tensor(_draws(thread_only), dtype=torch.float64))
+
+
+class AugmentFails(Augment):
+    """:class:`Augment` whose items ``i % 7 == 3`` raise after drawing (skipped by the
+    failure policy, ``on_error="skip"``); a whole batch of them is skipped too."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        item = super().__getitem__(i)
+        if i % 7 == 3 or i in (20, 21, 22, 23):
+            raise ValueError(f"bad sample {i}")
+        return item

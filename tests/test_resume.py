@@ -24,6 +24,7 @@ from _resume_datasets import (
     AsyncInfoMap,
     AsyncRange,
     Augment,
+    AugmentFails,
     FailsAt,
     InfoMap,
     PlainRange,
@@ -269,6 +270,18 @@ def test_worker_randomness_resumes_bit_for_bit(method: str, use_async: bool,
                           persistent_workers=persistent, prefetch_factor=3,
                           collate_fn=collate_with_draw)
     _check(make, ks, use_async)
+
+
+@pytest.mark.filterwarnings("ignore::aioloader.SkippedSamplesWarning")
+@pytest.mark.parametrize("method", ["multiprocessing", "thread"])
+def test_worker_randomness_with_skipped_samples(method: str) -> None:
+    """Regression test for issue 22: with the failure policy skipping samples (and a whole
+    batch), the workers' draws resume bit for bit; the skipped batch stays consumed."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(AugmentFails(30, thread_only=method == "thread"), batch_size=4,
+                          num_workers=2, worker_method=method, on_error="skip",
+                          collate_fn=collate_with_draw)
+    _check(make, [1, 4, 5, AFTER_END])
 
 
 def test_inline_randomness_is_the_users_global_rng() -> None:
