@@ -256,3 +256,16 @@ def test_two_gloo_ranks_resume_on_one(tmp_path: Any) -> None:
     before = [x for rank in result["delivered"] for x in rank]
     after, _ = _run_ranks(1, [-1], result["merged"])
     assert Counter(before) + Counter(after) == _epoch_samples(2)
+
+
+def test_merged_states_of_ended_epochs_start_the_next_epoch() -> None:
+    """Regression test for issue 22: when every rank had ended the epoch, the merged state
+    starts the next epoch on the new world size (nothing is delivered twice)."""
+    _, states = _run_ranks(2, [-1, -1])
+    for st in states:  # the epoch was seen to its end (StopIteration)
+        assert st["finished"]
+    merged = aioloader.merge_rank_states(states)
+    loader = _dist_loader(3, 1, epoch=EPOCH + 1)
+    loader.load_state_dict(merged)
+    assert [int(x) for b in loader for x in b] == [
+        int(x) for b in _dist_loader(3, 1, epoch=EPOCH + 1) for x in b]

@@ -135,10 +135,11 @@ def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
                 raise ValueError(f"states[{i}]['config'][{name!r}] is {st['config'][name]!r}, "
                                  f"states[0]'s is {first['config'][name]!r}: the ranks' "
                                  f"loaders must be built alike")
-        if (st.get("elastic") is None) != (first.get("elastic") is None) or (
-                st.get("elastic") is not None and st["elastic"] != first["elastic"]):
-            raise ValueError(f"states[{i}]['elastic'] differs from states[0]'s: the ranks' "
-                             f"states must come from the same run")
+    sources = [(i, st["elastic"]) for i, st in enumerate(states) if not st["finished"]]
+    for i, source in sources[1:]:  # a finished state no longer records its epoch's source
+        if source != sources[0][1]:
+            raise ValueError(f"states[{i}]['elastic'] differs from states[{sources[0][0]}]'s: "
+                             f"the ranks' states must come from the same epoch of one run")
     if first["config"]["dataset_kind"] not in ("map", "async_map") or (
             first["config"]["batch_size"] is None):
         raise ValueError("states[0]['config']: merge_rank_states resumes map-style datasets "
@@ -148,6 +149,11 @@ def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
               "finished": bool(st["finished"]), "source": st.get("elastic")}
              for st in sorted(states, key=lambda s: s["distributed"]["rank"])]
     merged = dict(first)
+    if not sources:  # every rank had ended the epoch: the next iter() starts the next one
+        merged.update({"distributed": None, "elastic": None, "worker_rng": {},
+                       "worker_states": {}, "prefix": 0, "extra": [], "yielded": 0,
+                       "last_worker": 0, "sampler_state": None})
+        return merged
     merged.update({
         "finished": False, "yielded": 0, "prefix": 0, "extra": [], "last_worker": 0,
         "worker_rng": {}, "worker_states": {}, "sampler_state": None, "rng": None,

@@ -553,8 +553,11 @@ def _check_world(state: dict[str, Any], config: Any) -> None:
 def _read_v3(state: dict[str, Any], config: Any) -> dict[str, Any]:
     _V3(state, "state")
     _check_world(state, config)
-    _compare_config(state["config"], "state['config']", config,
-                    elastic=state["elastic"] is not None)
+    # Merged from the ranks of another world size (merge_rank_states): another number of
+    # batches per rank. (A state of another sampler is refused by config['sampler'].)
+    merged = state["elastic"] is not None or (
+        state["distributed"] is None and distributed_info(config) is not None)
+    _compare_config(state["config"], "state['config']", config, elastic=merged)
     _check_against_loader(state, config, exact_generators=True)
     return {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
             **{name: state[name] for name in _V3_FIELDS}}
