@@ -13,7 +13,12 @@ Prints the worker-side capture cost in microseconds, then median samples/s over
 interleaved repeats and the ratio to torch. "capture off" replaces the capture with a
 constant (patched before the workers fork), which is what the loader did before.
 
-    python benchmarks/bench_resume.py [--samples 32768] [--repeats 5]
+    python benchmarks/bench_resume.py [--samples 32768] [--repeats 5] [--pairs 0]
+
+``--pairs N`` also measures the capture's cost directly, as ``bench_overhead.py
+--stats-cost`` does for statistics: N pairs of epochs, capture on and off back to back
+in alternating order; it prints the median of the per-pair time ratios (on / off) and
+their quartiles (pairs cancel the slow drifts of a shared machine).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from __future__ import annotations
 import argparse
 import platform
 import random
+import statistics
+import time
 import timeit
 
 import numpy as np
@@ -74,6 +81,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=32768)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--pairs", type=int, default=0)
     args = p.parse_args()
     print(f"python {platform.python_version()}, torch {torch.__version__}, "
           f"{args.samples} samples, batch_size {args.batch_size}, 2 worker processes (fork)")
@@ -106,6 +114,18 @@ def main() -> None:
         print(table(f"{name}: for, num_workers=2", medians, "torch"))
         on = medians["aioloader (RNG capture on, default)"]
         print(f"  capture on / off: {on / medians['aioloader (RNG capture off)']:.3f}")
+        if args.pairs:
+            ratios = []
+            for i in range(args.pairs):
+                times = {}
+                for capture in ((True, False) if i % 2 else (False, True)):
+                    t0 = time.perf_counter()
+                    ours(capture)
+                    times[capture] = time.perf_counter() - t0
+                ratios.append(times[True] / times[False])
+            q = statistics.quantiles(ratios, n=4)
+            print(f"  paired epoch time, capture on / off over {args.pairs} pairs: median "
+                  f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}, {q[2]:.3f})")
 
 
 if __name__ == "__main__":
