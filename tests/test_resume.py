@@ -272,6 +272,31 @@ def test_worker_randomness_resumes_bit_for_bit(method: str, use_async: bool,
     _check(make, ks, use_async)
 
 
+def test_worker_randomness_resumes_in_a_later_persistent_epoch() -> None:
+    """Regression test for issue 22: persistent workers' streams go on across epochs: a state
+    taken in epoch 2 (k=0 included) resumes that epoch and the next bit for bit."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(17), batch_size=2, shuffle=True, num_workers=2,
+                          persistent_workers=True, collate_fn=collate_with_draw)
+    torch.manual_seed(SEED)
+    ref = make()
+    _, e2, e3 = _epoch_sync(ref), _epoch_sync(ref), _epoch_sync(ref)
+    ref.close()
+    for k in (0, 3):
+        torch.manual_seed(SEED)
+        loader = make()
+        _epoch_sync(loader)
+        got, state = _take_sync(loader, k)
+        rng = torch.get_rng_state()
+        loader.close()
+        resumed = make()
+        resumed.load_state_dict(json.loads(json.dumps(state)))
+        torch.set_rng_state(rng)
+        assert got + _epoch_sync(resumed) == e2, k
+        assert _epoch_sync(resumed) == e3, k
+        resumed.close()
+
+
 @pytest.mark.filterwarnings("ignore::aioloader.SkippedSamplesWarning")
 @pytest.mark.parametrize("method", ["multiprocessing", "thread"])
 def test_worker_randomness_with_skipped_samples(method: str) -> None:
