@@ -88,18 +88,22 @@ __all__ = [
     "WorkerStats",
     "default_collate",
     "default_convert",
+    "gather_rank_states",
     "get_worker_info",
+    "merge_rank_states",
     "random_split",
 ]
 
 
 if _typing.TYPE_CHECKING:
     from ._facade import DataLoader
+    from ._resume.elastic import gather_rank_states, merge_rank_states
 
 # Imported on first use (PEP 562): the loader machinery (anyio, the pipeline, the
 # worker pools) is not loaded by a worker process, which imports this package only to
 # reach aioloader._worker.main, nor by code that uses the datasets and samplers alone.
-_LAZY = {"DataLoader": "._facade"}
+_LAZY = {"DataLoader": "._facade", "merge_rank_states": "._resume.elastic",
+         "gather_rank_states": "._resume.elastic"}
 
 
 def __getattr__(name: str) -> _typing.Any:

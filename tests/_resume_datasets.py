@@ -193,3 +193,61 @@ class AsyncRange:
         start, count = _shard(self.base, self.with_seed)
         for i in range(start, start + count):
             yield i
+
+
+def _draws(thread_only: bool) -> list[float]:
+    """What an augmentation draws: from the global torch, random and numpy RNGs (unless
+    ``thread_only``: thread workers share those), and from the worker's own generators
+    (``get_worker_info().rng`` and ``torch.thread_safe_generator()``, thread workers)."""
+    import random
+
+    import numpy as np
+
+    out: list[float] = []
+    if not thread_only:
+        out += [float(torch.rand(())), random.random(), random.gauss(0.0, 1.0),
+                float(np.random.rand()), float(np.random.randn())]
+    info = torch.utils.data.get_worker_info()
+    rng = getattr(info, "rng", None) if info is not None else None
+    if rng is not None:
+        gen = torch.thread_safe_generator() if hasattr(torch, "thread_safe_generator") else None
+        out += [float(torch.rand((), generator=rng.torch_generator)),
+                rng.random_generator.random(), float(rng.numpy_generator.random()),
+                float(torch.rand((), generator=gen))]
+    return out
+
+
+class Augment(aioloader.Dataset[Any]):
+    """Item ``i`` and random "augmentations" drawn in ``__getitem__`` (see :func:`_draws`);
+    ``n_draws(i)`` varies the amount drawn per item, so the streams' positions differ."""
+
+    def __init__(self, n: int, thread_only: bool = False) -> None:
+        self.n = n
+        self.thread_only = thread_only
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        vals = [float(i)]
+        for _ in range(1 + i % 3):
+            vals += _draws(self.thread_only)
+        return torch.tensor(vals, dtype=torch.float64)
+
+
+def collate_with_draw(batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """default_collate, plus a draw from the worker's generators in ``collate_fn``."""
+    info = torch.utils.data.get_worker_info()
+    thread_only = getattr(info, "rng", None) is not None
+    return (list(batch), torch.tensor(_draws(thread_only), dtype=torch.float64))
+
+
+class AugmentFails(Augment):
+    """:class:`Augment` whose items ``i % 7 == 3`` raise after drawing (skipped by the
+    failure policy, ``on_error="skip"``); a whole batch of them is skipped too."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        item = super().__getitem__(i)
+        if i % 7 == 3 or i in (20, 21, 22, 23):
+            raise ValueError(f"bad sample {i}")
+        return item

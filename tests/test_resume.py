@@ -23,12 +23,15 @@ from _resume_datasets import (
     AFTER_END,
     AsyncInfoMap,
     AsyncRange,
+    Augment,
+    AugmentFails,
     FailsAt,
     InfoMap,
     PlainRange,
     StatefulDatasetRange,
     StatefulIterRange,
     StatefulPermSampler,
+    collate_with_draw,
 )
 
 import aioloader
@@ -247,6 +250,108 @@ def test_async_map_dataset(num_workers: int) -> None:
     _check(make, [1, 99, AFTER_END], use_async=True)
 
 
+# -- randomness drawn in workers (issue 22) -----------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "use_async", "persistent", "ks"), [
+    ("multiprocessing", False, False, [1, 2, 3, 5, 8, 99, 100, AFTER_END]),
+    ("multiprocessing", True, True, [0, 1, 4, 99, AFTER_END]),
+    ("multiprocessing", False, True, [2, 7, 100]),
+    ("thread", False, False, [1, 3, 6, 99, AFTER_END]),
+    ("thread", True, True, [2, 5, 100, AFTER_END]),
+])
+def test_worker_randomness_resumes_bit_for_bit(method: str, use_async: bool,
+                                               persistent: bool, ks: list[int]) -> None:
+    """Regression test for issue 22: augmentations drawn in workers (global torch, random,
+    numpy RNGs; the worker's own generators) resume bit for bit at many k."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(37, thread_only=method == "thread"), batch_size=3,
+                          shuffle=True, num_workers=2, worker_method=method,
+                          persistent_workers=persistent, prefetch_factor=3,
+                          collate_fn=collate_with_draw)
+    _check(make, ks, use_async)
+
+
+def test_worker_randomness_resumes_in_a_later_persistent_epoch() -> None:
+    """Regression test for issue 22: persistent workers' streams go on across epochs: a state
+    taken in epoch 2 (k=0 included) resumes that epoch and the next bit for bit."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(17), batch_size=2, shuffle=True, num_workers=2,
+                          persistent_workers=True, collate_fn=collate_with_draw)
+    torch.manual_seed(SEED)
+    ref = make()
+    _, e2, e3 = _epoch_sync(ref), _epoch_sync(ref), _epoch_sync(ref)
+    ref.close()
+    for k in (0, 3):
+        torch.manual_seed(SEED)
+        loader = make()
+        _epoch_sync(loader)
+        got, state = _take_sync(loader, k)
+        rng = torch.get_rng_state()
+        loader.close()
+        resumed = make()
+        resumed.load_state_dict(json.loads(json.dumps(state)))
+        torch.set_rng_state(rng)
+        assert got + _epoch_sync(resumed) == e2, k
+        assert _epoch_sync(resumed) == e3, k
+        resumed.close()
+
+
+@pytest.mark.filterwarnings("ignore::aioloader.SkippedSamplesWarning")
+@pytest.mark.parametrize("method", ["multiprocessing", "thread"])
+def test_worker_randomness_with_skipped_samples(method: str) -> None:
+    """Regression test for issue 22: with the failure policy skipping samples (and a whole
+    batch), the workers' draws resume bit for bit; the skipped batch stays consumed."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(AugmentFails(30, thread_only=method == "thread"), batch_size=4,
+                          num_workers=2, worker_method=method, on_error="skip",
+                          collate_fn=collate_with_draw)
+    _check(make, [1, 4, 5, AFTER_END])
+
+
+def test_inline_randomness_is_the_users_global_rng() -> None:
+    """Regression test for issue 22: num_workers=0 draws from the main process's global RNG,
+    which the user's checkpoint restores (torch's contract): the resumed epoch is exact."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(20), batch_size=3, shuffle=True,
+                          collate_fn=collate_with_draw)
+    for k in (1, 4):
+        import random
+
+        import numpy as np
+        torch.manual_seed(SEED), random.seed(SEED), np.random.seed(SEED)
+        want = _epoch_sync(make())
+        torch.manual_seed(SEED), random.seed(SEED), np.random.seed(SEED)
+        loader = make()
+        got, state = _take_sync(loader, k)
+        saved = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+        torch.manual_seed(0), random.seed(0), np.random.seed(0)  # a new process
+        resumed = make()
+        resumed.load_state_dict(json.loads(json.dumps(state)))
+        torch.set_rng_state(saved[0]), random.setstate(saved[1]), np.random.set_state(saved[2])
+        assert got + _epoch_sync(resumed) == want, k
+
+
+def test_worker_rng_state_is_plain_data_and_checked() -> None:
+    """Regression test for issue 22: each worker's RNG states are a list of byte values in
+    state['worker_rng'], kept only for workers that delivered; a corrupt one is refused."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Augment(12), batch_size=2, num_workers=2,
+                          collate_fn=collate_with_draw)
+    _, state = _take_sync(make(), 1)
+    assert sorted(state["worker_rng"]) == ["0"]
+    _, state = _take_sync(make(), 3)
+    assert sorted(state["worker_rng"]) == ["0", "1"]
+    assert all(type(b) is int for b in state["worker_rng"]["0"])
+    bad = json.loads(json.dumps(state))
+    bad["worker_rng"]["1"] = bad["worker_rng"]["1"][:-3]
+    with pytest.raises(ValueError, match=r"state\['worker_rng'\]\['1'\]"):
+        make().load_state_dict(bad)
+    bad["worker_rng"] = {"2": state["worker_rng"]["0"]}
+    with pytest.raises(ValueError, match="worker 2 does not exist"):
+        make().load_state_dict(bad)
+
+
 # -- iterable-style ------------------------------------------------------------------------
 
 
@@ -279,14 +384,13 @@ def test_async_iterable_replayed(num_workers: int) -> None:
 
 
 def test_state_is_plain_json_and_loads_before_iter() -> None:
-    """state_dict() before any iter(), {} and a wrong worker count behave as documented."""
+    """state_dict() before any iter(), {} and another worker count behave as documented."""
     loader = DataLoader(InfoMap(9), batch_size=2, shuffle=True)
     json.dumps(loader.state_dict())
     loader.load_state_dict({})  # torchdata: an empty state is ignored
     assert len(list(loader)) == 5
     other = DataLoader(InfoMap(9), batch_size=2, shuffle=True, num_workers=1)
-    with pytest.raises(ValueError, match="num_workers"):
-        other.load_state_dict(loader.state_dict())
+    other.load_state_dict(loader.state_dict())  # map-style: elastic (issue 22)
     with pytest.raises(TypeError):
         loader.load_state_dict([1, 2])  # type: ignore[arg-type]
 

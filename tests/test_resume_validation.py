@@ -154,7 +154,8 @@ def _refused(make: Callable[[], DataLoader[Any]], state: State, exc: type[Except
 
 
 _TOP = ["config", "finished", "base_seed", "shared_seed", "yielded", "prefix", "extra", "last_worker",
-        "worker_states", "sampler_state", "rng", "generators"]
+        "worker_rng", "worker_states", "distributed", "elastic", "sampler_state", "rng",
+        "generators"]
 _CONFIG = ["dataset_kind", "dataset_len", "batches", "batch_size", "drop_last", "shuffle",
            "sampler", "batch_sampler", "num_workers", "persistent_workers", "generators"]
 _STR_FIELDS = {("config", "dataset_kind"), ("config", "sampler"), ("config", "batch_sampler")}
@@ -164,9 +165,10 @@ def _wrong_type(path: tuple[Any, ...]) -> Any:
     return 5 if path in _STR_FIELDS else "x"
 
 
-def test_layout_is_version_2(map_state: State) -> None:
-    """Regression test for issue 18: the state records the loader's configuration (v2)."""
-    assert map_state["aioloader_state"] == 2
+def test_layout_is_version_3(map_state: State) -> None:
+    """Regression test for issues 18 and 22: the state records the loader's configuration
+    and the workers' RNG states (v3)."""
+    assert map_state["aioloader_state"] == 3
     assert list(map_state) == ["aioloader_state", *_TOP]
     assert map_state["config"] == {
         "dataset_kind": "map", "dataset_len": 23, "batches": 6, "batch_size": 4,
@@ -368,11 +370,11 @@ def _show(value: Any) -> str:
 @pytest.mark.parametrize(("field", "value"), [
     ("dataset_kind", "iterable"), ("dataset_len", 24), ("batches", 7), ("batch_size", 8),
     ("drop_last", True), ("shuffle", False), ("sampler", "SequentialSampler"),
-    ("batch_sampler", None), ("num_workers", 2), ("persistent_workers", True),
-    ("generators", ["generator"]),
+    ("batch_sampler", None), ("generators", ["generator"]),
 ])
 def test_config_field_mismatch(map_state: State, field: str, value: Any) -> None:
-    """Regression test for issue 18: every recorded field must equal the loader's."""
+    """Regression test for issue 18: every recorded field must equal the loader's (but
+    num_workers and persistent_workers of a map-style dataset: issue 22's elastic resume)."""
     state = copy.deepcopy(map_state)
     state["config"][field] = value
     here = map_state["config"][field]
@@ -387,7 +389,6 @@ def test_config_field_mismatch(map_state: State, field: str, value: Any) -> None
      "dataset_len=23, this loader has dataset_len=40"),
     (lambda: _map_loader(shuffle=False), "shuffle=True, this loader has shuffle=False"),
     (lambda: _map_loader(drop_last=True), "drop_last=False, this loader has drop_last=True"),
-    (lambda: _map_loader(num_workers=1), "num_workers=0, this loader has num_workers=1"),
     (lambda: _map_loader(generator=torch.Generator()),
      re.escape("generators=[], this loader has generators=[") + ".*'generator'"),
     (lambda: _map_loader(shuffle=None, sampler=StatefulPermSampler(23)),
@@ -459,7 +460,8 @@ def test_version_1_state_loads_with_a_warning() -> None:
     def to_v1(state: State) -> State:
         st = json.loads(json.dumps(state))
         config = st.pop("config")
-        del st["aioloader_state"], st["shared_seed"]
+        del st["aioloader_state"], st["shared_seed"], st["worker_rng"], st["distributed"]
+        del st["elastic"]
         return {"aioloader_state": 1, "num_workers": config["num_workers"], **st}
     with pytest.warns(UserWarning, match="version 1"):
         _resume_check(_map_loader, 2, to_v1)
@@ -468,6 +470,18 @@ def test_version_1_state_loads_with_a_warning() -> None:
              re.escape("num_workers=0, this loader has num_workers=1 (state['num_workers'])"))
     del state["prefix"]
     _refused(_map_loader, state, ValueError, _p(("prefix",)))
+
+
+def test_version_2_state_loads() -> None:
+    """Regression test for issue 22: a state without worker RNG states (v2) still resumes."""
+    def to_v2(state: State) -> State:
+        st = json.loads(json.dumps(state))
+        del st["worker_rng"], st["distributed"], st["elastic"]
+        return {**st, "aioloader_state": 2}
+    _resume_check(_map_loader, 2, to_v2)
+    state = to_v2(_take(_map_loader(), 1))
+    state["worker_rng"] = {}
+    _refused(_map_loader, state, ValueError, _p(("worker_rng",)) + ": unknown key")
 
 
 def test_state_before_iter_and_after_end_load() -> None:
@@ -631,4 +645,4 @@ def test_one_checker() -> None:
     from aioloader._resume import state as _state
     from aioloader._resume.tracker import FORMAT_VERSION
     assert _state.validate is _state_schema.validate  # load_state_dict's checker is the schema's
-    assert sorted(_state_schema._READERS) == [1, FORMAT_VERSION]
+    assert sorted(_state_schema._READERS) == [1, 2, FORMAT_VERSION]

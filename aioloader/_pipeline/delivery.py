@@ -3,15 +3,20 @@
 :class:`Delivery` is the epoch's one boundary with the consumer: a batch is counted
 for the statistics and the failure report there (in sampler order, so ``max_failures``
 trips at the same batch on every run), and an iterable dataset that yields more than
-its ``len()`` said is warned about, as torch does.
+its ``len()`` said is warned about, as torch does. It is also where the resume
+position moves: :meth:`Delivery.commit` is the one call that tells the epoch's
+tracker (:class:`aioloader._resume.tracker.EpochTracker`, which wraps the sampler
+iterator and numbers its batches) that a batch was consumed.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from typing import Any
 
 from .._fetch.report import FailureReport
+from .._resume.tracker import EpochTracker
 from .._stats.recorder import Recorder
 
 
@@ -24,18 +29,23 @@ class Delivery:
         ...                      retry_delay=0.1, respawn_workers=False, num_workers=0,
         ...                      iterable=False, is_async=False)
         >>> d = Delivery(FailureReport(policy, False), None, auto_collation=True,
-        ...              dataset=[1, 2], len_called=None, iterable=False, num_workers=0)
+        ...              dataset=[1, 2], len_called=None, iterable=False, num_workers=0,
+        ...              track=None)
         >>> d.absorb([0, 1], "batch")
         'batch'
     """
 
-    __slots__ = ("auto_collation", "check_len", "dataset", "failures", "len_called",
-                 "num_workers", "num_yielded", "policy_active", "rec")
+    __slots__ = ("auto_collation", "check_len", "dataset", "failures", "held", "len_called",
+                 "num_workers", "num_yielded", "policy_active", "rec", "track")
 
     def __init__(self, failures: FailureReport, rec: Recorder | None, *, auto_collation: bool,
                  dataset: Any, len_called: int | None, iterable: bool,
-                 num_workers: int) -> None:
+                 num_workers: int, track: EpochTracker | None) -> None:
         self.failures = failures
+        self.track = track
+        # Batches taken from the reorder buffer, not yet received (the device stage
+        # holds them): their commits, oldest first.
+        self.held: deque[tuple[int, int | None, Any, Any]] = deque()
         self.rec = rec
         self.auto_collation = auto_collation
         self.dataset = dataset
@@ -71,3 +81,23 @@ class Delivery:
                         "properly configuring the IterableDataset replica at each worker. "
                         "Please see the IterableDataset documentation for examples.")
             warnings.warn(msg, stacklevel=4)
+
+    def commit(self, logical: int, worker: int | None = None, wstate: Any = None,
+               rng: Any = None, yielded: bool = True) -> None:
+        """Batch ``logical`` is consumed: received by the consumer, or its error raised
+        (``yielded``), or skipped / its worker ran out (not ``yielded``).
+
+        The one place the resume tracker is told (:meth:`EpochTracker.commit`).
+        """
+        if self.track is not None:
+            self.track.commit(logical, worker, wstate, rng, yielded)
+
+    def hold(self, logical: int, worker: int | None, wstate: Any, rng: Any) -> None:
+        """A batch left the reorder buffer; it is committed when the consumer gets it
+        (:meth:`release`), after the device stage if there is one."""
+        self.held.append((logical, worker, wstate, rng))
+
+    def release(self) -> None:
+        """The consumer received the oldest held batch: commit it."""
+        if self.held:
+            self.commit(*self.held.popleft())

@@ -32,7 +32,7 @@ DRAINED: Any = object()
 class Slot:
     """One dispatched batch: where it went and, once arrived, what came back."""
 
-    __slots__ = ("data", "has_data", "index", "logical", "worker", "wstate")
+    __slots__ = ("data", "has_data", "index", "logical", "rng", "worker", "wstate")
 
     def __init__(self, worker: int, index: Any = None, logical: int = -1) -> None:
         self.worker = worker
@@ -41,6 +41,7 @@ class Slot:
         self.data: Any = None
         self.logical = logical  # the batch's number in the epoch (aioloader._resume.state)
         self.wstate: Any = None  # an iterable dataset's state sent with the batch
+        self.rng: Any = None  # its worker's RNG states after it (aioloader._worker.rng)
 
 
 class ReorderBuffer:

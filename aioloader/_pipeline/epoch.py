@@ -178,7 +178,8 @@ class _PipelineCore:
         self.rec = rec
         self.delivery = Delivery(self.failures, rec, auto_collation=config.auto_collation,
                                  dataset=config.dataset, len_called=len_called,
-                                 iterable=kind.iterable, num_workers=num_workers)
+                                 iterable=kind.iterable, num_workers=num_workers,
+                                 track=self.track)
         collate_fn = TimedCollate(config.collate_fn, rec) if rec is not None else (
             config.collate_fn)
         self.runner = ThreadRunner("aioloader-fetch" if self.inline else "aioloader-pipeline")
@@ -227,8 +228,9 @@ class _PipelineCore:
                 worker_seed = self._shared_seed(generator, group) if iter_dp else None
                 base_seed = self.track.base_seed(lambda: draw_base_seed(generator))
                 lease = _PoolLease(start_pool(config, base_seed, self.track.worker_states,
-                                              worker_seed),
+                                              worker_seed, self.track.resume_rngs()),
                                    base_seed)
+                lease.worker_rng = self.track.worker_rng
                 lease.seed_group = group
                 if iter_dp and not continues:
                     self._shared_seed(generator, group)
@@ -238,6 +240,7 @@ class _PipelineCore:
             else:
                 lease.epoch += 1
                 fresh_epoch = True
+                self.track.worker_rng = lease.worker_rng  # the workers' streams go on
                 if iter_dp:
                     reset_seed = self._shared_seed(generator, lease.seed_group)
                     self.track.shared = reset_seed
@@ -570,7 +573,7 @@ class _PipelineCore:
             self._drop_fatal()
             raise
         self.delivery.count_yield()
-        self.track.delivered()
+        self.delivery.release()
         return data
 
     # -- the reorder buffer's consumer side --------------------------------------------------
@@ -603,7 +606,8 @@ class _PipelineCore:
             if self.num_workers > 0:
                 dispatch.tasks[slot.worker] -= 1
                 if data is EXHAUSTED:
-                    self.track.commit(slot.logical, slot.worker, slot.wstate, yielded=False)
+                    self.delivery.commit(slot.logical, slot.worker, slot.wstate, slot.rng,
+                                         yielded=False)
                     dispatch.retire(slot.worker)
                     if dispatch.put_index():
                         self._commands_ready()
@@ -619,9 +623,13 @@ class _PipelineCore:
             if not failed:
                 data = self.delivery.absorb(slot.index, data)
                 if data is NOTHING:  # every sample of the batch failed (on_error="skip")
-                    self.track.commit(slot.logical, worker, slot.wstate, yielded=False)
+                    self.delivery.commit(slot.logical, worker, slot.wstate, slot.rng,
+                                         yielded=False)
                     continue
-            self.track.taken(slot.logical, worker, slot.wstate, failed=failed)
+            if failed:  # an error counts as consumed now (raised here, as in torch)
+                self.delivery.commit(slot.logical, worker, slot.wstate, slot.rng)
+            else:
+                self.delivery.hold(slot.logical, worker, slot.wstate, slot.rng)
             if isinstance(data, RemoteError):
                 data.reraise(batch_note(slot.logical, slot.index))
             if isinstance(data, _ErrorBox):

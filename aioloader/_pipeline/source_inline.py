@@ -111,14 +111,24 @@ class InlineSource:
                 data = apply_to_batch(self._stage, data)
         return index, data
 
-    def _consumed_nothing(self) -> None:
-        """Every sample of the batch drawn last failed (skipped): it counts as consumed."""
+    def _commit(self, yielded: bool = True) -> None:
+        """The batch drawn last is consumed: its commit at the delivery boundary (with an
+        iterable dataset's state after it)."""
+        logical = self.track.last_drawn
         if self.kind.iterable:
-            self.track.commit(self.track.last_drawn, 0,
-                              _dstate.worker_state(0, self.dataset, self.raw_fetcher),
-                              yielded=False)
+            self.delivery.commit(logical, 0, _dstate.worker_state(0, self.dataset,
+                                                                  self.raw_fetcher),
+                                 yielded=yielded)
         else:
-            self.track.commit(self.track.last_drawn, yielded=False)
+            self.delivery.commit(logical, yielded=yielded)
+
+    def _consumed_on_error(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``; a batch whose fetch raised is consumed (as in torch, not retried)."""
+        try:
+            return fn(*args)
+        except Exception:
+            self.delivery.commit(self.track.last_drawn)
+            raise
 
     def _fetch_timed(self, rec: Recorder, index: Any, t0: int = 0) -> Any:
         """:meth:`_fetch`, adding each stage's time to the epoch's statistics."""
@@ -155,7 +165,7 @@ class InlineSource:
 
     def _deliver(self, data: Any) -> Any:
         self.delivery.count_yield()
-        self.track.commit_inline(self.dataset, self.raw_fetcher)
+        self._commit()
         if self.device is not None:
             return _device.finish_on_device(data)
         return data
@@ -237,7 +247,7 @@ class InlineSource:
                     rec.count[SAMPLING] += 1
                     index, data = self._fetch_timed(rec, index, t1)
             except Exception:
-                track.commit(track.last_drawn)  # consumed (as in torch, not retried)
+                self.delivery.commit(track.last_drawn)  # consumed (as in torch, not retried)
                 raise
             if data is EXHAUSTED:
                 track.finished = True
@@ -245,7 +255,7 @@ class InlineSource:
                 self.failures.end_of_epoch()
                 raise StopIteration
             if plain:  # its statistics were recorded with the fetch
-                track.commit_next()
+                self.delivery.commit(track.last_drawn)
                 return data
             try:
                 data = self.delivery.absorb(index, data)
@@ -258,7 +268,7 @@ class InlineSource:
                     rec.begin_at(t0)
                     rec.end_wait(t0, True)
                 return data
-            self._consumed_nothing()
+            self._commit(yielded=False)
             if rec is not None:
                 t_draw = _ns()
 
@@ -296,7 +306,7 @@ class InlineSource:
                 if self.rec is not None:
                     self.rec.add(SAMPLING, _ns() - t0)
                 if policy.inline:
-                    data, took = track.consumed_on_error(_timed, self._fetch, index)
+                    data, took = self._consumed_on_error(_timed, self._fetch, index)
                     policy.record(took)
                     data = await self._finish(data)
                     if data is not NOTHING:
@@ -305,7 +315,7 @@ class InlineSource:
                 call = self.pending_call = _ThreadCall(_timed, self._fetch, index)
             await call.wait(self.runner)  # cancelled: `pending` keeps the batch
             self.pending_call = None
-            data, took = track.consumed_on_error(call.result)
+            data, took = self._consumed_on_error(call.result)
             self.policy.record(took)
             data = await self._finish(data)
             if data is not NOTHING:
@@ -331,7 +341,7 @@ class InlineSource:
         except StopIteration:  # the dataset ended the epoch (as in torch)
             return EXHAUSTED
         except Exception:
-            track.commit(track.last_drawn)  # consumed (as in torch, not retried)
+            self.delivery.commit(track.last_drawn)  # consumed (as in torch, not retried)
             raise
         t2 = _ns()
         if t2 - t1 > _SLOW_NS:  # all that policy.record() does for an inline batch
@@ -345,7 +355,7 @@ class InlineSource:
                     rec.inline_samples += len(index)
                 else:
                     rec.untimed_other(index, self.auto_collation)
-        track.commit_next()
+        self.delivery.commit(track.last_drawn)
         return data
 
     async def _finish(self, fetched: tuple[Any, Any]) -> Any:
@@ -361,7 +371,7 @@ class InlineSource:
             await self._end_epoch_async()
             raise
         if data is NOTHING:
-            self._consumed_nothing()
+            self._commit(yielded=False)
             return NOTHING
         return self._deliver(data)
 

@@ -55,6 +55,9 @@ class PoolSource:
         self.wake = wake
         self.commands_ready = commands_ready
         self.allow_respawn = allow_respawn
+        # Per worker, the RNG states after its latest reply (a worker sends them only when
+        # they changed, aioloader._worker.rng): each slot keeps the ones after its batch.
+        self.rng: dict[int, bytes] = {}
 
     # -- commands ----------------------------------------------------------------------------
 
@@ -132,19 +135,27 @@ class PoolSource:
     async def _intake(self, worker: int, msg: tuple[Any, ...]) -> None:
         tag = msg[0]
         if tag == "respawned":
+            self.rng.pop(worker, None)  # the new worker's streams start from its seed
             self.dispatch.redispatch(worker)
             self.commands_ready()
             return
         if tag == "reset" or msg[1] != self.epoch:
             return  # acknowledgement, or a stale batch of an abandoned epoch
         seq = msg[2]
+        # Extras after the payload (_worker.loop.serve_commands): a dict is the dataset's
+        # state after this batch (aioloader._resume), bytes the worker's RNG states after
+        # it (when they changed; read even for a batch no longer waited for), a tuple the
+        # worker's timings (_stats).
+        # ("data"/"error", epoch, seq, payload, ...) and ("exhausted", epoch, seq, ...).
+        extras = msg[3 if tag == "exhausted" else 4:]
+        for extra in extras:
+            if type(extra) is bytes:
+                self.rng[worker] = extra
         slot = self.slots.get(seq)
         if slot is None:
             return
-        # Extras after the payload (_worker.loop.serve_commands): a dict is the dataset's
-        # state after this batch (aioloader._resume), a tuple the worker's timings (_stats).
-        # ("data"/"error", epoch, seq, payload, ...) and ("exhausted", epoch, seq, ...).
-        for extra in msg[3 if tag == "exhausted" else 4:]:
+        slot.rng = self.rng.get(worker)
+        for extra in extras:
             if isinstance(extra, dict):
                 slot.wstate = extra
             elif isinstance(extra, tuple) and self.rec is not None:

@@ -25,12 +25,15 @@ def _resolve_context(config: LoaderConfig) -> multiprocessing.context.BaseContex
 
 def start_pool(config: LoaderConfig, base_seed: int,
                 resume_states: dict[int, Any] | None = None,
-                shared_seed: int | None = None) -> AnyPool:
+                shared_seed: int | None = None,
+                resume_rngs: dict[int, bytes] | None = None) -> AnyPool:
     """The pool factory: the one place that picks the kind of workers (``worker_method``).
 
     A DataPipe's workers shard it first (torch's ``_sharding_worker_init_fn`` wraps
     ``worker_init_fn``) and an ``IterDataPipe``'s are seeded from ``shared_seed``; thread
     workers each get their own copy of the graph (:mod:`aioconfig._datapipes`).
+    ``resume_states``/``resume_rngs``: per worker, the iterable dataset's state and the RNG
+    states a resumed worker starts from (:mod:`aioloader._resume.tracker`).
     """
     worker_init_fn = config.worker_init_fn
     datapipe = is_datapipe(config.dataset)
@@ -54,6 +57,8 @@ def start_pool(config: LoaderConfig, base_seed: int,
             close_fds=[],
             failure=config.failure_policy if config.failure_policy.guards_reads else None,
             resume_state=(resume_states or {}).get(i),
+            resume_rng=(resume_rngs or {}).get(i),
+            capture_rng=not config.kind.is_async,
             stats=config.collect_stats,
             shared_seed=shared_seed,
         )

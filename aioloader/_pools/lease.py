@@ -39,6 +39,9 @@ class _PoolLease:
         self.epoch = 0
         self.started = False
         self.closed = False
+        # Persistent workers' RNG states after their last consumed batch, carried from
+        # epoch to epoch (the resume tracker's, aioloader._resume.tracker).
+        self.worker_rng: dict[int, Any] = {}
         # Set when the loader is collected while an epoch still uses the pool: that epoch
         # closes it when it stops (see loader_collected and the epoch's _release).
         self.orphaned = False

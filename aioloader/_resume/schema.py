@@ -48,6 +48,7 @@ from .dataset_state import (
     _WORKER_ID,
     _stateful,
 )
+from .elastic import check_distributed, check_elastic, distributed_info
 from .tracker import FORMAT_KEY, FORMAT_VERSION, _stateful_sampler, generators
 
 __all__ = [
@@ -320,13 +321,33 @@ def _fmt(value: Any) -> str:
     return repr(value) if isinstance(value, (str, list)) else str(value)
 
 
-def _compare_config(saved: dict[str, Any], path: str, config: Any) -> None:
+#: Fields a map-style dataset's state may differ in: its position is the sampler's, which
+#: the number of workers does not change (an elastic resume: the round robin starts at
+#: worker 0 and workers are seeded from the saved base seed, docs/resume.md).
+_ELASTIC_FIELDS = ("num_workers", "persistent_workers")
+
+
+def _elastic(saved: dict[str, Any]) -> bool:
+    return saved["dataset_kind"] in ("map", "async_map")
+
+
+def _compare_config(saved: dict[str, Any], path: str, config: Any,
+                    elastic: bool = False) -> None:
     here = loader_config(config)
+    skip: tuple[str, ...] = _ELASTIC_FIELDS if _elastic(saved) and saved[
+        "dataset_kind"] == here["dataset_kind"] else ()
+    if elastic:  # another world size: another number of batches per rank
+        skip = (*skip, "batches")
     diffs = [f"{name}={_fmt(saved[name])}, this loader has {name}={_fmt(here[name])} "
              f"({_key(path, name)})"
-             for name in _CONFIG_FIELDS if saved[name] != here[name]]
+             for name in _CONFIG_FIELDS if saved[name] != here[name] and name not in skip]
     if diffs:
-        raise ValueError("the state was taken with " + "; with ".join(diffs) + ": "
+        why = ""
+        if saved["num_workers"] != here["num_workers"] and not skip:
+            why = (" (an iterable dataset is split over its workers by the dataset itself, "
+                   "and its state is per worker: it resumes with the same num_workers "
+                   "only)")
+        raise ValueError("the state was taken with " + "; with ".join(diffs) + why + ": "
                          + _WHAT_TO_DO)
 
 
@@ -367,6 +388,44 @@ def _rng(value: Any, path: str) -> None:
         _record({"global": _optional(_rng_shape), "generators": _rng_map})(value, path)
 
 
+_WORKER_RNG_SIZES = {1: (2500, 9, 2500, 16), 2: (2500, 9, 40)}  # after torch's section
+
+
+def _worker_rng_blob(value: Any, path: str) -> None:
+    """One worker's RNG states (:mod:`aioloader._worker.rng`): a list of byte values,
+    a kind byte then length-prefixed sections of the sizes that kind has."""
+    _rng_shape(value, path)
+    blob = bytes(value.tolist() if isinstance(value, torch.Tensor) else value)
+    sizes: list[int] = []
+    pos = 1
+    while pos + 4 <= len(blob):
+        n = int.from_bytes(blob[pos:pos + 4], "little")
+        sizes.append(n)
+        pos += 4 + n
+    kind = blob[0] if blob else 0
+    want = _WORKER_RNG_SIZES.get(kind)
+    torch_len = torch.get_rng_state().numel()
+    if (want is None or pos != len(blob)
+            or tuple(sizes) not in ((torch_len, *want), (torch_len, *want[:2]))):
+        raise ValueError(f"{path} is not a worker's RNG states as DataLoader.state_dict() "
+                         f"writes them (kind byte 1 or 2, then sections of {torch_len}, "
+                         f"2500, 9, ... bytes): {_CORRUPT}")
+    check_torch_rng_state(list(blob[5:5 + torch_len]), f"{path} (its torch state)")
+    index = int.from_bytes(blob[9 + torch_len + 2496:9 + torch_len + 2500], "little")
+    if index > 624:
+        raise ValueError(f"{path}: its Python random position {index} is past 624: "
+                         f"{_CORRUPT}")
+
+
+def _worker_rngs(value: Any, path: str) -> None:
+    _dict(value, path)
+    for name, blob in value.items():
+        if not isinstance(name, str) or not name.isdigit():
+            raise _value_error(f"{path} key {_show(name)}", "a worker id as a str of digits",
+                               name)
+        _worker_rng_blob(blob, _key(path, name))
+
+
 #: The fields of every version: version 1 has ``num_workers`` instead of ``config``.
 _POSITION_FIELDS: dict[str, Check] = {
     "finished": _bool,
@@ -383,6 +442,11 @@ _POSITION_FIELDS: dict[str, Check] = {
 #: Version 2 adds an ``IterDataPipe`` epoch's shared seed (version 1 states have none).
 _V2_FIELDS: dict[str, Check] = {**_POSITION_FIELDS, "shared_seed": _optional(_int(0, _MAX_SEED))}
 _V2 = _record({FORMAT_KEY: _int(), "config": _record(_CONFIG_FIELDS), **_V2_FIELDS})
+#: Version 3 adds each worker's RNG states after its last consumed batch, a
+#: DistributedSampler's settings and where an elastic epoch comes from (_resume.elastic).
+_V3_FIELDS: dict[str, Check] = {**_V2_FIELDS, "worker_rng": _worker_rngs,
+                                "distributed": check_distributed, "elastic": check_elastic}
+_V3 = _record({FORMAT_KEY: _int(), "config": _record(_CONFIG_FIELDS), **_V3_FIELDS})
 _V1 = _record({FORMAT_KEY: _int(), "num_workers": _int(), **_POSITION_FIELDS})
 
 
@@ -402,13 +466,21 @@ def _check_generators(states: dict[str, Any], path: str, gens: dict[str, torch.G
 def _check_against_loader(st: dict[str, Any], config: Any, exact_generators: bool) -> None:
     """The fields that depend on the loader: positions, workers, RNG states."""
     iterable = bool(config.kind.iterable)
-    workers = max(1, int(config.num_workers))
+    # The workers of the loader that took it (another number: an elastic resume).
+    saved_workers = st["config"]["num_workers"] if "config" in st else config.num_workers
+    workers = max(1, int(saved_workers))
     _int(0, workers - 1)(st["last_worker"], "state['last_worker']")
+    rpath = "state['worker_rng']"
+    for name in st.get("worker_rng", {}):
+        if int(name) >= workers:
+            raise ValueError(f"{_key(rpath, name)}: "
+                             f"worker {int(name)} does not exist in a loader with "
+                             f"num_workers={saved_workers}: {_CORRUPT}")
     for name, wstate in st["worker_states"].items():
         path = _key("state['worker_states']", name)
         if int(name) >= workers:
             raise ValueError(f"{path}: worker {int(name)} does not exist in a loader with "
-                             f"num_workers={config.num_workers}: {_CORRUPT}")
+                             f"num_workers={saved_workers}: {_CORRUPT}")
         if wstate is not None and not iterable:
             raise ValueError(f"{path}: a map-style dataset has no per-worker state: "
                              f"{_WHAT_TO_DO}")
@@ -436,6 +508,8 @@ def _check_against_loader(st: dict[str, Any], config: Any, exact_generators: boo
     if iterable:
         return
     consumed = prefix + len(extra)
+    if st.get("elastic") is not None:
+        return  # its batches are its share of what other ranks left (_resume.elastic)
     if st["yielded"] > consumed:
         raise ValueError(f"state['yielded']={st['yielded']} is more than the batches the "
                          f"state consumed (state['prefix'] + len(state['extra']) = "
@@ -451,12 +525,51 @@ def _check_against_loader(st: dict[str, Any], config: Any, exact_generators: boo
                         f"consumed (state['prefix']={prefix}), got None: {_CORRUPT}")
 
 
+def _check_world(state: dict[str, Any], config: Any) -> None:
+    """A DistributedSampler's state resumes on the same rank of the same world size, or
+    across world sizes once merged (``merge_rank_states``)."""
+    here = distributed_info(config)
+    saved = state["distributed"]
+    if state["elastic"] is not None:
+        if here is None:
+            raise ValueError("state['elastic']: the state resumes a DistributedSampler's epoch "
+                             "across world sizes; this loader's sampler is "
+                             f"{type(config.sampler).__name__}: {_WHAT_TO_DO}")
+        names: tuple[str, ...] = ("num_replicas", "rank")  # a merged state fits every rank
+    else:
+        names = ("num_replicas", "rank", "seed", "shuffle", "drop_last")
+    if saved is None or here is None:
+        return
+    for name in names:
+        if saved[name] != here[name]:
+            raise ValueError(
+                f"state['distributed'][{name!r}]: the state was taken by the "
+                f"DistributedSampler with {name}={saved[name]!r}, this loader's has "
+                f"{name}={here[name]!r}. To resume on another number of ranks, merge the "
+                f"states of all ranks with aioloader.merge_rank_states(states) and load "
+                f"that (docs/resume.md, 'Elastic resume')")
+
+
+def _read_v3(state: dict[str, Any], config: Any) -> dict[str, Any]:
+    _V3(state, "state")
+    _check_world(state, config)
+    # Merged from the ranks of another world size (merge_rank_states): another number of
+    # batches per rank. (A state of another sampler is refused by config['sampler'].)
+    merged = state["elastic"] is not None or (
+        state["distributed"] is None and distributed_info(config) is not None)
+    _compare_config(state["config"], "state['config']", config, elastic=merged)
+    _check_against_loader(state, config, exact_generators=True)
+    return {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
+            **{name: state[name] for name in _V3_FIELDS}}
+
+
 def _read_v2(state: dict[str, Any], config: Any) -> dict[str, Any]:
     _V2(state, "state")
     _compare_config(state["config"], "state['config']", config)
     _check_against_loader(state, config, exact_generators=True)
     return {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
-            **{name: state[name] for name in _V2_FIELDS}}
+            **{name: state[name] for name in _V2_FIELDS}, "worker_rng": {},
+            "distributed": None, "elastic": None}
 
 
 def _read_v1(state: dict[str, Any], config: Any) -> dict[str, Any]:
@@ -473,13 +586,15 @@ def _read_v1(state: dict[str, Any], config: Any) -> dict[str, Any]:
         "resumed epoch is wrong). A state_dict() taken now records them.",
         UserWarning, stacklevel=5)  # the caller of loader.load_state_dict
     return {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config),
-            **{name: state[name] for name in _POSITION_FIELDS}}
+            **{name: state[name] for name in _POSITION_FIELDS}, "worker_rng": {},
+            "distributed": None, "elastic": None}
 
 
 #: How each version of aioloader's layout is read (into the current one).
 _READERS: dict[int, Callable[[dict[str, Any], Any], dict[str, Any]]] = {
     1: _read_v1,
-    FORMAT_VERSION: _read_v2,
+    2: _read_v2,
+    FORMAT_VERSION: _read_v3,
 }
 
 
@@ -639,6 +754,9 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
             "sampler_state": main["_index_sampler_state"],
             "rng": empty_rng,
             "generators": {},
+            "worker_rng": {},
+            "distributed": None,
+            "elastic": None,
         }
     elif "_num_yielded" in sd:
         _record(_TD_INLINE, strict=False)(sd, "state")
@@ -664,6 +782,9 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
             "sampler_state": sd["_index_sampler_state"],
             "rng": empty_rng,
             "generators": {},
+            "worker_rng": {},
+            "distributed": None,
+            "elastic": None,
         }
     else:
         raise ValueError("not a state from DataLoader.state_dict(): it has neither "

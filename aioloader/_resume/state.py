@@ -16,6 +16,12 @@ How a state is made exact without fetching the skipped samples:
   RNG exactly what the uninterrupted run still had to draw from that point on
   (nothing, for this epoch). A sampler that implements the ``Stateful`` protocol
   (``state_dict``/``load_state_dict``) is asked for its state instead.
+* **worker randomness**: each worker sends its RNG states after a batch when they
+  changed (:mod:`aioloader._worker.rng`); the state keeps, per worker, those after its
+  last consumed batch, and resumed workers start from them.
+* **elastic resume**: a map-style state resumes with another ``num_workers``, and the
+  states of all ranks of a ``DistributedSampler`` run, merged
+  (:mod:`aioloader._resume.elastic`), resume on another number of ranks.
 * **consumed batches** are a prefix ``[0, prefix)`` of the epoch's batches of
   indices plus a set of later ones (``in_order=False`` hands batches out of
   order): a resume skips exactly those.

@@ -11,14 +11,14 @@ API (``state_dict()``/``load_state_dict()``, torchdata states) is
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import torch
 
 from ..sampler import _iter_index_sampler
-from .dataset_state import _stateful, worker_state
+from .dataset_state import _stateful
+from .elastic import distributed_info, rank_batches
 
 __all__ = ["FORMAT_KEY", "FORMAT_VERSION", "EpochTracker", "generators"]
 
@@ -26,7 +26,7 @@ _LG = logging.getLogger(__name__)
 
 #: Marks an aioloader state dict, and its layout version.
 FORMAT_KEY = "aioloader_state"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 def _to_list(t: torch.Tensor) -> list[int]:
@@ -79,10 +79,14 @@ def _stateful_sampler(config: Any) -> Any:
 class EpochTracker:
     """What one epoch has consumed, enough to resume it exactly (one per iterator).
 
-    The iterator calls :meth:`sampler_iter` (instead of ``iter(index_sampler)``),
-    :meth:`base_seed`, then :meth:`commit` for every batch it hands out (or whose
-    error it raises), with the batch's logical number (:attr:`last_drawn` right after
-    the draw) and, for iterable datasets, the state its worker sent with it.
+    The epoch calls :meth:`sampler_iter` (instead of ``iter(index_sampler)``): the
+    sampler iterator is wrapped once, and the wrapper numbers every batch drawn
+    (:attr:`last_drawn` right after the draw; the dispatcher keeps it in the batch's
+    slot). Then :meth:`base_seed`, and one :meth:`commit` per batch, made by the
+    epoch's delivery boundary (:class:`aioloader._pipeline.delivery.Delivery`) when the
+    consumer receives the batch (or its error is raised, or it is skipped), with the
+    batch's number and what came with it from its worker (an iterable dataset's state,
+    the worker's RNG states).
     """
 
     def __init__(self, config: Any, resume: dict[str, Any] | None) -> None:
@@ -113,13 +117,28 @@ class EpochTracker:
         self.seed: int | None = None  # the epoch's base seed (set by the iterator)
         self.shared: int | None = None  # an IterDataPipe's shared seed (set by the iterator)
         self.replaying = False
-        self.fifo: deque[tuple[int, int | None, Any]] = deque()  # taken, not yet yielded
+        # Per worker, its RNG states after its last consumed batch (aioloader._worker.rng):
+        # the states before its first batch not consumed. Shared with a persistent pool's
+        # lease, so that a later epoch starts from where its workers' streams stand.
+        self.worker_rng: dict[int, Any] = {}
+        self.elastic = False  # resumed with another number of workers (no worker RNG)
+        # A DistributedSampler's settings (state['distributed']), and where an epoch
+        # resumed across world sizes comes from (state['elastic'], _resume.elastic).
+        self.dist = None if self.iterable else distributed_info(config)
+        self.elastic_src: dict[str, Any] | None = None
         if resume is not None:
             self._adopt(resume)
 
     # -- loading -------------------------------------------------------------------------
 
     def _adopt(self, st: dict[str, Any]) -> None:
+        saved_workers = (st.get("config") or {}).get("num_workers", self.num_workers)
+        self.elastic = saved_workers != self.num_workers
+        if not self.elastic and (self.persistent or not st.get("finished")):
+            # Workers start from the states after their last consumed batch (a persistent
+            # pool's streams go on into the next epoch too).
+            self.worker_rng = {int(k): bytes(v)
+                               for k, v in (st.get("worker_rng") or {}).items()}
         if st.get("finished"):
             # The epoch ended: the next one starts afresh, from the generators' (and a
             # stateful sampler's) final states.
@@ -134,12 +153,16 @@ class EpochTracker:
             self.resume = None
             return
         self._seed = int(st["base_seed"]) if st.get("base_seed") is not None else None
+        self.elastic_src = st.get("elastic")
+        if self.elastic_src is not None and st.get("distributed") is None:
+            self.elastic = True  # merged from other ranks: workers reseeded, round robin anew
         self._shared = int(st["shared_seed"]) if st.get("shared_seed") is not None else None
         self.prefix = int(st.get("prefix", 0))
         self.extra = {int(x) for x in st.get("extra", ())}
         self.skip = set(self.extra)
         self.yielded = int(st.get("yielded", self.prefix + len(self.extra)))
-        self.last_worker = int(st.get("last_worker", self.last_worker))
+        if not self.elastic:  # the round robin goes on after the last consumed batch's
+            self.last_worker = int(st.get("last_worker", self.last_worker))
         self.worker_states = {int(k): v for k, v in (st.get("worker_states") or {}).items()}
         self.sampler_state = st.get("sampler_state")
         if self.iterable and self.yielded and not any(
@@ -150,6 +173,12 @@ class EpochTracker:
                 "the resumed epoch fetches and drops its first %d batches. For faster "
                 "resumes, implement state_dict and load_state_dict in the IterableDataset "
                 "or its iterator.", self.yielded)
+
+    def resume_rngs(self) -> dict[int, bytes] | None:
+        """The RNG states resumed workers start from (``None``: their seeds' streams)."""
+        if self.discard or self.elastic or not self.worker_rng:
+            return None  # a replay refetches from the epoch's start; elastic: reseeded
+        return dict(self.worker_rng)
 
     def _set_gens(self, states: dict[str, Any]) -> None:
         for path, value in states.items():
@@ -186,6 +215,12 @@ class EpochTracker:
             self.drain = False
             for _ in _iter_index_sampler(index_sampler):
                 pass
+        if st is not None and self.elastic_src is not None and self.dist is not None:
+            # This rank's share of what the old ranks had not consumed (_resume.elastic).
+            batches = rank_batches(self.elastic_src, self.dist)
+            self.started = True
+            self.drawn = self.prefix
+            return _TrackedIter(self, iter(batches[self.prefix:]))
         if st is None or self.iterable:
             if st is not None:
                 # Only the base seed draws from the loader's generator: as it was then.
@@ -248,8 +283,15 @@ class EpochTracker:
             self.sampler_states[logical] = self.sampler_obj.state_dict()
 
     def commit(self, logical: int, worker: int | None = None, wstate: Any = None,
-               yielded: bool = True) -> None:
-        """Batch ``logical`` was handed out (or its error raised, or its worker ended)."""
+               rng: Any = None, yielded: bool = True) -> None:
+        """Batch ``logical`` was handed out (or its error raised, or its worker ended).
+
+        The one commit of a batch, called by the epoch's delivery boundary only
+        (:meth:`aioloader._pipeline.delivery.Delivery.commit`). ``worker``: the worker that
+        fetched it (None in-process); ``wstate``: the iterable dataset's state that came
+        with it; ``rng``: that worker's RNG states after it (:mod:`aioloader._worker.rng`);
+        ``yielded``: the consumer received it (False: skipped, or its worker ran out).
+        """
         if (logical == self.prefix and worker is None and yielded and not self.extra
                 and self.sampler_obj is None and not self.replaying):
             self.prefix = logical + 1  # the common case: in order, nothing else to update
@@ -258,6 +300,8 @@ class EpochTracker:
         if worker is not None:
             if wstate is not None:
                 self.worker_states[worker] = wstate
+            if rng is not None:
+                self.worker_rng[worker] = rng
             if yielded:
                 self.last_worker = worker
         if yielded and not self.replaying:
@@ -275,46 +319,9 @@ class EpochTracker:
 
     def cycle_skip(self) -> int:
         """How far the workers' round robin advances at a resume (past the last yielder)."""
-        if self.resume is None or self.discard or not self.num_workers:
+        if self.resume is None or self.discard or not self.num_workers or self.elastic:
             return 0
         return (self.last_worker + 1) % self.num_workers
-
-    def taken(self, logical: int, worker: int | None, wstate: Any, failed: bool) -> None:
-        """The pipeline took batch ``logical`` in order; an error counts as consumed now."""
-        if failed:
-            self.commit(logical, worker, wstate)
-        else:
-            self.fifo.append((logical, worker, wstate))
-
-    def delivered(self) -> None:
-        """The consumer received the oldest taken batch (after the device stage, if any)."""
-        if self.fifo:
-            self.commit(*self.fifo.popleft())
-
-    def commit_next(self) -> None:
-        """:meth:`commit_inline` for a map-style dataset (the per-batch fast path)."""
-        logical = self.last_drawn
-        if (logical == self.prefix and not self.extra and self.sampler_obj is None
-                and not self.replaying):
-            self.prefix = logical + 1
-            self.yielded += 1
-        else:
-            self.commit(logical)
-
-    def commit_inline(self, dataset: Any, fetcher: Any) -> None:
-        """``num_workers=0`` without a pipeline: the batch drawn last was handed out."""
-        if self.iterable:
-            self.commit(self.last_drawn, 0, worker_state(0, dataset, fetcher))
-        else:
-            self.commit(self.last_drawn)
-
-    def consumed_on_error(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``; a batch whose fetch raised is consumed (as in torch, not retried)."""
-        try:
-            return fn(*args)
-        except Exception:
-            self.commit(self.last_drawn)
-            raise
 
     def replay(self, next_batch: Callable[[], Any]) -> None:
         """Iterable dataset without state: fetch and drop the batches already consumed."""
@@ -351,7 +358,11 @@ class EpochTracker:
             "prefix": self.prefix,
             "extra": sorted(self.extra),
             "last_worker": self.last_worker,
+            "worker_rng": ({str(k): list(v) for k, v in sorted(self.worker_rng.items())}
+                           if self.persistent or not self.finished else {}),
             "worker_states": {str(k): v for k, v in sorted(self.worker_states.items())},
+            "distributed": self.dist,
+            "elastic": self.elastic_src if not self.finished else None,
             "sampler_state": (self.sampler_state if self.started and not self.finished
                               else self.sampler_obj.state_dict() if self.sampler_obj is not None
                               else None),

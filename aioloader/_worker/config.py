@@ -53,6 +53,11 @@ class WorkerConfig:
             ``None`` for torch's behaviour (see :mod:`aioloader._fetch.report`).
         resume_state: this worker's saved iterable-dataset state (``loader.load_state_dict``),
             loaded into its first epoch (:mod:`aioloader._resume.state`).
+        resume_rng: this worker's RNG states after its last consumed batch
+            (``loader.load_state_dict``, :mod:`aioloader._worker.rng`), set before its first
+            batch (after its seeding and ``worker_init_fn``).
+        capture_rng: send the worker's RNG states with its replies when they changed
+            (exact resume of what the dataset draws, :mod:`aioloader._worker.rng`).
         stats: stamp each ``"data"`` reply with this worker's timings (a 4-int
             tuple appended to the message; see :class:`aioloader._stats.recorder.WorkerClock`).
         shared_seed: an ``IterDataPipe``'s shared seed for the epoch (the same in every
@@ -76,6 +81,8 @@ class WorkerConfig:
     start_method: str = ""
     failure: FailurePolicy | None = None
     resume_state: Any = None
+    resume_rng: bytes | None = None
+    capture_rng: bool = True
     stats: bool = False
     shared_seed: int | None = None
 

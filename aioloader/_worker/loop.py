@@ -25,8 +25,10 @@ from .._resume.dataset_state import (
     worker_state,
 )
 from .._stats.recorder import WorkerClock
+from .._worker_info import get_worker_info
 from .codec import encode, unlink_failed_segments
 from .config import WorkerConfig, _where, reseed_datapipe
+from .rng import RngTracker, restore_at_start
 
 __all__ = ["serve_commands"]
 
@@ -59,7 +61,7 @@ def _encode_reply(cfg: WorkerConfig, reply: tuple[Any, ...]) -> tuple[bytes, lis
 class _SyncEpoch:
     """The fetcher of one epoch and what it already knows."""
 
-    __slots__ = ("error", "exhausted", "fetcher", "raw", "stateful")
+    __slots__ = ("error", "exhausted", "fetcher", "raw", "rng", "stateful")
 
     def __init__(self, cfg: WorkerConfig, init_error: RemoteError | None) -> None:
         self.fetcher: MapFetcher | IterFetcher | Any = None
@@ -67,6 +69,12 @@ class _SyncEpoch:
         self.error = init_error
         self.exhausted = False
         self.stateful = False
+        info = get_worker_info()
+        thread_rng = info.rng if info is not None else None
+        # The worker's RNG states go with each reply (when they changed); a resumed
+        # worker starts from the states after its last consumed batch (_worker.rng).
+        self.rng = RngTracker(thread_rng) if cfg.capture_rng else None
+        restore_at_start(cfg, thread_rng)
         if init_error is None:
             resume, cfg.resume_state = cfg.resume_state, None  # the first epoch's only
             try:
@@ -82,6 +90,14 @@ class _SyncEpoch:
                 self.error = RemoteError.from_current(_where(cfg))
 
     def fetch(self, cfg: WorkerConfig, epoch: Any, seq: Any, index: Any) -> tuple[Any, ...]:
+        reply = self._fetch(cfg, epoch, seq, index)
+        if self.rng is not None:
+            blob = self.rng.after_fetch()
+            if blob is not None:  # the RNG states after this batch (aioloader._worker.rng)
+                return (*reply, blob)
+        return reply
+
+    def _fetch(self, cfg: WorkerConfig, epoch: Any, seq: Any, index: Any) -> tuple[Any, ...]:
         if self.error is not None:
             return ("error", epoch, seq, self.error)
         if self.exhausted:
@@ -123,8 +139,11 @@ def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
     and by thread workers (in-process queues, :mod:`aioloader._pools.thread`).
 
     A ``"data"`` reply is ``("data", epoch, seq, batch, *extras)``: an extra is a
-    dict (an iterable dataset's state, :mod:`aioloader._resume.state`) or a 4-int tuple
-    (this worker's timings, ``cfg.stats``; :class:`aioloader._stats.recorder.WorkerClock`).
+    dict (an iterable dataset's state, :mod:`aioloader._resume.state`), ``bytes`` (the
+    worker's RNG states after the batch, when they changed: :mod:`aioloader._worker.rng`)
+    or a 4-int tuple (this worker's timings, ``cfg.stats``;
+    :class:`aioloader._stats.recorder.WorkerClock`). ``"error"`` and ``"exhausted"``
+    replies may carry the first two too.
     """
     clock = WorkerClock() if cfg.stats else None
     if clock is not None:  # a copy: the config may be shared (threads, respawns)
