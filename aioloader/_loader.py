@@ -264,6 +264,8 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         All zeros (and a hint saying so) with ``collect_stats=False``.
         """
         stats = self._stats_book.snapshot(cumulative)
+        if self._tune is not None and self._tune.decisions:  # docs/autotune.md
+            stats = LoaderStats(**{**stats.__dict__, "autotune": list(self._tune.decisions)})
         if not self.collect_stats:
             return LoaderStats(**{**stats.__dict__, "hint": "statistics are off "
                                   "(collect_stats=False)"})

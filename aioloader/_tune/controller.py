@@ -132,7 +132,8 @@ class Tuner:
     settings: TuneSettings = field(default_factory=TuneSettings)
     trial: _Trial | None = None
     consumer_bound: bool = False
-    #: knob -> windows left before a move up is tried again
+    #: Windows observed so far, and knob -> the last window it does not move in.
+    windows: int = 0
     cooling: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
     last_kept: str | None = None
@@ -140,10 +141,7 @@ class Tuner:
 
     def observe(self, batch: int, m: Measurement) -> Decision | None:
         """Judge the window that just ended; the move to make now, if any."""
-        for name in list(self.cooling):
-            self.cooling[name] -= 1
-            if self.cooling[name] <= 0:
-                del self.cooling[name]
+        self.windows += 1
         if m.batches <= 0 or m.seconds <= 0:
             return None
         if self.trial is not None:
@@ -164,7 +162,7 @@ class Tuner:
         for name in self._order(m):
             knob = self.knobs[name]
             new = knob.up()
-            if new == knob.value or name in self.cooling:
+            if new == knob.value or self.cooling.get(name, 0) >= self.windows:
                 continue
             self.trial = _Trial(name, knob.value, new, m.throughput)
             old, knob.value = knob.value, new
@@ -211,7 +209,8 @@ class Tuner:
         fails = self.failures.get(trial.knob, 0) + 1
         self.failures[trial.knob] = fails
         s = self.settings
-        self.cooling[trial.knob] = min(s.cooldown << (fails - 1), s.max_cooldown)
+        self.cooling[trial.knob] = self.windows + min(s.cooldown << (fails - 1),
+                                                      s.max_cooldown)
         if self.last_kept == trial.knob:
             self.last_kept = None
         knob.value = trial.old
