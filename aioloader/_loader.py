@@ -49,7 +49,7 @@ from ._resume import state as _state
 from ._resume.tracker import EpochTracker
 from ._stats.book import StatsBook
 from ._stats.report import LoaderStats
-from ._tune.state import TuneState
+from ._tune.state import EpochSummary, TuneState
 from .sampler import Sampler
 
 __all__ = ["AsyncLoaderIter", "DataLoaderCore"]
@@ -287,6 +287,7 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         live = self._pools.live()
         if live is not None and live.started and config.persistent:
             tune.workers = live.pool.num_workers
+        self._switch_inline(config, tune)
         values: dict[str, Any] = {}
         if "num_workers" in config.auto:
             values["num_workers"] = tune.workers
@@ -296,9 +297,33 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
             values["prefetch_factor"] = tune.prefetch
         if "fetch_concurrency" in config.auto:
             values["fetch_concurrency"] = tune.concurrency
+        if not values.get("num_workers", config.num_workers):
+            values["prefetch_factor"] = None  # no workers: nothing is prefetched per worker
         for name, value in values.items():
             object.__setattr__(self, name, value)  # not a user's assignment: auto stays
         return replace(config, **values), tune
+
+    def _switch_inline(self, config: LoaderConfig, tune: TuneState) -> None:
+        """Between epochs of a sync map-style dataset: maybe load in the main process next
+        (or go back to workers), judged from the finished epoch's statistics."""
+        track = self._resume_tracker
+        kind = config.kind
+        if (track is None or not track.finished or track is tune.judged
+                or kind.iterable or kind.is_async or config.persistent_workers
+                or not config.collect_stats):
+            return
+        tune.judged = track
+        stats = self._stats_book.snapshot()
+        if tune.workers == 0:  # an inline epoch has no epoch tuner to count its batches
+            tune.batches += stats.batches
+        stages = stats.stages
+        summary = EpochSummary(
+            workers=tune.workers, batches=stats.batches,
+            seconds=stats.wall_s - stats.startup_s,
+            wait_s=max(stages["consumer_wait"].seconds - stats.startup_s, 0.0),
+            step_s=stats.step_s,
+            work_s=stages["fetch"].seconds + stages["collate"].seconds)
+        tune.switch_inline(summary)
 
     def _make_core(self) -> _PipelineCore:
         """A new epoch, built from the config and what the loader keeps for it.
@@ -307,10 +332,10 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         them (``loader.failures``, ``state_dict()``).
         """
         pending, self._resume_pending = self._resume_pending, None
-        rec = self._stats_book.new_epoch() if self._config.collect_stats else None
         config, tune = self._config, None
         if config.auto:  # autotuning (docs/autotune.md): start where the last epoch left
-            config, tune = self._tuned_config(config)
+            config, tune = self._tuned_config(config)  # reads the last epoch's stats
+        rec = self._stats_book.new_epoch() if self._config.collect_stats else None
         core = _PipelineCore(config, keeper=self._pools, resume=pending, rec=rec,
                              len_called=self._IterableDataset_len_called, tune=tune)
         self._failure_report = core.failures

@@ -27,7 +27,7 @@ from aioloader._tune.controller import (
     Tuner,
     TuneSettings,
 )
-from aioloader._tune.state import TuneState
+from aioloader._tune.state import EpochSummary, TuneState
 
 # -- the controller, with synthetic measurements --------------------------------------------
 
@@ -115,6 +115,31 @@ def test_between_epochs_an_iterable_dataset_changes_its_workers() -> None:
     assert down is not None and (down.old, down.new) == (2, 1) and state.workers == 1
     assert state.decisions == [up, down] and state.batches == 200
     assert state.end_epoch(100, m(50), iterable=False, workers_high=4) is None
+
+
+def summary(workers: int, rate: float, step_ms: float, work_ms: float) -> EpochSummary:
+    """A 100-batch epoch at ``rate`` batches/s, with the given per-batch step and work."""
+    return EpochSummary(workers=workers, batches=100, seconds=100 / rate, wait_s=0.0,
+                        step_s=step_ms / 10, work_s=work_ms / 10)
+
+
+def test_cheap_batches_move_to_the_main_process_and_back_if_no_faster() -> None:
+    """Regression test for issue 21: when making a batch inline (step + fetch) beats what
+    the workers delivered, the next epoch loads in the main process; if that epoch is
+    not faster, the workers come back and the main process is not tried again."""
+    state = TuneState(frozenset({"num_workers"}), 2, 2, 64)
+    assert state.switch_inline(summary(2, rate=100, step_ms=1, work_ms=9)) is None
+    move = state.switch_inline(summary(2, rate=100, step_ms=1, work_ms=1))
+    assert move is not None and (move.old, move.new) == (2, 0) and state.workers == 0
+    back = state.switch_inline(summary(0, rate=90, step_ms=1, work_ms=1))
+    assert back is not None and (back.old, back.new) == (0, 2) and state.workers == 2
+    assert state.switch_inline(summary(2, rate=100, step_ms=1, work_ms=1)) is None
+    kept = TuneState(frozenset({"num_workers"}), 1, 2, 64)
+    kept.switch_inline(summary(1, rate=100, step_ms=1, work_ms=1))
+    ok = kept.switch_inline(summary(0, rate=400, step_ms=1, work_ms=1))
+    assert ok is not None and ok.old == ok.new == 0 and "kept" in ok.reason
+    fixed = TuneState(frozenset({"prefetch_factor"}), 1, 2, 64)
+    assert fixed.switch_inline(summary(1, rate=100, step_ms=1, work_ms=1)) is None
 
 
 # -- bounds ------------------------------------------------------------------------------------
@@ -352,6 +377,29 @@ def test_iterable_dataset_keeps_its_workers_within_an_epoch(
     # A worker-count move is made only at the epoch's end, for the next epoch.
     assert all(d.batch == 40 and "between epochs" in d.reason
                for d in decisions if d.knob == WORKERS)
+
+
+def test_a_move_to_the_main_process_keeps_the_batches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression test for issue 21: an epoch moved to num_workers=0 between epochs (by the
+    between-epoch rule) loads inline, with the batches of a fixed configuration."""
+    def to_inline(self: TuneState, summary: EpochSummary, margin: float = 0.05) -> None:
+        self.workers = 0
+
+    monkeypatch.setattr(TuneState, "switch_inline", to_inline)
+
+    def loader(**kw: Any) -> DataLoader[Any]:
+        return DataLoader(WhoFetched(), batch_size=4, shuffle=True,
+                          generator=torch.Generator().manual_seed(5), **kw)
+
+    fixed = loader(num_workers=1)
+    expected = [batches(fixed)[0] for _ in range(2)]
+    auto = loader(num_workers="auto", prefetch_factor="auto")
+    first, seen_first = batches(auto)
+    second, seen_second = batches(auto)
+    assert [first, second] == expected
+    assert seen_first == {0} and seen_second == {-1}  # the second epoch ran inline
+    assert auto.num_workers == 0 and auto.prefetch_factor is None
 
 
 class SlowAsync:
