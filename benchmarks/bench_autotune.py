@@ -124,11 +124,12 @@ def bench(workload: str, make: Callable[[], Any], batches: int, repeats: int,
     for cfg in configs:
         results[label(cfg)], _ = measure(make, batches, step, cfg, bs, repeats)
     auto, stats = measure(make, batches, step, auto_config(workload), bs, repeats)
-    default = results["w=0"] if "w=0" in results else results[label(configs[0])]
+    default_label = "w=0 c=64" if workload == "async" else "w=0"
+    default = results[default_label]
     best_name = max(results, key=lambda k: results[k])
     best = results[best_name]
     lines = [f"{workload} ({batches} batches of {bs}, samples/s; load {os.getloadavg()[0]:.1f})"]
-    lines.append(f"  {'default (w=0)':<28}{default:>12,.0f}")
+    lines.append(f"  {'default (' + default_label + ')':<28}{default:>12,.0f}")
     lines.append(f"  {'best: ' + best_name:<28}{best:>12,.0f}")
     lines.append(f"  {'auto':<28}{auto:>12,.0f}   auto/best {auto / best:.2f}   "
                  f"auto/default {auto / default:.2f}")

@@ -30,12 +30,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio.abc
+import torch
 
 from .._fetch.amap import AsyncFetchPool
 from .._pools.lease import _PoolLease
 from .._stats.recorder import Recorder
 from .._threads import ThreadRunner
-from .._tune.bounds import Limits
+from .._tune.bounds import Limits, System, limits
 from .._tune.controller import (
     CONCURRENCY,
     WINDOW,
@@ -75,17 +76,49 @@ def proc_cpu_seconds(pids: Sequence[int]) -> float | None:
     return total / tick
 
 
+def proc_rss_bytes(pids: Sequence[int]) -> int | None:
+    """The largest resident set (bytes) among ``pids``, from ``/proc/<pid>/statm``."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    largest = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                largest = max(largest, int(f.read().split()[1]) * page)
+        except (OSError, IndexError, ValueError):
+            return None
+    return largest
+
+
+def batch_nbytes(batch: Any, depth: int = 0) -> tuple[int, int]:
+    """``(bytes, tensors)`` of the tensors in ``batch`` (lists, tuples, dicts walked)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.untyped_storage().nbytes(), 1
+    if depth > 4:
+        return 0, 0
+    items: Any = (batch.values() if isinstance(batch, dict)
+                  else batch if isinstance(batch, (list, tuple)) else ())
+    size = count = 0
+    for item in items:
+        b, c = batch_nbytes(item, depth + 1)
+        size += b
+        count += c
+    return size, count
+
+
 class EpochTuner:
     """Measurement windows and knob moves for one epoch (see the module docstring)."""
 
-    def __init__(self, state: TuneState, limits: Limits, *, dispatch: Dispatcher,
+    def __init__(self, state: TuneState, system: System, *, dispatch: Dispatcher,
                  lease: _PoolLease | None, batch_size: int, index_sampler: Any,
                  bound_window: Callable[[int, Any, int], int], iterable: bool,
                  rec: Recorder | None, runner: ThreadRunner,
                  commands_ready: Callable[[], None],
                  cpu_reader: CpuReader | None = proc_cpu_seconds) -> None:
         self.state = state
-        self.limits = limits
+        self.system = system
+        self.limits: Limits = limits(system)
+        self.rss_reader: Callable[[Sequence[int]], int | None] = proc_rss_bytes
+        self.last_batch: Any = None  # the latest batch delivered (its size bounds the window)
         self.dispatch = dispatch
         self.lease = lease
         self.batch_size = batch_size
@@ -102,15 +135,16 @@ class EpochTuner:
         knobs: dict[str, Knob] = {}
         auto = state.auto
         workers = dispatch.num_workers
+        lim = self.limits
         if workers and "prefetch_factor" in auto:
             knobs[WINDOW] = Knob(WINDOW, state.prefetch or 2, 1,
-                                 max(limits.prefetch, state.prefetch or 2), "double")
+                                 max(lim.prefetch, state.prefetch or 2), "double")
         if (workers and "num_workers" in auto and not iterable and lease is not None
                 and lease.pool.can_resize):
-            knobs[WORKERS] = Knob(WORKERS, workers, 1, max(limits.workers, workers))
+            knobs[WORKERS] = Knob(WORKERS, workers, 1, max(lim.workers, workers))
         if not workers and "fetch_concurrency" in auto and not iterable:
             knobs[CONCURRENCY] = Knob(CONCURRENCY, state.concurrency, 1,
-                                      max(limits.concurrency, state.concurrency), "double")
+                                      max(lim.concurrency, state.concurrency), "double")
         self.tuner = Tuner(knobs) if knobs else None
         # The whole epoch, and the current window.
         self.epoch_start = 0
@@ -146,8 +180,8 @@ class EpochTuner:
         busy = sum(rec.w_fetch) + sum(rec.w_collate)
         return busy, sum(rec.w_idle), rec.occ_ready, rec.occ_n
 
-    def delivered(self, t_ask: int, t_done: int) -> None:
-        """A batch was handed to the consumer, who asked at ``t_ask`` (ns)."""
+    def delivered(self, t_ask: int, t_done: int, batch: Any = None) -> None:
+        """``batch`` was handed to the consumer, who asked at ``t_ask`` (ns)."""
         if not self.epoch_start:
             self.epoch_start = t_ask
         self.epoch_batches += 1
@@ -160,6 +194,7 @@ class EpochTuner:
         self.wait_ns += t_done - t_ask
         if (self.batches >= WINDOW_BATCHES and t_done - self.t0 >= WINDOW_S * 1e9
                 and not self.busy):
+            self._bound(batch)
             self._decide(self._measure(t_done))
 
     def _measure(self, now: int) -> Measurement:
@@ -184,6 +219,20 @@ class EpochTuner:
             return None
         return Measurement(self.epoch_batches, (now - self.epoch_start) / 1e9,
                            self.epoch_wait / 1e9)
+
+    def _bound(self, batch: Any) -> None:
+        """Update the knobs' upper bounds from what a batch and a worker weigh now."""
+        assert self.tuner is not None
+        nbytes, tensors = batch_nbytes(batch) if batch is not None else (0, 0)
+        pids = self._pids()
+        rss = self.rss_reader(pids) if pids else None
+        self.limits = lim = limits(self.system, batch_bytes=nbytes, worker_bytes=rss or 0,
+                                   fds_per_batch=max(tensors, 1))
+        knobs = self.tuner.knobs
+        for name, high in ((WORKERS, lim.workers), (WINDOW, lim.prefetch),
+                           (CONCURRENCY, lim.concurrency)):
+            if name in knobs:  # never below the current value (nothing is taken back)
+                knobs[name].high = max(high, knobs[name].value)
 
     # -- acting ------------------------------------------------------------------------------
 

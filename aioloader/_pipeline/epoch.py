@@ -64,7 +64,7 @@ from .._pools.lease import PoolKeeper, _PoolLease
 from .._resume.tracker import EpochTracker
 from .._stats.recorder import Recorder, TimedCollate
 from .._threads import ThreadRunner
-from .._tune.bounds import limits, read_system
+from .._tune.bounds import read_system
 from .._tune.state import TuneState
 from .autotune import EpochTuner
 from .backend import _LoopHandle
@@ -314,7 +314,7 @@ class _PipelineCore:
         self.tuner: EpochTuner | None = None
         if tune is not None and inline is None:
             self.tuner = EpochTuner(
-                tune, limits(read_system()), dispatch=self.dispatch, lease=self.lease,
+                tune, read_system(), dispatch=self.dispatch, lease=self.lease,
                 batch_size=config.batch_size or 1, index_sampler=config.index_sampler,
                 bound_window=bound_window, iterable=kind.iterable, rec=rec,
                 runner=self.runner, commands_ready=self._commands_ready)
@@ -594,7 +594,7 @@ class _PipelineCore:
         self.delivery.count_yield()
         self.track.delivered()
         if self.tuner is not None:
-            self.tuner.delivered(t_ask, _ns())
+            self.tuner.delivered(t_ask, _ns(), data)
         return data
 
     def _end_tuning(self) -> None:
