@@ -355,6 +355,26 @@ def test_persistent_workers_keep_the_tuned_pool_size(
     assert loader.num_workers == 2 and seen == {0, 1} and second == first
 
 
+def test_resume_after_a_worker_was_added(script: list[tuple[str, int] | None]) -> None:
+    """Regression test for issue 21: a state taken after the tuner added workers mid-epoch
+    resumes (into an auto loader or a fixed one) to the uninterrupted run's batches."""
+    def loader(**kw: Any) -> DataLoader[Any]:
+        return DataLoader(WhoFetched(), batch_size=3, shuffle=True,
+                          generator=torch.Generator().manual_seed(1), **kw)
+
+    full, _ = batches(loader(num_workers=1))
+    script.extend([(WORKERS, 2), None, (WORKERS, 3)])
+    auto = loader(num_workers="auto")
+    it = iter(auto)
+    head = [next(it)[0].tolist() for _ in range(30)]
+    state = auto.state_dict()
+    del it
+    for kw in ({"num_workers": "auto"}, {"num_workers": 1}):
+        resumed = loader(**kw)
+        resumed.load_state_dict(state)
+        assert head + batches(resumed)[0] == full
+
+
 class Stream(torch.utils.data.IterableDataset[int]):
     """An iterable dataset sharded over its workers."""
 

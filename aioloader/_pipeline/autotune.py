@@ -54,8 +54,11 @@ _ns = time.perf_counter_ns
 
 #: A measurement window lasts at least this long ...
 WINDOW_S = 0.5
-#: ... and holds at least this many batches.
+#: ... and holds at least this many batches; or, for fast loops, it ends after
+#: FAST_WINDOW_BATCHES batches once FAST_WINDOW_S have passed.
 WINDOW_BATCHES = 8
+FAST_WINDOW_BATCHES = 64
+FAST_WINDOW_S = 0.05
 
 #: Reads the CPU seconds used so far by the given pids (``None``: unknown). Swappable
 #: (tests; aioloader._stats' /proc reader).
@@ -192,8 +195,10 @@ class EpochTuner:
             self.t0 = t_ask
         self.batches += 1
         self.wait_ns += t_done - t_ask
-        if (self.batches >= WINDOW_BATCHES and t_done - self.t0 >= WINDOW_S * 1e9
-                and not self.busy):
+        took = t_done - self.t0
+        if (self.batches >= WINDOW_BATCHES and not self.busy
+                and (took >= WINDOW_S * 1e9
+                     or (self.batches >= FAST_WINDOW_BATCHES and took >= FAST_WINDOW_S * 1e9))):
             self._bound(batch)
             self._decide(self._measure(t_done))
 

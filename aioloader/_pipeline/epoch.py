@@ -649,6 +649,10 @@ class _PipelineCore:
             if dispatch.refill():
                 self._commands_ready()
             worker = slot.worker if self.num_workers else None
+            if worker is not None and worker >= self.num_workers:
+                # A worker the autotuner added (map-style): the resume state names workers
+                # of the epoch's starting count (only the round robin's start depends on it).
+                worker %= self.num_workers
             failed = isinstance(data, (RemoteError, _ErrorBox))
             if not failed:
                 data = self.delivery.absorb(slot.index, data)
