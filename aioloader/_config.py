@@ -571,8 +571,18 @@ class LoaderConfig:
     def with_attribute(self, name: str, value: Any) -> LoaderConfig:
         """This config after ``loader.<name> = value`` (torch reads it at the next ``iter()``).
 
-        Assigning a number to a tunable argument turns its autotuning off.
+        Assigning a number to a tunable argument turns its autotuning off; assigning
+        ``"auto"`` turns it on (from its starting value).
         """
+        if name in TUNABLE and isinstance(value, str):
+            take_auto(name, value, None)  # AutoArgumentError for another string
+            if name == "num_workers":
+                start: int | None = auto_start(self.kind, self.persistent_workers)
+            elif name == "prefetch_factor":
+                start = self.prefetch_factor or (2 if self.num_workers else None)
+            else:
+                start = self.fetch_concurrency
+            return replace(self, **{name: start}, auto=self.auto | {name})
         if name in self.auto:
             return replace(self, **{name: value}, auto=self.auto - {name})
         return replace(self, **{name: value})

@@ -183,9 +183,12 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         self.check_worker_number_rationality()
 
     def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)  # torch's: refuses batch_size, sampler, ... once set up
+        config = None
         if name in ASSIGNABLE and self.__dict__.get("_DataLoader__initialized"):
-            object.__setattr__(self, "_config", self._config.with_attribute(name, value))
+            config = self._config.with_attribute(name, value)  # a bad "auto" raises first
+        super().__setattr__(name, value)  # torch's: refuses batch_size, sampler, ... once set up
+        if config is not None:
+            object.__setattr__(self, "_config", config)
 
     # -- torch-compatible attributes ------------------------------------------------------
 

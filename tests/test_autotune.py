@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import multiprocessing
+import os
 from typing import Any
 
 import pytest
@@ -182,6 +184,21 @@ def test_auto_arguments_are_accepted_and_reported_as_ints() -> None:
     assert plain.stats().autotune == []
 
 
+def test_assigning_auto_or_a_number_turns_tuning_on_or_off() -> None:
+    """Regression test for issue 21: loader.num_workers = "auto" (read at the next iter(),
+    as torch reads the attribute) tunes it; a number assigned turns tuning off."""
+    loader = DataLoader(list(range(8)), batch_size=2)
+    loader.num_workers = "auto"
+    assert loader._config.auto == {"num_workers"} and loader._config.num_workers == 1
+    assert sorted(x for b in loader for x in b.tolist()) == list(range(8))
+    assert loader.num_workers == 1
+    loader.num_workers = 0
+    assert not loader._config.auto
+    with pytest.raises(ValueError, match="num_workers should be an int or 'auto'"):
+        loader.num_workers = "many"
+    assert loader.num_workers == 0  # refused before anything changed
+
+
 @pytest.mark.parametrize("name", ["num_workers", "prefetch_factor", "fetch_concurrency"])
 def test_a_wrong_string_names_the_argument(name: str) -> None:
     """Regression test for issue 21: another string is a ValueError (and, as torch, a
@@ -331,10 +348,15 @@ def test_auto_gives_the_batches_of_a_fixed_configuration(
                           generator=torch.Generator().manual_seed(7), **kw)
 
     fixed, _ = batches(loader(num_workers=1))
+    fds = len(os.listdir("/proc/self/fd"))
     script.extend(MOVES)
     auto = loader(num_workers="auto", prefetch_factor="auto")
     got, workers = batches(auto)
     assert got == fixed
+    for child in multiprocessing.active_children():  # the pool closes as the epoch ends
+        child.join(10)
+    assert not multiprocessing.active_children()  # retired workers included
+    assert len(os.listdir("/proc/self/fd")) <= fds
     assert workers == {0, 1, 2}  # the added workers fetched batches
     moved = [(d.knob, d.old, d.new) for d in auto.stats().autotune]
     assert moved[:3] == [(WORKERS, 1, 2), (WINDOW, 2, 4), (WORKERS, 2, 3)]
