@@ -582,7 +582,8 @@ class LoaderConfig:
                 start = self.prefetch_factor or (2 if self.num_workers else None)
             else:
                 start = self.fetch_concurrency
-            return replace(self, **{name: start}, auto=self.auto | {name})
+            changes: dict[str, Any] = {name: start, "auto": self.auto | {name}}
+            return replace(self, **changes)
         if name in self.auto:
             return replace(self, **{name: value}, auto=self.auto - {name})
         return replace(self, **{name: value})

@@ -70,10 +70,14 @@ def test_busy_workers_get_a_worker_and_a_gain_keeps_it() -> None:
     t = tuner(num_workers=(1, 1, 4), prefetch_factor=(2, 1, 16))
     d = t.observe(10, m(100, busy=0.95))
     assert d == Decision(10, WORKERS, 1, 2, d.reason) and "trying more" in d.reason
-    kept = t.observe(20, m(180, busy=0.95))
-    assert kept is not None and kept.old == kept.new == 2 and "kept" in kept.reason
-    again = t.observe(30, m(180, busy=0.95))  # climbs the knob that paid
-    assert again is not None and (again.knob, again.new) == (WORKERS, 3)
+    again = t.observe(20, m(180, busy=0.95))  # kept, and climbs the knob that paid
+    assert again is not None and (again.knob, again.old, again.new) == (WORKERS, 2, 3)
+    kept = t.decisions[-2]
+    assert kept.old == kept.new == 2 and "kept" in kept.reason
+    last = t.observe(30, m(250, busy=0.95))
+    assert last is not None and (last.old, last.new) == (3, 4)
+    top = t.observe(40, m(300, busy=0.95))  # kept at its bound: nothing more to climb
+    assert top is not None and top.old == top.new == 4 and "kept" in top.reason
 
 
 def test_a_move_that_brings_nothing_is_undone_and_cools_down() -> None:
@@ -277,6 +281,63 @@ def test_dispatcher_window_and_workers_change_without_changing_batches() -> None
     while d.buffer.slots:
         release()
     assert released == sorted(released) == list(range(len(released)))
+
+
+def test_fetch_concurrency_knob_bounds_reads_in_flight() -> None:
+    """Regression test for issue 21: set_concurrency raises the reads in flight at once and
+    lowers them as current reads finish."""
+    import anyio
+
+    from aioloader._fetch.amap import AsyncFetchPool
+
+    class Gate:
+        def __init__(self) -> None:
+            self.inside = 0
+            self.most = 0
+            self.release = anyio.Event()
+            self.entered = anyio.Event()
+
+        async def __getitem__(self, i: int) -> int:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+            self.entered.set()
+            await self.release.wait()
+            self.inside -= 1
+            return i
+
+    async def main() -> tuple[int, int, list[Any]]:
+        gate = Gate()
+        pool = AsyncFetchPool(gate, True, list, concurrency=2)
+        out: list[Any] = []
+        async with anyio.create_task_group() as tg:
+            await tg.start(pool.run)
+
+            done = anyio.Event()
+
+            async def fetch(keys: list[int]) -> None:
+                out.append(await pool.fetch(keys))
+                done.set()
+
+            tg.start_soon(fetch, list(range(12)))
+            await gate.entered.wait()
+            for _ in range(5):
+                await anyio.lowlevel.checkpoint()
+            first = gate.most  # 2: the starting limit
+            pool.set_concurrency(6)
+            for _ in range(5):
+                await anyio.lowlevel.checkpoint()
+            raised = gate.most
+            pool.set_concurrency(1)
+            gate.most = 0
+            gate.release.set()
+            with anyio.fail_after(10):
+                await done.wait()
+            tg.cancel_scope.cancel()
+        return first, raised, out
+
+    first, raised, out = anyio.run(main)
+    assert (first, raised) == (2, 6)
+    assert out == [list(range(12))]
 
 
 # -- loaders whose knobs move ----------------------------------------------------------------

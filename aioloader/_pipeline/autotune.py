@@ -135,6 +135,8 @@ class EpochTuner:
         self.fetcher: AsyncFetchPool | None = None  # set by the epoch once started
         self.tg: anyio.abc.TaskGroup | None = None  # the background task group
         self.busy = False  # a knob move is under way (a worker starting or draining)
+        if rec is not None:  # an epoch may start with more workers than the loader did
+            grow_recorder(rec, dispatch.num_workers)
         knobs: dict[str, Knob] = {}
         auto = state.auto
         workers = dispatch.num_workers
@@ -243,11 +245,16 @@ class EpochTuner:
 
     def _decide(self, m: Measurement) -> None:
         assert self.tuner is not None
+        log = getattr(self.tuner, "decisions", None)
+        seen = len(log) if log is not None else 0
         decision = self.tuner.observe(self.state.batches + self.epoch_batches, m)
-        if decision is not None:
+        if log is not None:  # every decision, a "kept" note before its next move included
+            for d in log[seen:]:
+                self.state.record(d)
+        elif decision is not None:
             self.state.record(decision)
-            if decision.old != decision.new:
-                self._apply(decision)
+        if decision is not None and decision.old != decision.new:
+            self._apply(decision)
         self._restart()
 
     def _window_for(self, prefetch: int, workers: int) -> int:

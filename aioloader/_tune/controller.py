@@ -16,8 +16,8 @@ The rules, in the order they are applied:
   it must wait more than ``data_bound`` to count as data-bound again) gets no move at all.
 * Otherwise the first knob that can go up, in an order chosen from what the stats say:
   workers busy (CPU) first ``num_workers``; workers idle (waiting on I/O or on work)
-  first ``fetch_concurrency`` then ``prefetch_factor``. A kept move is followed by
-  another move of the same knob (climb while it pays).
+  first ``fetch_concurrency`` then ``prefetch_factor``. A kept move is followed at once
+  by another move of the same knob (climb while it pays).
 """
 
 from __future__ import annotations
@@ -125,7 +125,9 @@ class Tuner:
 
     The caller applies each returned decision (``knobs[d.knob].value`` is already
     ``d.new``) and starts the next window after it (the window during which a knob
-    changed is not a fair measurement of either value).
+    changed is not a fair measurement of either value). :attr:`decisions` lists every
+    decision, a "kept" note followed at once by the next move of the same knob
+    included (only the move is returned).
     """
 
     knobs: dict[str, Knob]
@@ -202,9 +204,17 @@ class Tuner:
         if now >= before * (1 + self.settings.margin):
             self.last_kept = trial.knob
             self.failures.pop(trial.knob, None)
-            return self._record(Decision(
+            kept = self._record(Decision(
                 batch, trial.knob, trial.new, trial.new,
                 f"kept: {before:.1f} -> {now:.1f} batches/s"))
+            new = knob.up()
+            if new == knob.value:
+                return kept
+            # Climb at once: this window measured the kept value, the next one judges more.
+            self.trial = _Trial(trial.knob, knob.value, new, now)
+            old, knob.value = knob.value, new
+            return self._record(Decision(batch, trial.knob, old, new,
+                                         f"climbing: {self._why(trial.knob, m)}"))
         # Brought nothing: undo, and wait longer each time before trying again.
         fails = self.failures.get(trial.knob, 0) + 1
         self.failures[trial.knob] = fails
