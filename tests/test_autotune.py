@@ -80,6 +80,16 @@ def test_busy_workers_get_a_worker_and_a_gain_keeps_it() -> None:
     assert top is not None and top.old == top.new == 4 and "kept" in top.reason
 
 
+def test_a_kept_move_does_not_climb_once_the_consumer_stops_waiting() -> None:
+    """Regression test for issue 21: a move that made the loop consumer-bound is kept, and
+    no further move is made."""
+    t = tuner(prefetch_factor=(2, 1, 16))
+    t.observe(0, m(100, wait=0.5, busy=0.2))
+    kept = t.observe(1, m(150, wait=0.02, busy=0.2))
+    assert kept is not None and kept.old == kept.new == 3 and "kept" in kept.reason
+    assert t.trial is None
+
+
 def test_a_move_that_brings_nothing_is_undone_and_cools_down() -> None:
     """Regression test for issue 21: no gain by the margin: undone, not retried at once,
     and each failure waits longer (no oscillation)."""

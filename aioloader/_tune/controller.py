@@ -208,8 +208,8 @@ class Tuner:
                 batch, trial.knob, trial.new, trial.new,
                 f"kept: {before:.1f} -> {now:.1f} batches/s"))
             new = knob.up()
-            if new == knob.value:
-                return kept
+            if new == knob.value or m.wait_share < self.settings.data_bound:
+                return kept  # at its bound, or the consumer hardly waits any more
             # Climb at once: this window measured the kept value, the next one judges more.
             self.trial = _Trial(trial.knob, knob.value, new, now)
             old, knob.value = knob.value, new
