@@ -602,8 +602,10 @@ class _PipelineCore:
         tuner = self.tuner
         if tuner is None:
             return
+        # A persistent pool keeps its size: its worker count is not moved between epochs.
         tuner.state.end_epoch(tuner.epoch_batches, tuner.epoch_measurement(_ns()),
-                              iterable=tuner.iterable, workers_high=tuner.limits.workers)
+                              iterable=tuner.iterable and not self.persistent,
+                              workers_high=tuner.limits.workers)
 
     # -- the reorder buffer's consumer side --------------------------------------------------
 
