@@ -135,6 +135,7 @@ class EpochTuner:
         self.fetcher: AsyncFetchPool | None = None  # set by the epoch once started
         self.tg: anyio.abc.TaskGroup | None = None  # the background task group
         self.busy = False  # a knob move is under way (a worker starting or draining)
+        self.owed_draws = 0  # batches the window grew by, not drawn yet
         if rec is not None:  # an epoch may start with more workers than the loader did
             grow_recorder(rec, dispatch.num_workers)
         knobs: dict[str, Knob] = {}
@@ -187,6 +188,8 @@ class EpochTuner:
 
     def delivered(self, t_ask: int, t_done: int, batch: Any = None) -> None:
         """``batch`` was handed to the consumer, who asked at ``t_ask`` (ns)."""
+        if self.owed_draws:  # a window grown by a background task: draw here
+            self._draw_owed()
         if not self.epoch_start:
             self.epoch_start = t_ask
         self.epoch_batches += 1
@@ -255,17 +258,29 @@ class EpochTuner:
             self.state.record(decision)
         if decision is not None and decision.old != decision.new:
             self._apply(decision)
+            self._draw_owed()  # inside the consumer's call
         self._restart()
 
     def _window_for(self, prefetch: int, workers: int) -> int:
         return self.bound_window(prefetch * workers, self.index_sampler, workers)
 
     def _resize(self, window: int) -> None:
+        """Resize the window; the batches it grows by are drawn now (in a consumer's call)
+        or, from a background task, at the next delivered batch: sampler draws happen
+        only inside the consumer's calls (docs/pipeline.md)."""
         dispatch = self.dispatch
-        grow = dispatch.resize(window)
+        self.owed_draws += dispatch.resize(window)
+        cancel = min(self.owed_draws, dispatch.owed)  # grown, then shrunk before drawing
+        self.owed_draws -= cancel
+        dispatch.owed -= cancel
+
+    def _draw_owed(self) -> None:
+        dispatch = self.dispatch
         sent = False
-        for _ in range(grow):
+        while self.owed_draws:
+            self.owed_draws -= 1
             if not dispatch.put_index():
+                self.owed_draws = 0
                 break
             sent = True
         if sent:
