@@ -136,6 +136,7 @@ class EpochTuner:
         self.tg: anyio.abc.TaskGroup | None = None  # the background task group
         self.busy = False  # a knob move is under way (a worker starting or draining)
         self.owed_draws = 0  # batches the window grew by, not drawn yet
+        self.settling = False  # the window after a worker joined is not judged
         if rec is not None:  # an epoch may start with more workers than the loader did
             grow_recorder(rec, dispatch.num_workers)
         knobs: dict[str, Knob] = {}
@@ -204,6 +205,10 @@ class EpochTuner:
         if (self.batches >= WINDOW_BATCHES and not self.busy
                 and (took >= WINDOW_S * 1e9
                      or (self.batches >= FAST_WINDOW_BATCHES and took >= FAST_WINDOW_S * 1e9))):
+            if self.settling:  # a worker was just added: its warm-up is not judged
+                self.settling = False
+                self._restart()
+                return
             self._bound(batch)
             self._decide(self._measure(t_done))
 
@@ -331,6 +336,7 @@ class EpochTuner:
             grow_recorder(rec, wid + 1)
         self._resize(self._window_for(self.state.prefetch or 2, self._taking()))
         self.busy = False
+        self.settling = True
         self._restart()
 
     def check_drained(self) -> None:
