@@ -39,6 +39,11 @@ WORKER_METHODS = ("multiprocessing", "thread", "ray")
 #: Default number of ``await dataset[i]`` in flight per process for async datasets.
 DEFAULT_FETCH_CONCURRENCY = 64
 
+#: The value that opts a knob into autotuning (docs/autotune.md).
+AUTO = "auto"
+#: The arguments that accept :data:`AUTO`.
+TUNABLE = ("num_workers", "prefetch_factor", "fetch_concurrency")
+
 
 class _InfiniteConstantSampler(Sampler[None]):
     """Yields ``None`` forever: the sampler of iterable-style datasets."""
@@ -68,6 +73,38 @@ def as_int(name: str, value: Any, what: str, *, allow_bool: bool = False) -> int
         raise TypeError(f"{name} should be an int ({what}), but got "
                         f"{type(value).__name__} {name}={value!r}; pass a whole number, "
                         f"e.g. {name}=int({name})") from None
+
+
+class AutoArgumentError(TypeError, ValueError):
+    """A string other than ``"auto"`` for a tunable argument.
+
+    A ``ValueError`` (the value is wrong) and a ``TypeError`` (what torch raises for a
+    string ``num_workers``), so that code written for either catches it.
+    """
+
+
+def take_auto(name: str, value: Any, start: int | None) -> tuple[Any, bool]:
+    """``value``, or ``start`` and True when it is ``"auto"`` (autotuned, docs/autotune.md).
+
+    Raises:
+        AutoArgumentError: another string (a ValueError and a TypeError; it names the
+            argument and what is accepted).
+    """
+    if isinstance(value, str):
+        if value == AUTO:
+            return start, True
+        raise AutoArgumentError(f"{name} should be an int or {AUTO!r} (autotuned, see "
+                         f"docs/autotune.md), but got {name}={value!r}")
+    return value, False
+
+
+def auto_start(kind: DatasetKind, persistent_workers: Any) -> int:
+    """Where ``num_workers="auto"`` starts: 0 for an async dataset (its fetches already
+    overlap in the main process) unless workers must persist, else one worker (the tuner
+    adds more)."""
+    persistent = persistent_workers is True or (
+        isinstance(persistent_workers, int) and persistent_workers == 1)
+    return 0 if kind.is_async and not persistent else 1
 
 
 def _non_negative_int(name: str, value: Any, what: str) -> int:
@@ -512,6 +549,9 @@ class LoaderConfig:
     snapshot_every_n_steps: int
     ray_address: str | None = None
     ray_actor_options: dict[str, Any] = field(default_factory=dict)
+    #: The arguments given as ``"auto"`` (:data:`TUNABLE` names); their fields above hold
+    #: the starting values (docs/autotune.md).
+    auto: frozenset[str] = frozenset()
 
     @property
     def auto_collation(self) -> bool:
@@ -529,7 +569,23 @@ class LoaderConfig:
         return self.persistent_workers and self.num_workers > 0
 
     def with_attribute(self, name: str, value: Any) -> LoaderConfig:
-        """This config after ``loader.<name> = value`` (torch reads it at the next ``iter()``)."""
+        """This config after ``loader.<name> = value`` (torch reads it at the next ``iter()``).
+
+        Assigning a number to a tunable argument turns its autotuning off; assigning
+        ``"auto"`` turns it on (from its starting value).
+        """
+        if name in TUNABLE and isinstance(value, str):
+            take_auto(name, value, None)  # AutoArgumentError for another string
+            if name == "num_workers":
+                start: int | None = auto_start(self.kind, self.persistent_workers)
+            elif name == "prefetch_factor":
+                start = self.prefetch_factor or (2 if self.num_workers else None)
+            else:
+                start = self.fetch_concurrency
+            changes: dict[str, Any] = {name: start, "auto": self.auto | {name}}
+            return replace(self, **changes)
+        if name in self.auto:
+            return replace(self, **{name: value}, auto=self.auto - {name})
         return replace(self, **{name: value})
 
 
@@ -571,7 +627,26 @@ def make_config(
     stats_interval: Any,
 ) -> LoaderConfig:
     """Check every ``DataLoader`` argument (torch's order and exception types) and build
-    the config. A DataPipe ``dataset`` is kept in torch's serialization wrapper."""
+    the config. A DataPipe ``dataset`` is kept in torch's serialization wrapper.
+
+    ``num_workers``, ``prefetch_factor`` and ``fetch_concurrency`` may be ``"auto"``
+    (docs/autotune.md): the config holds their starting values and names them in
+    ``auto``.
+    """
+    kind = dataset_kind(dataset)
+    num_workers, auto_workers = take_auto("num_workers", num_workers, None)
+    if auto_workers:
+        num_workers = auto_start(kind, persistent_workers)
+    prefetch_factor, auto_prefetch = take_auto("prefetch_factor", prefetch_factor, None)
+    fetch_concurrency, auto_concurrency = take_auto(
+        "fetch_concurrency", fetch_concurrency, DEFAULT_FETCH_CONCURRENCY)
+    auto = frozenset(name for name, on in zip(
+        TUNABLE, (auto_workers, auto_prefetch, auto_concurrency), strict=True) if on)
+    if auto_prefetch and num_workers == 0 and not auto_workers:
+        raise ValueError(
+            "prefetch_factor='auto' tunes the batches requested ahead per worker: it needs "
+            "num_workers > 0 (or num_workers='auto'); with num_workers=0 leave "
+            "prefetch_factor=None")
     num_workers, timeout, prefetch_factor, persistent_workers = check_worker_options(
         num_workers, timeout, prefetch_factor, persistent_workers)
     worker_method, fetch_concurrency, fetch_threads, device_prefetch = check_extra_options(
@@ -580,7 +655,6 @@ def make_config(
     ray_address, ray_actor_options = check_ray_args(dataset, worker_method, ray_options)
     mp_context = resolve_mp_context(multiprocessing_context, num_workers)
     snapshot_every_n_steps = check_snapshot_every(snapshot_every_n_steps)
-    kind = dataset_kind(dataset)
     # Failure policy (docs/failure_policy.md): TypeError/ValueError naming the argument.
     failure_policy = make_policy(
         on_error=on_error, max_failures=max_failures, retries=retries,
@@ -611,4 +685,4 @@ def make_config(
         device_prefetch=device_prefetch, failure_policy=failure_policy,
         collect_stats=collect, stats_interval=stats_interval,
         snapshot_every_n_steps=snapshot_every_n_steps, ray_address=ray_address,
-        ray_actor_options=ray_actor_options)
+        ray_actor_options=ray_actor_options, auto=auto)

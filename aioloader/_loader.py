@@ -26,13 +26,20 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any, Generic, TypeVar
 
 import anyio
 import torch
 
 from . import _torch_data as _tud
-from ._config import ASSIGNABLE, DEFAULT_FETCH_CONCURRENCY, make_config, resolve_mp_context
+from ._config import (
+    ASSIGNABLE,
+    DEFAULT_FETCH_CONCURRENCY,
+    LoaderConfig,
+    make_config,
+    resolve_mp_context,
+)
 from ._fetch.policy import DEFAULT_RETRY_DELAY
 from ._fetch.report import FailureReport
 from ._pipeline.epoch import _PipelineCore
@@ -42,6 +49,7 @@ from ._resume import state as _state
 from ._resume.tracker import EpochTracker
 from ._stats.book import StatsBook
 from ._stats.report import LoaderStats
+from ._tune.state import EpochSummary, TuneState
 from .sampler import Sampler
 
 __all__ = ["AsyncLoaderIter", "DataLoaderCore"]
@@ -162,6 +170,8 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         # Persistent workers live here between epochs; they stop when the loader is collected
         # (or, if an epoch still runs then, when that epoch stops).
         self._pools = PoolKeeper()
+        # Autotuning's state across epochs (docs/autotune.md); made at the first iter().
+        self._tune: TuneState | None = None
         if config.persistent_workers:
             weakref.finalize(self, self._pools.owner_gone)
         self._IterableDataset_len_called: int | None = None  # type: ignore[assignment]
@@ -173,9 +183,12 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         self.check_worker_number_rationality()
 
     def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)  # torch's: refuses batch_size, sampler, ... once set up
+        config = None
         if name in ASSIGNABLE and self.__dict__.get("_DataLoader__initialized"):
-            object.__setattr__(self, "_config", self._config.with_attribute(name, value))
+            config = self._config.with_attribute(name, value)  # a bad "auto" raises first
+        super().__setattr__(name, value)  # torch's: refuses batch_size, sampler, ... once set up
+        if config is not None:
+            object.__setattr__(self, "_config", config)
 
     # -- torch-compatible attributes ------------------------------------------------------
 
@@ -254,12 +267,66 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         All zeros (and a hint saying so) with ``collect_stats=False``.
         """
         stats = self._stats_book.snapshot(cumulative)
+        if self._tune is not None and self._tune.decisions:  # docs/autotune.md
+            stats = LoaderStats(**{**stats.__dict__, "autotune": list(self._tune.decisions)})
         if not self.collect_stats:
             return LoaderStats(**{**stats.__dict__, "hint": "statistics are off "
                                   "(collect_stats=False)"})
         return stats
 
     # -- iteration -----------------------------------------------------------------------
+
+    def _tuned_config(self, config: LoaderConfig) -> tuple[LoaderConfig, TuneState]:
+        """The config of the next epoch under autotuning, and the loader's tuning state.
+
+        Each epoch starts from the knobs' values the last one ended with (a persistent
+        pool keeps its size); ``loader.num_workers`` (and the other tuned attributes)
+        then report those values, as plain ints frameworks can read.
+        """
+        tune = self._tune
+        if tune is None or tune.auto != config.auto:
+            tune = self._tune = TuneState(config.auto, config.num_workers,
+                                          config.prefetch_factor, config.fetch_concurrency)
+        live = self._pools.live()
+        if live is not None and live.started and config.persistent:
+            tune.workers = live.pool.num_workers
+        self._switch_inline(config, tune)
+        values: dict[str, Any] = {}
+        if "num_workers" in config.auto:
+            values["num_workers"] = tune.workers
+            if tune.workers and config.prefetch_factor is None:
+                values["prefetch_factor"] = tune.prefetch = tune.prefetch or 2
+        if "prefetch_factor" in config.auto and tune.workers:
+            values["prefetch_factor"] = tune.prefetch
+        if "fetch_concurrency" in config.auto:
+            values["fetch_concurrency"] = tune.concurrency
+        if not values.get("num_workers", config.num_workers):
+            values["prefetch_factor"] = None  # no workers: nothing is prefetched per worker
+        for name, value in values.items():
+            object.__setattr__(self, name, value)  # not a user's assignment: auto stays
+        return replace(config, **values), tune
+
+    def _switch_inline(self, config: LoaderConfig, tune: TuneState) -> None:
+        """Between epochs of a sync map-style dataset: maybe load in the main process next
+        (or go back to workers), judged from the finished epoch's statistics."""
+        track = self._resume_tracker
+        kind = config.kind
+        if (track is None or not track.finished or track is tune.judged
+                or kind.iterable or kind.is_async or config.persistent_workers
+                or not config.collect_stats):
+            return
+        tune.judged = track
+        stats = self._stats_book.snapshot()
+        if tune.workers == 0:  # an inline epoch has no epoch tuner to count its batches
+            tune.batches += stats.batches
+        stages = stats.stages
+        summary = EpochSummary(
+            workers=tune.workers, batches=stats.batches,
+            seconds=stats.wall_s - stats.startup_s,
+            wait_s=max(stages["consumer_wait"].seconds - stats.startup_s, 0.0),
+            step_s=stats.step_s,
+            work_s=stages["fetch"].seconds + stages["collate"].seconds)
+        tune.switch_inline(summary)
 
     def _make_core(self) -> _PipelineCore:
         """A new epoch, built from the config and what the loader keeps for it.
@@ -268,9 +335,12 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         them (``loader.failures``, ``state_dict()``).
         """
         pending, self._resume_pending = self._resume_pending, None
+        config, tune = self._config, None
+        if config.auto:  # autotuning (docs/autotune.md): start where the last epoch left
+            config, tune = self._tuned_config(config)  # reads the last epoch's stats
         rec = self._stats_book.new_epoch() if self._config.collect_stats else None
-        core = _PipelineCore(self._config, keeper=self._pools, resume=pending, rec=rec,
-                             len_called=self._IterableDataset_len_called)
+        core = _PipelineCore(config, keeper=self._pools, resume=pending, rec=rec,
+                             len_called=self._IterableDataset_len_called, tune=tune)
         self._failure_report = core.failures
         self._resume_tracker = core.track
         return core

@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import sniffio
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 
 from .aread import RunSync, _run_inline, read_sample
 from .guard import aguard
@@ -166,6 +166,10 @@ class AsyncFetchPool:
         self._queue = _WorkQueue()
         self._event_cls: Callable[[], anyio.Event] = anyio.Event
         self._scope_cls: Callable[[], anyio.CancelScope] = anyio.CancelScope
+        # The concurrency knob (autotune, set_concurrency): the runners' task group, and
+        # how many runners are to leave before taking their next sample.
+        self._tg: TaskGroup | None = None
+        self._leaving = 0
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve fetches until cancelled (start it with ``task_group.start``)."""
@@ -175,11 +179,30 @@ class AsyncFetchPool:
         self._scope_cls = type(anyio.CancelScope())
         try:
             async with anyio.create_task_group() as tg:
+                self._tg = tg
                 for _ in range(self.concurrency):
                     tg.start_soon(self._runner, name="aioloader-fetch-runner")
                 task_status.started()
         finally:
+            self._tg = None
             self.close()
+
+    def set_concurrency(self, concurrency: int) -> None:
+        """Change the most reads in flight while running (autotune): more runners start
+        at once; surplus runners leave before taking their next sample, so reads in
+        flight come down to the new limit as current ones finish."""
+        if concurrency < 1:
+            raise ValueError(f"concurrency should be at least 1, but got {concurrency}")
+        running = self.concurrency  # runners alive once the leaving ones left
+        self.concurrency = concurrency
+        if concurrency < running:
+            self._leaving += running - concurrency
+            return
+        cancel = min(self._leaving, concurrency - running)
+        self._leaving -= cancel  # runners told to leave stay instead
+        if self._tg is not None:
+            for _ in range(concurrency - running - cancel):
+                self._tg.start_soon(self._runner, name="aioloader-fetch-runner")
 
     async def _read(self, batch: _Batch, j: int, key: Any) -> None:
         """Read sample ``j`` of ``batch`` (or the whole batch via ``__getitems__``)."""
@@ -235,6 +258,9 @@ class AsyncFetchPool:
         queue = self._queue
         scope_cls = self._scope_cls
         while True:
+            if self._leaving:
+                self._leaving -= 1
+                return
             batch, j, key = await queue.get()
             if batch.failure is None:
                 with scope_cls() as scope:
@@ -262,6 +288,9 @@ class AsyncFetchPool:
         assert task is not None
         uncancel = getattr(task, "uncancel", None)  # Python 3.11+
         while True:
+            if self._leaving:
+                self._leaving -= 1
+                return
             batch, j, key = await queue.get()
             if batch.failure is None:
                 swallowed = False

@@ -135,8 +135,9 @@ class Dispatcher:
     continues where the saved one was).
     """
 
-    __slots__ = ("active", "buffer", "cycle", "done", "epoch", "in_order", "num_workers",
-                 "pending", "rec", "sampler", "tasks", "track", "window")
+    __slots__ = ("active", "buffer", "cycle", "done", "draining", "epoch", "in_order",
+                 "num_workers", "owed", "pending", "rec", "sampler", "tasks", "track",
+                 "window")
 
     def __init__(self, sampler: Iterator[Any], buffer: ReorderBuffer, *, num_workers: int,
                  window: int, in_order: bool, epoch: int, track: _Drawn,
@@ -159,6 +160,10 @@ class Dispatcher:
             next(self.cycle)
         #: ``(worker, ("fetch", epoch, seq, indices))`` commands not yet sent.
         self.pending: deque[tuple[int, tuple[Any, ...]]] = deque()
+        #: Knobs (autotune): released batches not replaced yet after the window shrank,
+        #: and the worker draining before it is retired (it gets nothing new).
+        self.owed = 0
+        self.draining: int | None = None
 
     def put_index(self) -> bool:
         """Dispatch one more batch; False when none was (sampler done, or no capacity).
@@ -215,3 +220,65 @@ class Dispatcher:
         self.pending.extend(others)
         for seq, slot in self.buffer.unanswered(worker):
             self.pending.append((worker, ("fetch", self.epoch, seq, slot.index)))
+
+    # -- knobs (docs/autotune.md): the batches and their order never change -------------------
+
+    def refill(self) -> bool:
+        """:meth:`put_index` for a released batch, unless the window shrank and this
+        release is one it gives up (False then)."""
+        if self.owed:
+            self.owed -= 1
+            return False
+        return self.put_index()
+
+    def resize(self, window: int) -> int:
+        """Make the window ``window`` batches; returns how many to dispatch now (the
+        caller calls :meth:`put_index` that many times). A smaller window takes effect
+        as batches are released (:meth:`refill` skips the difference)."""
+        grow = window - self.window + self.owed
+        self.window = window
+        if grow >= 0:
+            self.owed = 0
+            return grow
+        self.owed = -grow
+        return 0
+
+    def _recycle(self) -> None:
+        """Round robin over the workers that take work, from where the cycle stood."""
+        takers = [w for w in range(self.num_workers) if w != self.draining]
+        if not takers:
+            return
+        last = next(self.cycle) if self.num_workers else 0  # the worker it would give next
+        first = min((w for w in takers if w >= last), default=takers[0])
+        start = takers.index(first)
+        self.cycle = itertools.cycle(takers[start:] + takers[:start])
+
+    def add_worker(self) -> int:
+        """Worker ``num_workers`` joins the round robin; returns its id."""
+        wid = self.num_workers
+        self.num_workers += 1
+        self.active.append(True)
+        self.tasks.append(0)
+        self._recycle()
+        return wid
+
+    def drain_last(self) -> int:
+        """The last worker gets no new batch (it is to be retired); returns its id."""
+        self.draining = self.num_workers - 1
+        self._recycle()
+        return self.draining
+
+    def drained(self) -> bool:
+        """The draining worker has no batch outstanding (nor a command to send)."""
+        return self.draining is not None and self.tasks[self.draining] == 0
+
+    def remove_drained(self) -> int:
+        """Forget the drained worker (call once :meth:`drained`); returns its id."""
+        wid = self.draining
+        assert wid is not None and wid == self.num_workers - 1 and self.tasks[wid] == 0
+        self.draining = None
+        self.num_workers -= 1
+        self.active.pop()
+        self.tasks.pop()
+        self._recycle()
+        return wid

@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -54,6 +55,7 @@ from .._errors import (
     WorkerDiedError,
     batch_note,
 )
+from .._fetch.amap import AsyncFetchPool
 from .._fetch.records import NOTHING
 from .._fetch.report import FailureReport, TooManyFailuresError
 from .._fetch.sync import EXHAUSTED
@@ -62,6 +64,9 @@ from .._pools.lease import PoolKeeper, _PoolLease
 from .._resume.tracker import EpochTracker
 from .._stats.recorder import Recorder, TimedCollate
 from .._threads import ThreadRunner
+from .._tune.bounds import read_system
+from .._tune.state import TuneState
+from .autotune import EpochTuner
 from .backend import _LoopHandle
 from .delivery import Delivery
 from .device import DeviceStage
@@ -73,6 +78,7 @@ from .source_inline import InlineSource
 from .source_pool import PoolSource
 
 _LG = logging.getLogger(__name__)
+_ns = time.perf_counter_ns
 
 
 #: Longest wait, at a persistent loader's new epoch, for the superseded epoch's pipeline to
@@ -154,7 +160,7 @@ class _PipelineCore:
 
     def __init__(self, config: LoaderConfig, *, keeper: PoolKeeper,
                  resume: dict[str, Any] | None, rec: Recorder | None,
-                 len_called: int | None) -> None:
+                 len_called: int | None, tune: TuneState | None = None) -> None:
         """Build the epoch (torch's ``iter()``): draw its seeds, prime the window.
 
         Args:
@@ -163,6 +169,7 @@ class _PipelineCore:
             resume: a loaded state to resume from (``load_state_dict``), or None.
             rec: this epoch's statistics recorder (None: statistics are off).
             len_called: what ``len(loader)`` returned for an iterable dataset, if asked.
+            tune: the loader's autotuning state (``"auto"`` arguments; docs/autotune.md).
         """
         kind = config.kind
         num_workers = config.num_workers
@@ -306,6 +313,14 @@ class _PipelineCore:
         inline = self.source if isinstance(self.source, InlineSource) else None
         self.inline_source = inline
         self.sampled_waits = inline.sampled_waits if inline is not None else False
+        # Autotuning (docs/autotune.md): measures each delivered batch, turns the knobs.
+        self.tuner: EpochTuner | None = None
+        if tune is not None and inline is None:
+            self.tuner = EpochTuner(
+                tune, read_system(), dispatch=self.dispatch, lease=self.lease,
+                batch_size=config.batch_size or 1, index_sampler=config.index_sampler,
+                bound_window=bound_window, iterable=kind.iterable, rec=rec,
+                runner=self.runner, commands_ready=self._commands_ready)
 
     def _shared_seed(self, generator: torch.Generator | None, group: Any) -> int:
         """Draw an ``IterDataPipe``'s shared seed and seed the main process's graph with it."""
@@ -381,6 +396,11 @@ class _PipelineCore:
                 async with anyio.create_task_group() as tg:
                     await source.start(tg)
                     tg.start_soon(self._sender, source)
+                    if self.tuner is not None:
+                        self.tuner.tg = tg
+                        afetch = getattr(source, "afetch", None)
+                        if isinstance(afetch, AsyncFetchPool):
+                            self.tuner.fetcher = afetch
         except BaseException as exc:  # trio system tasks must never raise
             if not isinstance(exc, anyio.get_cancelled_exc_class()):
                 self.fatal = _unwrap(exc)
@@ -548,6 +568,7 @@ class _PipelineCore:
             await self.track.areplay(self.anext)
         if self.rec is not None:
             self._record_occupancy(self.rec)
+        t_ask = _ns() if self.tuner is not None else 0
         try:
             if self.device_stage is None:
                 data = await self._next_host()
@@ -555,6 +576,7 @@ class _PipelineCore:
                 data = await self.device_stage.next(self._next_host)
         except StopAsyncIteration:
             self.track.finished = True
+            self._end_tuning()
             await self.aclose()
             self.failures.end_of_epoch()
             raise
@@ -574,7 +596,19 @@ class _PipelineCore:
             raise
         self.delivery.count_yield()
         self.delivery.release()
+        if self.tuner is not None:
+            self.tuner.delivered(t_ask, _ns(), data)
         return data
+
+    def _end_tuning(self) -> None:
+        """The epoch ran to its end: between-epoch autotuning (iterable datasets)."""
+        tuner = self.tuner
+        if tuner is None:
+            return
+        # A persistent pool keeps its size: its worker count is not moved between epochs.
+        tuner.state.end_epoch(tuner.epoch_batches, tuner.epoch_measurement(_ns()),
+                              iterable=tuner.iterable and not self.persistent,
+                              workers_high=tuner.limits.workers)
 
     # -- the reorder buffer's consumer side --------------------------------------------------
 
@@ -605,20 +639,26 @@ class _PipelineCore:
             data = slot.data
             if self.num_workers > 0:
                 dispatch.tasks[slot.worker] -= 1
+                if dispatch.draining is not None and self.tuner is not None:
+                    self.tuner.check_drained()  # autotune: retire a drained worker
                 if data is EXHAUSTED:
                     self.delivery.commit(slot.logical, slot.worker, slot.wstate, slot.rng,
                                          yielded=False)
                     dispatch.retire(slot.worker)
-                    if dispatch.put_index():
+                    if dispatch.refill():
                         self._commands_ready()
                     continue
             elif data is EXHAUSTED:
                 dispatch.done = True
                 self.buffer.clear()
                 raise StopAsyncIteration
-            if dispatch.put_index():
+            if dispatch.refill():
                 self._commands_ready()
             worker = slot.worker if self.num_workers else None
+            if worker is not None and worker >= self.num_workers:
+                # A worker the autotuner added (map-style): the resume state names workers
+                # of the epoch's starting count (only the round robin's start depends on it).
+                worker %= self.num_workers
             failed = isinstance(data, (RemoteError, _ErrorBox))
             if not failed:
                 data = self.delivery.absorb(slot.index, data)

@@ -14,6 +14,7 @@ the exit hook are here once.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -26,7 +27,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import anyio
 
 from .._errors import IteratorClosedError, add_note
-from .._threads import close_at_exit
+from .._threads import ThreadRunner, close_at_exit
 from .._worker.config import WorkerConfig
 
 __all__ = ["ConfigSource", "PoolBase"]
@@ -212,6 +213,31 @@ class PoolBase(Generic[W]):
                 raise error
             finally:  # no frame -> exception -> traceback -> frame cycle
                 del error
+
+    # ------------------------------------------------------------------ resize (autotune)
+
+    #: Whether :meth:`add_worker` and :meth:`retire_worker` work (docs/autotune.md).
+    can_resize: ClassVar[bool] = False
+
+    def _next_config(self) -> WorkerConfig:
+        """The config of a worker added now: worker 0's, with the next id (so its seed is
+        ``base_seed + id``, as torch's worker ``id``) and no resume state."""
+        n = len(self._workers)
+        return dataclasses.replace(self._configs[0], worker_id=n, num_workers=n + 1,
+                                   resume_state=None)
+
+    async def add_worker(self, runner: ThreadRunner) -> int:
+        """Start one more worker (id = the next id) while the pool runs; returns its id.
+
+        A running :meth:`serve` serves it too. ``runner`` runs a slow start (a new
+        interpreter) off the loop.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not resize")
+
+    async def retire_worker(self) -> None:
+        """Stop the worker with the highest id; the caller has let its work drain first
+        (it has no command unanswered). Its replies so far were all handed over."""
+        raise NotImplementedError(f"{type(self).__name__} does not resize")
 
     # ------------------------------------------------------------------ stop
 

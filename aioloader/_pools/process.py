@@ -82,6 +82,10 @@ class WorkerPool(PoolBase[Conn]):
         self._ctx = mp_context
         # During serve(): decides whether a dead worker is replaced (respawn_workers).
         self._respawn: Callable[[WorkerDiedError], bool] | None = None
+        # During serve(): its task group, sink, error list and decoder (add_worker).
+        self._serve_ctx: tuple[Any, Any, list[BaseException], ThreadRunner] | None = None
+        # Workers retired by the autotuner (retire_worker): freed with the pool.
+        self._retired: list[Conn] = []
 
     # ------------------------------------------------------------------ info
 
@@ -239,12 +243,14 @@ class WorkerPool(PoolBase[Conn]):
         try:
             with scope:
                 async with anyio.create_task_group() as tg:
+                    self._serve_ctx = (tg, sink, errors, decoder)  # add_worker serves there
                     for conn in self._workers:
                         if not conn.exited or conn.pending or len(conn.reader):
                             tg.start_soon(self._serve_conn, conn, sink, errors,
                                           tg.cancel_scope, decoder)
         finally:
             # A decode still running finishes into conn.pending before this returns.
+            self._serve_ctx = None
             await decoder.aclose()
             self._respawn = None
             self._serve_end(scope)
@@ -320,6 +326,50 @@ class WorkerPool(PoolBase[Conn]):
         finally:  # this frame is in the error's traceback: no cycle through it
             del error
 
+    # ------------------------------------------------------------------ resize (autotune)
+
+    can_resize = True
+
+    async def add_worker(self, runner: ThreadRunner) -> int:
+        """Start worker ``num_workers`` (seeded ``base_seed + id``); served at once when a
+        :meth:`serve` runs. With ``fork`` it is forked on the loop (the loader's threads
+        parked, as for a respawn), otherwise started in ``runner``'s thread."""
+        if self._closing:
+            raise IteratorClosedError("the worker pool is closed")
+        cfg = self._next_config()
+        wid, method, parent_pid = cfg.worker_id, self.start_method, os.getpid()
+        self._configs.append(cfg)
+        try:
+            if method == "fork":
+                with quiet_for_fork():
+                    self._start_one(wid, cfg, method, parent_pid)
+            else:
+                await runner.run(self._start_one, wid, cfg, method, parent_pid)
+        except BaseException:
+            self._configs.pop()
+            raise
+        ctx = self._serve_ctx
+        if ctx is not None:
+            tg, sink, errors, decoder = ctx
+            tg.start_soon(self._serve_conn, self._workers[wid], sink, errors,
+                          tg.cancel_scope, decoder)
+        logger.debug("added worker %d (pid %s)", wid, self._workers[wid].proc.pid)
+        return wid
+
+    async def retire_worker(self) -> None:
+        """Stop the last worker: it leaves the pool's list at once (its reading task keeps
+        it until its end), is asked to exit, and is waited for (then SIGTERM, SIGKILL),
+        shielded: a retired process never outlives this call."""
+        conn = self._workers.pop()
+        self._configs.pop()
+        self._retired.append(conn)
+        conn.say_exit()
+        with anyio.CancelScope(shield=True):
+            for live, limit in climb([conn.proc], process_steps(self.DEFAULT_GRACE),
+                                     is_alive):
+                await wait_exit(live, limit)
+        logger.debug("retired worker %d", conn.worker_id)
+
     # ------------------------------------------------------------------ stop
 
     def _ladder(self, grace: float) -> Iterator[tuple[list[BaseProcess], float]]:
@@ -347,5 +397,5 @@ class WorkerPool(PoolBase[Conn]):
                 pass
 
     def _free(self) -> None:
-        for c in self._workers:
+        for c in self._workers + self._retired:
             c.free()

@@ -95,6 +95,8 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
         self._bell_r.setblocking(False)
         bell_w.setblocking(False)
         self._channel = Channel(bell_w)
+        # Retired worker ids (retire_worker) whose thread's end is still to be read.
+        self._retired: dict[int, int] = {}
 
     # ------------------------------------------------------------------ info
 
@@ -232,6 +234,9 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
     def _on_ended(self, worker_id: int, reason: str | None,
                   respawn: Callable[[WorkerDiedError], bool] | None) -> bool:
         """A thread left its command loop: True if it was replaced (respawned)."""
+        if self._retired.get(worker_id):  # retire_worker's thread: its orderly end
+            self._retired[worker_id] -= 1
+            return False
         worker = self._workers[worker_id]
         worker.ended = True
         if worker.retiring or self._closing:
@@ -252,6 +257,39 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
             self._start_thread(worker_id)
             return True
         raise error
+
+    # ------------------------------------------------------------------ resize (autotune)
+
+    can_resize = True
+
+    async def add_worker(self, runner: ThreadRunner) -> int:
+        """Start worker thread ``num_workers`` (seeded ``base_seed + id``); a running
+        :meth:`serve` reads its replies from the shared inbox at once."""
+        del runner  # a thread starts at once
+        if self._closing:
+            raise IteratorClosedError("the worker pool is closed")
+        cfg = self._next_config()
+        self._configs.append(cfg)
+        self._workers.append(_Worker(cfg.worker_id))
+        self._start_thread(cfg.worker_id)
+        return cfg.worker_id
+
+    async def retire_worker(self) -> None:
+        """Stop the last worker thread: it leaves the list at once, its end (posted
+        after its last reply) is recognised as orderly, and it is joined off the loop."""
+        worker = self._workers.pop()
+        self._configs.pop()
+        retired = self._retired
+        retired[worker.worker_id] = retired.get(worker.worker_id, 0) + 1
+        worker.retiring = True
+        worker.commands.put(("exit",))
+        if worker.thread is not None:
+            runner = ThreadRunner("aioloader-thread-join")
+            try:
+                with anyio.CancelScope(shield=True):
+                    await runner.run(join_threads, [worker.thread], self.DEFAULT_GRACE)
+            finally:
+                await runner.aclose()
 
     # ------------------------------------------------------------------ stop
 

@@ -7,6 +7,7 @@ Built by :class:`aioloader._stats.book.StatsBook` from the counters of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["LoaderStats", "StageStats", "WorkerStats", "bottleneck_hint"]
 
@@ -81,6 +82,9 @@ class LoaderStats:
         stages: :class:`StageStats` by name, in pipeline order.
         workers: :class:`WorkerStats` per worker (empty with ``num_workers=0``).
         hint: one line naming the bottleneck.
+        autotune: the autotuner's decisions so far, oldest first (empty without an
+            ``"auto"`` argument): each has ``batch``, ``knob``, ``old``, ``new`` and
+            ``reason`` (:class:`aioloader._tune.controller.Decision`; docs/autotune.md).
     """
 
     epochs: int
@@ -92,6 +96,7 @@ class LoaderStats:
     stages: dict[str, StageStats]
     workers: list[WorkerStats] = field(default_factory=list)
     hint: str = ""
+    autotune: list[Any] = field(default_factory=list)
 
     @property
     def batches_per_s(self) -> float:
@@ -133,6 +138,9 @@ class LoaderStats:
             for w in self.workers:
                 lines.append(f"{w.worker_id:<8}{w.batches:>8}{w.fetch_s:>10.3f}"
                              f"{w.collate_s:>11.3f}{w.idle_s:>9.3f}{w.idle_fraction:>7.0%}")
+        if self.autotune:
+            lines.append("autotune:")
+            lines.extend(f"  {d}" for d in self.autotune)
         lines.append(f"hint: {self.hint}")
         return "\n".join(lines)
 

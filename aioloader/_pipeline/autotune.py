@@ -1,0 +1,365 @@
+"""One epoch's autotuning: measure, ask the controller, turn the knobs (docs/autotune.md).
+
+:class:`EpochTuner` is the glue between an epoch (:mod:`aioloader._pipeline.epoch`) and the
+pure controller (:class:`aioloader._tune.controller.Tuner`). The epoch calls
+:meth:`EpochTuner.delivered` once per batch handed to the consumer, with the time the
+consumer waited for it; every measurement window (:data:`WINDOW_S` and at least
+:data:`WINDOW_BATCHES` batches) it builds a
+:class:`~aioloader._tune.controller.Measurement` from its own clock and the stats
+recorder, and applies the controller's decision through the knobs:
+
+* ``prefetch_factor``: the dispatcher's window (:meth:`Dispatcher.resize`);
+* ``fetch_concurrency``: the async fetcher's runners
+  (:meth:`aioloader._fetch.amap.AsyncFetchPool.set_concurrency`), and the window that
+  keeps them busy;
+* ``num_workers`` (map-style datasets): one worker more (:meth:`add_worker` on the pool,
+  then the dispatcher) or, to undo, the last one drained (no new batch; its outstanding
+  ones arrive) and then retired.
+
+Which batch is drawn, and in which order batches come out, never depends on a knob:
+only how many are in flight and which worker fetches each.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio.abc
+import torch
+
+from .._fetch.amap import AsyncFetchPool
+from .._pools.lease import _PoolLease
+from .._stats.recorder import Recorder
+from .._threads import ThreadRunner
+from .._tune.bounds import Limits, System, limits
+from .._tune.controller import (
+    CONCURRENCY,
+    WINDOW,
+    WORKERS,
+    Decision,
+    Knob,
+    Measurement,
+    Tuner,
+)
+from .._tune.state import TuneState
+from .dispatch import Dispatcher
+
+_LG = logging.getLogger(__name__)
+_ns = time.perf_counter_ns
+
+#: A measurement window lasts at least this long ...
+WINDOW_S = 0.5
+#: ... and holds at least this many batches; or, for fast loops, it ends after
+#: FAST_WINDOW_BATCHES batches once FAST_WINDOW_S have passed.
+WINDOW_BATCHES = 8
+FAST_WINDOW_BATCHES = 64
+FAST_WINDOW_S = 0.05
+
+#: Reads the CPU seconds used so far by the given pids (``None``: unknown). Swappable
+#: (tests; aioloader._stats' /proc reader).
+CpuReader = Callable[[Sequence[int]], "float | None"]
+
+
+def proc_cpu_seconds(pids: Sequence[int]) -> float | None:
+    """User + system CPU seconds of ``pids`` so far, from ``/proc/<pid>/stat``."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / tick
+
+
+def proc_rss_bytes(pids: Sequence[int]) -> int | None:
+    """The largest resident set (bytes) among ``pids``, from ``/proc/<pid>/statm``."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    largest = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                largest = max(largest, int(f.read().split()[1]) * page)
+        except (OSError, IndexError, ValueError):
+            return None
+    return largest
+
+
+def batch_nbytes(batch: Any, depth: int = 0) -> tuple[int, int]:
+    """``(bytes, tensors)`` of the tensors in ``batch`` (lists, tuples, dicts walked)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.untyped_storage().nbytes(), 1
+    if depth > 4:
+        return 0, 0
+    items: Any = (batch.values() if isinstance(batch, dict)
+                  else batch if isinstance(batch, (list, tuple)) else ())
+    size = count = 0
+    for item in items:
+        b, c = batch_nbytes(item, depth + 1)
+        size += b
+        count += c
+    return size, count
+
+
+class EpochTuner:
+    """Measurement windows and knob moves for one epoch (see the module docstring)."""
+
+    def __init__(self, state: TuneState, system: System, *, dispatch: Dispatcher,
+                 lease: _PoolLease | None, batch_size: int, index_sampler: Any,
+                 bound_window: Callable[[int, Any, int], int], iterable: bool,
+                 rec: Recorder | None, runner: ThreadRunner,
+                 commands_ready: Callable[[], None],
+                 cpu_reader: CpuReader | None = proc_cpu_seconds) -> None:
+        self.state = state
+        self.system = system
+        self.limits: Limits = limits(system)
+        self.rss_reader: Callable[[Sequence[int]], int | None] = proc_rss_bytes
+        self.last_batch: Any = None  # the latest batch delivered (its size bounds the window)
+        self.dispatch = dispatch
+        self.lease = lease
+        self.batch_size = batch_size
+        self.index_sampler = index_sampler
+        self.bound_window = bound_window
+        self.iterable = iterable
+        self.rec = rec
+        self.runner = runner
+        self.commands_ready = commands_ready
+        self.cpu_reader = cpu_reader
+        self.fetcher: AsyncFetchPool | None = None  # set by the epoch once started
+        self.tg: anyio.abc.TaskGroup | None = None  # the background task group
+        self.busy = False  # a knob move is under way (a worker starting or draining)
+        self.owed_draws = 0  # batches the window grew by, not drawn yet
+        self.settling = False  # the window after a worker joined is not judged
+        if rec is not None:  # an epoch may start with more workers than the loader did
+            grow_recorder(rec, dispatch.num_workers)
+        knobs: dict[str, Knob] = {}
+        auto = state.auto
+        workers = dispatch.num_workers
+        lim = self.limits
+        if workers and "prefetch_factor" in auto:
+            knobs[WINDOW] = Knob(WINDOW, state.prefetch or 2, 1,
+                                 max(lim.prefetch, state.prefetch or 2), "double")
+        if (workers and "num_workers" in auto and not iterable and lease is not None
+                and lease.pool.can_resize):
+            knobs[WORKERS] = Knob(WORKERS, workers, 1, max(lim.workers, workers))
+        if not workers and "fetch_concurrency" in auto and not iterable:
+            knobs[CONCURRENCY] = Knob(CONCURRENCY, state.concurrency, 1,
+                                      max(lim.concurrency, state.concurrency), "double")
+        self.tuner = Tuner(knobs) if knobs else None
+        # The whole epoch, and the current window.
+        self.epoch_start = 0
+        self.epoch_batches = 0
+        self.epoch_wait = 0
+        self._restart()
+
+    # -- measuring ---------------------------------------------------------------------------
+
+    def _restart(self) -> None:
+        self.t0 = 0  # set by the first batch of the window
+        self.batches = 0
+        self.wait_ns = 0
+        rec = self.rec
+        self.rec0 = self._rec_totals() if rec is not None else None
+        self.cpu0 = self._cpu()
+
+    def _pids(self) -> list[int]:
+        if self.lease is None or not self.lease.started:
+            return []
+        return list(self.lease.pool.pids)
+
+    def _cpu(self) -> tuple[float, int] | None:
+        pids = self._pids()
+        if not pids or self.cpu_reader is None:
+            return None
+        seconds = self.cpu_reader(pids)
+        return None if seconds is None else (seconds, len(pids))
+
+    def _rec_totals(self) -> tuple[int, int, int, int]:
+        rec = self.rec
+        assert rec is not None
+        busy = sum(rec.w_fetch) + sum(rec.w_collate)
+        return busy, sum(rec.w_idle), rec.occ_ready, rec.occ_n
+
+    def delivered(self, t_ask: int, t_done: int, batch: Any = None) -> None:
+        """``batch`` was handed to the consumer, who asked at ``t_ask`` (ns)."""
+        if self.owed_draws:  # a window grown by a background task: draw here
+            self._draw_owed()
+        if not self.epoch_start:
+            self.epoch_start = t_ask
+        self.epoch_batches += 1
+        self.epoch_wait += t_done - t_ask
+        if self.tuner is None:
+            return
+        if not self.t0:  # the window starts when the consumer first asks in it
+            self.t0 = t_ask
+        self.batches += 1
+        self.wait_ns += t_done - t_ask
+        took = t_done - self.t0
+        if (self.batches >= WINDOW_BATCHES and not self.busy
+                and (took >= WINDOW_S * 1e9
+                     or (self.batches >= FAST_WINDOW_BATCHES and took >= FAST_WINDOW_S * 1e9))):
+            if self.settling:  # a worker was just added: its warm-up is not judged
+                self.settling = False
+                self._restart()
+                return
+            self._bound(batch)
+            self._decide(self._measure(t_done))
+
+    def _measure(self, now: int) -> Measurement:
+        seconds = (now - self.t0) / 1e9
+        busy = cpu = ready = None
+        if self.rec is not None and self.rec0 is not None:
+            b1, i1, r1, n1 = self._rec_totals()
+            b0, i0, r0, n0 = self.rec0
+            if (b1 - b0) + (i1 - i0) > 0:
+                busy = (b1 - b0) / ((b1 - b0) + (i1 - i0))
+            if n1 > n0:
+                ready = (r1 - r0) / (n1 - n0)
+        c1 = self._cpu()
+        if c1 is not None and self.cpu0 is not None and c1[1] == self.cpu0[1] and seconds:
+            cpu = (c1[0] - self.cpu0[0]) / seconds / c1[1]
+        return Measurement(self.batches, seconds, self.wait_ns / 1e9, worker_busy=busy,
+                           worker_cpu=cpu, ready=ready)
+
+    def epoch_measurement(self, now: int) -> Measurement | None:
+        """The whole epoch so far, for the between-epoch decisions."""
+        if not self.epoch_batches or now <= self.epoch_start:
+            return None
+        return Measurement(self.epoch_batches, (now - self.epoch_start) / 1e9,
+                           self.epoch_wait / 1e9)
+
+    def _bound(self, batch: Any) -> None:
+        """Update the knobs' upper bounds from what a batch and a worker weigh now."""
+        assert self.tuner is not None
+        nbytes, tensors = batch_nbytes(batch) if batch is not None else (0, 0)
+        pids = self._pids()
+        rss = self.rss_reader(pids) if pids else None
+        self.limits = lim = limits(self.system, batch_bytes=nbytes, worker_bytes=rss or 0,
+                                   fds_per_batch=max(tensors, 1))
+        knobs = self.tuner.knobs
+        for name, high in ((WORKERS, lim.workers), (WINDOW, lim.prefetch),
+                           (CONCURRENCY, lim.concurrency)):
+            if name in knobs:  # never below the current value (nothing is taken back)
+                knobs[name].high = max(high, knobs[name].value)
+
+    # -- acting ------------------------------------------------------------------------------
+
+    def _decide(self, m: Measurement) -> None:
+        assert self.tuner is not None
+        log = getattr(self.tuner, "decisions", None)
+        seen = len(log) if log is not None else 0
+        decision = self.tuner.observe(self.state.batches + self.epoch_batches, m)
+        if log is not None:  # every decision, a "kept" note before its next move included
+            for d in log[seen:]:
+                self.state.record(d)
+        elif decision is not None:
+            self.state.record(decision)
+        if decision is not None and decision.old != decision.new:
+            self._apply(decision)
+            self._draw_owed()  # inside the consumer's call
+        self._restart()
+
+    def _window_for(self, prefetch: int, workers: int) -> int:
+        return self.bound_window(prefetch * workers, self.index_sampler, workers)
+
+    def _resize(self, window: int) -> None:
+        """Resize the window; the batches it grows by are drawn now (in a consumer's call)
+        or, from a background task, at the next delivered batch: sampler draws happen
+        only inside the consumer's calls (docs/pipeline.md)."""
+        dispatch = self.dispatch
+        self.owed_draws += dispatch.resize(window)
+        cancel = min(self.owed_draws, dispatch.owed)  # grown, then shrunk before drawing
+        self.owed_draws -= cancel
+        dispatch.owed -= cancel
+
+    def _draw_owed(self) -> None:
+        dispatch = self.dispatch
+        sent = False
+        while self.owed_draws:
+            self.owed_draws -= 1
+            if not dispatch.put_index():
+                self.owed_draws = 0
+                break
+            sent = True
+        if sent:
+            self.commands_ready()
+
+    def _apply(self, d: Decision) -> None:
+        state = self.state
+        if d.knob == WINDOW:
+            state.prefetch = d.new
+            self._resize(self._window_for(d.new, self._taking()))
+        elif d.knob == CONCURRENCY:
+            state.concurrency = d.new
+            if self.fetcher is not None:
+                self.fetcher.set_concurrency(d.new)
+            depth = math.ceil(d.new / self.batch_size) + 1
+            self._resize(self.bound_window(depth, self.index_sampler, 1))
+        elif d.knob == WORKERS and self.tg is not None:
+            self.busy = True
+            if d.new > d.old:
+                self.tg.start_soon(self._add_worker, name="aioloader-autotune")
+            else:
+                self.dispatch.drain_last()
+                self._resize(self._window_for(state.prefetch or 2, self._taking()))
+                self.check_drained()
+
+    def _taking(self) -> int:
+        """Workers that take new batches (not the draining one)."""
+        d = self.dispatch
+        return d.num_workers - (d.draining is not None)
+
+    async def _add_worker(self) -> None:
+        assert self.lease is not None
+        try:
+            await self.lease.pool.add_worker(self.runner)
+        except Exception:
+            _LG.warning("autotune: could not start another worker; num_workers stays %d",
+                        self.dispatch.num_workers, exc_info=True)
+            if self.tuner is not None:
+                self.tuner.knobs[WORKERS].value = self.dispatch.num_workers
+                self.tuner.knobs[WORKERS].high = self.dispatch.num_workers
+                self.tuner.trial = None
+            self.busy = False
+            return
+        wid = self.dispatch.add_worker()
+        self.state.workers = self.dispatch.num_workers
+        rec = self.rec
+        if rec is not None:
+            grow_recorder(rec, wid + 1)
+        self._resize(self._window_for(self.state.prefetch or 2, self._taking()))
+        self.busy = False
+        self.settling = True
+        self._restart()
+
+    def check_drained(self) -> None:
+        """After a batch was released: retire the draining worker once it has none left."""
+        if self.dispatch.drained() and self.tg is not None:
+            self.dispatch.remove_drained()
+            self.state.workers = self.dispatch.num_workers
+            self.tg.start_soon(self._retire_worker, name="aioloader-autotune")
+
+    async def _retire_worker(self) -> None:
+        assert self.lease is not None
+        try:
+            await self.lease.pool.retire_worker()
+        finally:
+            self.busy = False
+            self._restart()
+
+
+def grow_recorder(rec: Recorder, workers: int) -> None:
+    """Per-worker counters for ``workers`` workers (a worker was added)."""
+    for name in ("w_batches", "w_fetch", "w_collate", "w_idle"):
+        counters = getattr(rec, name, None)
+        if isinstance(counters, list) and len(counters) < workers:
+            counters.extend([0] * (workers - len(counters)))
+    if getattr(rec, "num_workers", workers) < workers:
+        rec.num_workers = workers

@@ -1,0 +1,234 @@
+"""The autotuning controller: measurements in, one knob move out (pure; docs/autotune.md).
+
+:class:`Tuner` is a hill climber over a few integer knobs (``num_workers``,
+``prefetch_factor``: the dispatch window, ``fetch_concurrency``), fed one
+:class:`Measurement` per measurement window by the epoch
+(:mod:`aioloader._pipeline.epoch`). It has no clock, no threads and no I/O: numbers in,
+a :class:`Decision` (or ``None``) out, so it is tested with synthetic inputs.
+
+The rules, in the order they are applied:
+
+* A move on trial is judged first: kept when throughput rose by at least
+  :attr:`TuneSettings.margin` over the throughput before it, undone otherwise (the undo is
+  a decision too). An undone move is not tried again for a cool-down that doubles each
+  time it fails (hysteresis: no oscillation between two values).
+* A consumer-bound loop (the consumer waited less than ``consumer_bound`` of the time;
+  it must wait more than ``data_bound`` to count as data-bound again) gets no move at all.
+* Otherwise the first knob that can go up, in an order chosen from what the stats say:
+  workers busy (CPU) first ``num_workers``; workers idle (waiting on I/O or on work)
+  first ``fetch_concurrency`` then ``prefetch_factor``. A kept move is followed at once
+  by another move of the same knob (climb while it pays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Decision", "Knob", "Measurement", "TuneSettings", "Tuner"]
+
+#: The knob names, as shown in ``loader.stats()``'s decisions.
+WORKERS = "num_workers"
+WINDOW = "prefetch_factor"
+CONCURRENCY = "fetch_concurrency"
+
+
+@dataclass
+class Knob:
+    """One tunable integer: its value now, its bounds, and how a move up changes it."""
+
+    name: str
+    value: int
+    low: int
+    high: int
+    #: ``"add"``: a move up is ``value + step``; ``"double"``: ``value * 2``.
+    growth: str = "add"
+    step: int = 1
+
+    def up(self) -> int:
+        """The value a move up gives (bounded by ``high``)."""
+        new = self.value * 2 if self.growth == "double" else self.value + self.step
+        return max(self.low, min(new, self.high))
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What the loader saw over one measurement window.
+
+    ``worker_busy``: the share of the workers' time spent fetching and collating
+    (``None``: unknown, e.g. stats off); ``worker_cpu``: their CPU time over wall time,
+    per worker on average (``None``: not read); ``ready``: batches already waiting,
+    on average, when the consumer asked (``None``: unknown).
+    """
+
+    batches: int
+    seconds: float
+    wait_seconds: float
+    worker_busy: float | None = None
+    worker_cpu: float | None = None
+    ready: float | None = None
+
+    @property
+    def throughput(self) -> float:
+        """Batches per second over the window."""
+        return self.batches / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def wait_share(self) -> float:
+        """The share of the window the consumer spent waiting for batches."""
+        return min(1.0, self.wait_seconds / self.seconds) if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One knob move (or hold), for ``loader.stats().autotune``."""
+
+    batch: int
+    knob: str
+    old: int
+    new: int
+    reason: str
+
+    def __str__(self) -> str:
+        if self.old == self.new:
+            return f"batch {self.batch}: {self.knob} stays {self.old} ({self.reason})"
+        return f"batch {self.batch}: {self.knob} {self.old} -> {self.new} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """The controller's thresholds (docs/autotune.md)."""
+
+    #: A move is kept only if throughput rose by this share.
+    margin: float = 0.05
+    #: Consumer-bound below this wait share ...
+    consumer_bound: float = 0.05
+    #: ... and data-bound again only above this one (hysteresis).
+    data_bound: float = 0.10
+    #: Workers busier than this are CPU-bound (a worker more may help).
+    busy: float = 0.7
+    #: Windows a failed move waits before it is tried again (doubled per failure).
+    cooldown: int = 4
+    max_cooldown: int = 64
+
+
+@dataclass
+class _Trial:
+    knob: str
+    old: int
+    new: int
+    before: float  # throughput before the move
+
+
+@dataclass
+class Tuner:
+    """The controller. Call :meth:`observe` once per measurement window.
+
+    The caller applies each returned decision (``knobs[d.knob].value`` is already
+    ``d.new``) and starts the next window after it (the window during which a knob
+    changed is not a fair measurement of either value). :attr:`decisions` lists every
+    decision, a "kept" note followed at once by the next move of the same knob
+    included (only the move is returned).
+    """
+
+    knobs: dict[str, Knob]
+    settings: TuneSettings = field(default_factory=TuneSettings)
+    trial: _Trial | None = None
+    consumer_bound: bool = False
+    #: Windows observed so far, and knob -> the last window it does not move in.
+    windows: int = 0
+    cooling: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    last_kept: str | None = None
+    decisions: list[Decision] = field(default_factory=list)
+
+    def observe(self, batch: int, m: Measurement) -> Decision | None:
+        """Judge the window that just ended; the move to make now, if any."""
+        self.windows += 1
+        if m.batches <= 0 or m.seconds <= 0:
+            return None
+        if self.trial is not None:
+            return self._judge(batch, m)
+        share = m.wait_share
+        s = self.settings
+        was = self.consumer_bound
+        if self.consumer_bound:
+            self.consumer_bound = share <= s.data_bound
+        else:
+            self.consumer_bound = share < s.consumer_bound
+        if self.consumer_bound:
+            if not was:
+                return self._record(Decision(
+                    batch, "all", 0, 0, f"consumer-bound: it waited {share:.0%} of the "
+                    f"time (< {s.consumer_bound:.0%}); no knob is moved"))
+            return None
+        for name in self._order(m):
+            knob = self.knobs[name]
+            new = knob.up()
+            if new == knob.value or self.cooling.get(name, 0) >= self.windows:
+                continue
+            self.trial = _Trial(name, knob.value, new, m.throughput)
+            old, knob.value = knob.value, new
+            why = self._why(name, m)
+            return self._record(Decision(batch, name, old, new, why))
+        return None
+
+    def _order(self, m: Measurement) -> list[str]:
+        """Which knobs to try, best bet first; a knob that just paid off goes first."""
+        busy = m.worker_cpu if m.worker_cpu is not None else m.worker_busy
+        if busy is not None and busy >= self.settings.busy:
+            order = [WORKERS, CONCURRENCY, WINDOW]
+        elif busy is not None:
+            order = [CONCURRENCY, WINDOW, WORKERS]
+        else:
+            order = [CONCURRENCY, WORKERS, WINDOW]
+        if self.last_kept in order:
+            order.remove(self.last_kept)
+            order.insert(0, self.last_kept)
+        return [k for k in order if k in self.knobs]
+
+    def _why(self, name: str, m: Measurement) -> str:
+        busy = m.worker_cpu if m.worker_cpu is not None else m.worker_busy
+        what = f"the consumer waited {m.wait_share:.0%} of the time"
+        if busy is not None:
+            what += f", workers {busy:.0%} busy"
+        if m.ready is not None:
+            what += f", {m.ready:.1f} batches ready per ask"
+        return f"trying more: {what} at {m.throughput:.1f} batches/s"
+
+    def _judge(self, batch: int, m: Measurement) -> Decision | None:
+        trial = self.trial
+        assert trial is not None
+        self.trial = None
+        knob = self.knobs[trial.knob]
+        now, before = m.throughput, trial.before
+        if now >= before * (1 + self.settings.margin):
+            self.last_kept = trial.knob
+            self.failures.pop(trial.knob, None)
+            kept = self._record(Decision(
+                batch, trial.knob, trial.new, trial.new,
+                f"kept: {before:.1f} -> {now:.1f} batches/s"))
+            new = knob.up()
+            if new == knob.value or m.wait_share < self.settings.data_bound:
+                return kept  # at its bound, or the consumer hardly waits any more
+            # Climb at once: this window measured the kept value, the next one judges more.
+            self.trial = _Trial(trial.knob, knob.value, new, now)
+            old, knob.value = knob.value, new
+            return self._record(Decision(batch, trial.knob, old, new,
+                                         f"climbing: {self._why(trial.knob, m)}"))
+        # Brought nothing: undo, and wait longer each time before trying again.
+        fails = self.failures.get(trial.knob, 0) + 1
+        self.failures[trial.knob] = fails
+        s = self.settings
+        self.cooling[trial.knob] = self.windows + min(s.cooldown << (fails - 1),
+                                                      s.max_cooldown)
+        if self.last_kept == trial.knob:
+            self.last_kept = None
+        knob.value = trial.old
+        return self._record(Decision(
+            batch, trial.knob, trial.new, trial.old,
+            f"undone: {before:.1f} -> {now:.1f} batches/s, not up by "
+            f"{s.margin:.0%}"))
+
+    def _record(self, d: Decision) -> Decision:
+        self.decisions.append(d)
+        return d
