@@ -9,13 +9,10 @@ and is counted on the consumer side by :class:`~aioloader._fetch.report.FailureR
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .sync import EXHAUSTED
-
-__all__ = ["NOTHING", "Outcome", "SampleFailure", "Tally", "apply_to_batch"]
+__all__ = ["NOTHING", "Outcome", "SampleFailure", "Tally"]
 
 
 @dataclass
@@ -93,17 +90,6 @@ class Outcome:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Outcome, (self.batch, self.failures, self.retried))
-
-
-def apply_to_batch(fn: Callable[[Any], Any], data: Any) -> Any:
-    """``fn(data)``, or ``fn`` applied to an :class:`Outcome`'s batch (pinning, device copy)."""
-    if isinstance(data, Outcome):
-        if data.batch is not NOTHING:
-            data.batch = fn(data.batch)
-        return data
-    if data is EXHAUSTED:
-        return data
-    return fn(data)
 
 
 def _finish(tally: Tally, batch: Any) -> Any:

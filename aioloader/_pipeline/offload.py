@@ -3,7 +3,8 @@
 :class:`_InlinePolicy` decides whether a sync fetch or collate runs on the loop or in a
 thread; :class:`_ThreadCall` keeps a thread call's result when its waiter is cancelled;
 :class:`_ErrorBox` carries a fetch's exception to its batch's position; :func:`_unwrap`
-reduces a task group's single-exception group to its exception.
+reduces a task group's single-exception group to its exception; :func:`on_batch` applies
+a stage (pinning, a device copy) to the batch a fetch produced.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._fetch.records import NOTHING, Outcome
+from .._fetch.sync import EXHAUSTED
 from .._threads import ThreadRunner, _noop
 
 
@@ -131,3 +134,26 @@ def _unwrap(exc: BaseException) -> BaseException:
     while isinstance(exc, _ExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+def on_batch(stage: Callable[[Any], Any], data: Any) -> Any:
+    """``stage`` applied to the batch in ``data``, what a fetch handed on.
+
+    A stage sees batches only: ``data`` may carry its batch together with the records
+    of the samples the failure policy skipped (an :class:`Outcome`, whose batch is
+    replaced; one whose every sample was skipped has none), or be the end-of-epoch
+    marker, which passes unchanged.
+
+    Example:
+        >>> on_batch(lambda b: b * 2, 21)
+        42
+        >>> on_batch(lambda b: b * 2, EXHAUSTED) is EXHAUSTED
+        True
+    """
+    if isinstance(data, Outcome):
+        if data.batch is not NOTHING:
+            data.batch = stage(data.batch)
+        return data
+    if data is EXHAUSTED:
+        return data
+    return stage(data)

@@ -20,12 +20,11 @@ import anyio.abc
 from .._fetch.aiter import AsyncIterFetcher
 from .._fetch.amap import AsyncFetchPool
 from .._fetch.policy import FailurePolicy
-from .._fetch.records import apply_to_batch
 from .._fetch.sync import EXHAUSTED, DatasetKind
 from .._stats.recorder import COLLATE, FETCH, PIN, Recorder
 from .._threads import ThreadRunner
 from .dispatch import Dispatcher
-from .offload import _ErrorBox, _InlinePolicy, _timed
+from .offload import _ErrorBox, _InlinePolicy, _timed, on_batch
 from .pin import PinPolicy
 
 _LG = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ class AsyncFetchSource:
                 rec.add(FETCH, max(0, t1 - t0 - (rec.ns[COLLATE] - collated)))
             if data is not EXHAUSTED and self.pin.enabled:
                 t0 = _ns()
-                data = await self.runner.run(apply_to_batch, self.pin.apply, data)
+                data = await self.runner.run(on_batch, self.pin.apply, data)
                 if rec is not None:
                     rec.add(PIN, _ns() - t0)
         except Exception as exc:

@@ -24,7 +24,7 @@ import sniffio
 
 from .._config import LoaderConfig
 from .._fetch.guard import guard_fetcher
-from .._fetch.records import NOTHING, apply_to_batch
+from .._fetch.records import NOTHING
 from .._fetch.report import TooManyFailuresError
 from .._fetch.sync import EXHAUSTED, DatasetKind, fetch_or_exhausted, make_fetcher
 from .._resume import dataset_state as _dstate
@@ -33,7 +33,7 @@ from .._stats.recorder import COLLATE, DEVICE, FETCH, PIN, SAMPLING, Recorder
 from .._threads import ThreadRunner
 from . import device as _device
 from .delivery import Delivery
-from .offload import _InlinePolicy, _ThreadCall, _timed
+from .offload import _InlinePolicy, _ThreadCall, _timed, on_batch
 from .pin import PinPolicy
 
 _ns = time.perf_counter_ns
@@ -106,9 +106,9 @@ class InlineSource:
         data = fetch_or_exhausted(self.fetcher, index)
         if data is not EXHAUSTED:
             if self.pin.enabled:
-                data = apply_to_batch(self.pin.apply, data)
+                data = on_batch(self.pin.apply, data)
             if self.device is not None:
-                data = apply_to_batch(self._stage, data)
+                data = on_batch(self._stage, data)
         return index, data
 
     def _commit(self, yielded: bool = True) -> None:
@@ -151,11 +151,11 @@ class InlineSource:
             ns[FETCH] += took if took > 0 else 0
             rec.count[FETCH] += 1
             if self.pin.enabled:
-                data = apply_to_batch(self.pin.apply, data)
+                data = on_batch(self.pin.apply, data)
                 t0, t1 = t1, _ns()
                 rec.add(PIN, t1 - t0)
             if self.device is not None:
-                data = apply_to_batch(self._stage, data)
+                data = on_batch(self._stage, data)
                 rec.add(DEVICE, _ns() - t1)
         return index, data
 

@@ -15,12 +15,12 @@ import anyio
 import anyio.abc
 
 from .._errors import WorkerDiedError
-from .._fetch.records import apply_to_batch
 from .._fetch.sync import EXHAUSTED
 from .._pools.lease import _PoolLease
 from .._stats.recorder import DISPATCH, PIN, Recorder
 from .._threads import ThreadRunner
 from .dispatch import Dispatcher
+from .offload import on_batch
 from .pin import PinPolicy
 
 _ns = time.perf_counter_ns
@@ -165,7 +165,7 @@ class PoolSource:
             rec = self.rec
             if self.pin.enabled:
                 t0 = _ns()
-                data = await self.runner.run(apply_to_batch, self.pin.apply, data)
+                data = await self.runner.run(on_batch, self.pin.apply, data)
                 if rec is not None:
                     rec.add(PIN, _ns() - t0)
         elif tag == "error":
