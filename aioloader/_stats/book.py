@@ -43,7 +43,8 @@ class _Totals:
         self.workers: list[list[int]] = []
         self.hist = [_hist.new() for _ in STAGES]
         self.hmax = [0] * len(STAGES)
-        # Per worker: [cpu_s or None, window_s, rss, pss, pid, tid] (latest memory figures).
+        # Per worker: [cpu_s or None, window_s, rss, pss, pid, tid, runq_s or None]
+        # (the latest memory figures).
         self.usage: list[list[object]] = []
 
     def copy(self) -> _Totals:
@@ -98,12 +99,14 @@ class _Totals:
         if usage is None:
             usage = r.procs.read() if r.procs is not None else []
         while len(self.usage) < len(usage):
-            self.usage.append([None, 0.0, None, None, None, None])
+            self.usage.append([None, 0.0, None, None, None, None, None])
         for w, u in enumerate(usage):
             acc2 = self.usage[w]
             if u.cpu_s is not None:
                 acc2[0] = (acc2[0] or 0.0) + u.cpu_s  # type: ignore[operator]
                 acc2[1] += u.window_s  # type: ignore[operator]
+            if u.runq_s is not None:
+                acc2[6] = (acc2[6] or 0.0) + u.runq_s  # type: ignore[operator]
             acc2[2], acc2[3], acc2[4], acc2[5] = u.rss_bytes, u.pss_bytes, u.pid, u.tid
 
 
@@ -196,14 +199,16 @@ class StatsBook:
                 _ms(p50), _ms(p95), _ms(p99), t.hmax[i] / 1e6 if p50 is not None else None)
         workers = []
         for w, acc in enumerate(t.workers):
-            u = t.usage[w] if w < len(t.usage) else [None, 0.0, None, None, None, None]
-            cpu, window = u[0], u[1]
+            u = t.usage[w] if w < len(t.usage) else [None, 0.0, None, None, None, None, None]
+            cpu, window, runq = u[0], u[1], u[6]
             workers.append(WorkerStats(
                 w, acc[0], acc[1] / 1e9, acc[2] / 1e9, acc[3] / 1e9,
                 cpu_s=cpu,  # type: ignore[arg-type]
                 cpu_fraction=(cpu / window  # type: ignore[operator]
                               if cpu is not None and window else None),
-                rss_bytes=u[2], pss_bytes=u[3], pid=u[4], tid=u[5]))  # type: ignore[arg-type]
+                rss_bytes=u[2], pss_bytes=u[3], pid=u[4], tid=u[5],  # type: ignore[arg-type]
+                runq_fraction=(runq / window  # type: ignore[operator]
+                               if runq is not None and window else None)))
         stats = LoaderStats(t.epochs, t.batches, t.samples, t.wall_ns / 1e9, t.step_ns / 1e9,
                             t.startup_ns / 1e9, stages, workers, trace=self._trace())
         return LoaderStats(**{**stats.__dict__, "hint": bottleneck_hint(stats, self.is_async)})

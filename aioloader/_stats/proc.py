@@ -4,6 +4,9 @@ The function API (also what the autotuner reads per-worker CPU through):
 
 * :func:`sample` ``(pid, tid=None) -> ProcSample(cpu_s, rss_bytes, pss_bytes)``: one
   reading of a process (or, with ``tid``, one of its threads);
+* :func:`run_delay` ``(pid, tid=None) -> seconds | None``: time it spent runnable but
+  waiting for a CPU (``/proc/<pid>/schedstat``): a CPU-bound worker on an oversubscribed
+  machine shows little CPU time but much run delay;
 * :func:`worker_ids` ``(processes) -> [(pid, tid), ...]``: what to pass to :func:`sample`
   for a pool's workers (its ``processes`` list: ``Process`` objects or threads);
 * :data:`AVAILABLE`: whether ``/proc`` can be read here.
@@ -27,7 +30,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-__all__ = ["AVAILABLE", "ProcSample", "WorkerProcs", "WorkerUsage", "sample", "worker_ids"]
+__all__ = ["AVAILABLE", "ProcSample", "WorkerProcs", "WorkerUsage", "run_delay", "sample",
+           "worker_ids"]
 
 #: Whether this system has a readable ``/proc`` (Linux); elsewhere every value is ``None``.
 AVAILABLE = os.path.exists("/proc/self/stat")
@@ -98,6 +102,23 @@ def sample(pid: int | None, tid: int | None = None) -> ProcSample:
     return ProcSample(cpu, rss, _pss(pid))
 
 
+def run_delay(pid: int | None, tid: int | None = None) -> float | None:
+    """Seconds process ``pid`` (or its thread ``tid``) has spent runnable, waiting for a
+    CPU, since it started: the second field of ``/proc/<pid>/schedstat`` (``None`` where
+    unknown: no ``/proc``, a kernel without schedstat, an exited process). A process's
+    figure covers its main thread only; workers read here are single-threaded where it
+    matters (their fetch runs in the main thread)."""
+    if pid is None or not AVAILABLE:
+        return None
+    path = (f"/proc/{pid}/task/{tid}/schedstat" if tid is not None
+            else f"/proc/{pid}/schedstat")
+    try:
+        with open(path, "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def worker_ids(processes: Iterable[object]) -> list[tuple[int | None, int | None]]:
     """``(pid, tid)`` of each worker of a pool's ``processes`` list, for :func:`sample`:
     a thread is ``(os.getpid(), native_id)``, a process ``(pid, None)``."""
@@ -118,6 +139,7 @@ class WorkerUsage(NamedTuple):
     pid: int | None
     tid: int | None
     cpu_s: float | None  # CPU seconds used in the window
+    runq_s: float | None  # seconds runnable but waiting for a CPU, in the window
     window_s: float  # the window's wall seconds
     rss_bytes: int | None  # at the window's end
     pss_bytes: int | None
@@ -134,6 +156,7 @@ class WorkerProcs:
         self.locate: Callable[[], list[tuple[int | None, int | None]]] | None = locate
         self.ids: list[tuple[int | None, int | None]] = []
         self.base: list[float | None] = []
+        self.base_runq: list[float | None] = []
         self.t0 = 0.0
         self.final: list[WorkerUsage] | None = None
 
@@ -147,6 +170,7 @@ class WorkerProcs:
             self.ids = []
         self.t0 = time.monotonic()
         self.base = [sample(pid, tid).cpu_s for pid, tid in self.ids]
+        self.base_runq = [run_delay(pid, tid) for pid, tid in self.ids]
 
     def read(self) -> list[WorkerUsage]:
         """Usage from :meth:`begin` to now (or to :meth:`end`, once ended)."""
@@ -156,10 +180,13 @@ class WorkerProcs:
             return []
         window = time.monotonic() - self.t0
         out = []
-        for (pid, tid), base in zip(self.ids, self.base, strict=True):
+        for (pid, tid), base, base_q in zip(self.ids, self.base, self.base_runq, strict=True):
             now = sample(pid, tid)
             cpu = None if now.cpu_s is None or base is None else max(0.0, now.cpu_s - base)
-            out.append(WorkerUsage(pid, tid, cpu, window, now.rss_bytes, now.pss_bytes))
+            q = run_delay(pid, tid)
+            runq = None if q is None or base_q is None else max(0.0, q - base_q)
+            out.append(WorkerUsage(pid, tid, cpu, runq, window, now.rss_bytes,
+                                   now.pss_bytes))
         return out
 
     def end(self) -> None:

@@ -69,6 +69,8 @@ class WorkerStats:
             delivered batch to its end (or to now), read from ``/proc``; a thread
             worker's own thread's. ``None`` where unknown (no ``/proc``, a Ray actor).
         cpu_fraction: ``cpu_s`` over that window's wall time (1.0: one core busy).
+        runq_fraction: the share of that window it was runnable but waiting for a CPU
+            (``/proc/<pid>/schedstat``): high when the machine's cores are all busy.
         rss_bytes, pss_bytes: the worker process's resident and proportional set
             sizes at the latest reading (``None`` for thread workers, whose memory is
             the main process's, and where unknown).
@@ -86,6 +88,7 @@ class WorkerStats:
     pss_bytes: int | None = None
     pid: int | None = None
     tid: int | None = None
+    runq_fraction: float | None = None
 
     @property
     def idle_fraction(self) -> float:
@@ -210,12 +213,13 @@ class LoaderStats:
         lines = [head, *rows]
         if self.workers:
             lines.append(f"{'worker':<8}{'batches':>8}{'fetch s':>10}{'collate s':>11}"
-                         f"{'idle s':>9}{'idle':>7}{'cpu s':>9}{'cpu':>6}{'rss MB':>9}"
+                         f"{'idle s':>9}{'idle':>7}{'cpu s':>9}{'cpu':>6}{'runq':>6}{'rss MB':>9}"
                          f"{'pss MB':>9}")
             for w in self.workers:
                 lines.append(f"{w.worker_id:<8}{w.batches:>8}{w.fetch_s:>10.3f}"
                              f"{w.collate_s:>11.3f}{w.idle_s:>9.3f}{w.idle_fraction:>7.0%}"
                              f"{_opt(w.cpu_s, 9, '.2f')}{_opt(w.cpu_fraction, 6, '.0%')}"
+                             f"{_opt(w.runq_fraction, 6, '.0%')}"
                              f"{_opt(_mb(w.rss_bytes), 9, '.1f')}"
                              f"{_opt(_mb(w.pss_bytes), 9, '.1f')}")
         if self.ranks:
@@ -241,14 +245,15 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-#: Workers' mean CPU share at or above which the hint calls them CPU-bound, and below
-#: which it calls them waiting on I/O (docs/stats.md, "The hint").
-CPU_BOUND, CPU_IDLE = 0.8, 0.5
+#: Workers' mean CPU share (on a CPU or waiting for one) at or above which the hint calls
+#: them CPU-bound, and below which it calls them waiting on I/O; the run-queue share
+#: above which it says the machine's cores are all busy (docs/stats.md, "The hint").
+CPU_BOUND, CPU_IDLE, RUNQ_BUSY = 0.8, 0.5, 0.25
 
 
-def _workers_cpu(workers: list[WorkerStats]) -> float | None:
-    """The workers' mean :attr:`WorkerStats.cpu_fraction` (``None``: unknown)."""
-    known = [w.cpu_fraction for w in workers if w.cpu_fraction is not None]
+def _mean(values: list[float | None]) -> float | None:
+    """The mean of the known values (``None``: none known)."""
+    known = [v for v in values if v is not None]
     return sum(known) / len(known) if known else None
 
 
@@ -266,13 +271,20 @@ def bottleneck_hint(s: LoaderStats, is_async: bool) -> str:
             if idle_frac < 0.5:
                 in_collate = st["collate"].seconds > st["fetch"].seconds
                 what = "collate_fn" if in_collate else "reading samples"
-                cpu = _workers_cpu(s.workers)
+                cpu = _mean([w.cpu_fraction for w in s.workers])
+                runq = _mean([w.runq_fraction for w in s.workers]) or 0.0
+                fn = "collate_fn" if in_collate else "__getitem__"
+                if cpu is not None and cpu + runq >= CPU_BOUND and runq >= RUNQ_BUSY:
+                    return (f"consumer waited {_pct(wait)} of the time on workers (busy "
+                            f"{_pct(1 - idle_frac)}, mostly {what}); workers at "
+                            f"{_pct(cpu)} CPU and waiting {_pct(runq)} of the time for a "
+                            f"core: the machine's CPUs are all busy, more workers will "
+                            f"not help: make {fn} cheaper")
                 if cpu is not None and cpu >= CPU_BOUND:
                     return (f"consumer waited {_pct(wait)} of the time on workers (busy "
                             f"{_pct(1 - idle_frac)}, mostly {what}); workers at "
-                            f"{_pct(cpu)} CPU: raise num_workers or make "
-                            f"{'collate_fn' if in_collate else '__getitem__'} cheaper")
-                if cpu is not None and cpu < CPU_IDLE:
+                            f"{_pct(cpu)} CPU: raise num_workers or make {fn} cheaper")
+                if cpu is not None and cpu + runq < CPU_IDLE:
                     threads = any(w.tid is not None for w in s.workers)
                     fix = ("raise fetch_concurrency" if is_async
                            else "raise fetch_threads (or num_workers)")
