@@ -55,7 +55,7 @@ STEP = len(STAGES)
 #: Trace lanes of the main process (a worker's spans carry its worker id, >= 0).
 LANE_CONSUMER, LANE_LOADER = -1, -2
 #: Where each main-process stage's spans are drawn in a trace.
-_LANE = (LANE_CONSUMER, LANE_LOADER, LANE_CONSUMER, LANE_CONSUMER, LANE_LOADER, LANE_LOADER,
+_LANE = (LANE_LOADER, LANE_LOADER, LANE_CONSUMER, LANE_CONSUMER, LANE_LOADER, LANE_LOADER,
          LANE_LOADER, LANE_CONSUMER, LANE_CONSUMER)
 _bucket = _hist.bucket
 
