@@ -546,3 +546,23 @@ def test_all_ranks_names_the_slow_rank_and_its_stage(tmp_path: Path) -> None:
         assert doc["ranks"] == [0, 1] and doc["batches"] == [16, 16], doc
         assert (doc["slow_rank"], doc["slow_stage"]) == (1, "fetch"), doc
         assert doc["hint"].startswith("rank 1 holds the job back"), doc
+
+
+@pytest.mark.parametrize("script,args,want", [
+    ("trace.py", ["--n", "32", "--batch-size", "4", "--workers", "1", "--step-ms", "1"],
+     "spans: collate 8, consumer_wait 8, dispatch 8, fetch 8, sampling 8, step 8, transport 8"),
+    ("stats_hook.py", ["--n", "32", "--batch-size", "4", "--workers", "1", "--every", "4",
+                       "--print"], "step 16: loader/batches_per_s="),
+])
+def test_trace_and_hook_examples_run(tmp_path: Path, script: str, args: list[str],
+                                     want: str) -> None:
+    """Regression test for issue 21: examples/trace.py writes a trace, examples/stats_hook.py exports every N batches."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    if script == "trace.py":
+        args = [*args, "--out", str(tmp_path / "trace.json")]
+    run = subprocess.run([sys.executable, "-W", "error", str(root / "examples" / script),
+                          *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    assert want in run.stdout, run.stdout
