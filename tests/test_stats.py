@@ -548,7 +548,7 @@ def test_all_ranks_names_the_slow_rank_and_its_stage(tmp_path: Path) -> None:
         assert doc["hint"].startswith("rank 1 holds the job back"), doc
 
 
-@pytest.mark.parametrize("script,args,want", [
+@pytest.mark.parametrize(("script", "args", "want"), [
     ("trace.py", ["--n", "32", "--batch-size", "4", "--workers", "1", "--step-ms", "1"],
      "spans: collate 8, consumer_wait 8, dispatch 8, fetch 8, sampling 8, step 8, transport 8"),
     ("stats_hook.py", ["--n", "32", "--batch-size", "4", "--workers", "1", "--every", "4",
