@@ -165,22 +165,24 @@ class WorkerProcs:
         if self.locate is None or not AVAILABLE:
             return
         try:
-            self.ids = self.locate()
+            ids = self.locate()
         except Exception:  # statistics never break loading
-            self.ids = []
+            ids = []
         self.t0 = time.monotonic()
-        self.base = [sample(pid, tid).cpu_s for pid, tid in self.ids]
-        self.base_runq = [run_delay(pid, tid) for pid, tid in self.ids]
+        self.base = [sample(pid, tid).cpu_s for pid, tid in ids]
+        self.base_runq = [run_delay(pid, tid) for pid, tid in ids]
+        self.ids = ids  # last: read() (any thread) sees the bases once it sees the ids
 
     def read(self) -> list[WorkerUsage]:
         """Usage from :meth:`begin` to now (or to :meth:`end`, once ended)."""
         if self.final is not None:
             return self.final
-        if not self.ids:
+        ids = self.ids
+        if not ids:
             return []
         window = time.monotonic() - self.t0
         out = []
-        for (pid, tid), base, base_q in zip(self.ids, self.base, self.base_runq, strict=True):
+        for (pid, tid), base, base_q in zip(ids, self.base, self.base_runq, strict=False):
             now = sample(pid, tid)
             cpu = None if now.cpu_s is None or base is None else max(0.0, now.cpu_s - base)
             q = run_delay(pid, tid)
