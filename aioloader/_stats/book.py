@@ -41,7 +41,7 @@ class _Totals:
         self.startup_ns = 0
         self.occ = [0, 0, 0, 0]
         self.workers: list[list[int]] = []
-        self.hist = [_hist.new() for _ in STAGES]
+        self.hist = _hist.new_set(len(STAGES))
         self.hmax = [0] * len(STAGES)
         # Per worker: [cpu_s or None, window_s, rss, pss, pid, tid, runq_s or None]
         # (the latest memory figures).
@@ -50,7 +50,7 @@ class _Totals:
     def copy(self) -> _Totals:
         t = _Totals()
         for k, v in self.__dict__.items():
-            setattr(t, k, [list(x) if isinstance(x, list) else x for x in v]
+            setattr(t, k, [x.copy() if isinstance(x, list | dict) else x for x in v]
                     if isinstance(v, list) else v)
         return t
 

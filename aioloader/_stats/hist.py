@@ -1,9 +1,11 @@
 """Streaming latency percentiles: fixed log-spaced histogram buckets of nanoseconds.
 
-A histogram is a plain ``list[int]`` of :data:`NBUCKETS` counts. Recording a value is
-O(1) (:func:`bucket`: a ``bit_length``, a shift and an add, no allocation); memory is
-fixed whatever the number of values; two histograms merge by adding their counts, so
-epochs, workers and ranks fold together exactly.
+A histogram is a ``defaultdict(int)`` from bucket index to count (sparse: a stage's
+latencies fill a few dozen of the :data:`NBUCKETS` possible buckets, so a new epoch
+allocates almost nothing and folding it into the totals touches only those). Recording
+a value is O(1) (:func:`bucket`: a ``bit_length``, a shift and an add); memory is
+bounded by :data:`NBUCKETS` whatever the number of values; two histograms merge by
+adding their counts, so epochs, workers and ranks fold together exactly.
 
 The buckets are those of an HDR histogram with 4 bits of mantissa: values below 32 ns
 each have their own bucket; above, every power of two is split into 16 equal buckets,
@@ -14,22 +16,33 @@ order statistic (exact below 32 ns). The maximum is kept exactly beside the buck
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
 
-__all__ = ["NBUCKETS", "REL_ERROR", "bucket", "merge_into", "new", "percentiles"]
+__all__ = ["NBUCKETS", "REL_ERROR", "Hist", "bucket", "merge_into", "new", "new_set",
+           "percentiles"]
 
 _MANTISSA = 4  # bits: 16 buckets per power of two
 _SUB = 1 << _MANTISSA
 _EXACT = _SUB << 1  # values below this (32 ns) are their own bucket
-#: Buckets per histogram: up to 2**53 ns (104 days); longer values share the last one.
-NBUCKETS = (53 - _MANTISSA) * _SUB + _SUB
+#: Buckets per histogram: every non-negative 64-bit value of nanoseconds has its own
+#: (the recorder inlines :func:`bucket` without a bounds check).
+NBUCKETS = (64 - _MANTISSA - 1) * _SUB + 2 * _SUB
 #: Largest relative error of a reported percentile (half a bucket's relative width).
 REL_ERROR = 1 / (2 * _SUB)
 
 
-def new() -> list[int]:
+Hist = defaultdict[int, int]
+
+
+def new() -> Hist:
     """An empty histogram."""
-    return [0] * NBUCKETS
+    return defaultdict(int)
+
+
+def new_set(n: int) -> list[Hist]:
+    """``n`` empty histograms."""
+    return [defaultdict(int) for _ in range(n)]
 
 
 def bucket(ns: int) -> int:
@@ -38,7 +51,7 @@ def bucket(ns: int) -> int:
         return ns if ns > 0 else 0
     shift = ns.bit_length() - _MANTISSA - 1
     i = (shift << _MANTISSA) + (ns >> shift)
-    return i if i < NBUCKETS else NBUCKETS - 1
+    return i if i < NBUCKETS else NBUCKETS - 1  # beyond 64 bits: the last bucket
 
 
 def _bounds(i: int) -> tuple[int, int]:
@@ -50,21 +63,20 @@ def _bounds(i: int) -> tuple[int, int]:
     return top << shift, (top + 1) << shift
 
 
-def merge_into(acc: list[int], other: Sequence[int]) -> None:
-    """Add the counts of ``other`` to ``acc`` (same length)."""
-    for i, c in enumerate(other):
-        if c:
-            acc[i] += c
+def merge_into(acc: Hist, other: Mapping[int, int]) -> None:
+    """Add the counts of ``other`` to ``acc``."""
+    for i, c in other.items():
+        acc[i] += c
 
 
-def percentiles(counts: Sequence[int], qs: Iterable[float],
+def percentiles(counts: Mapping[int, int], qs: Iterable[float],
                 maximum: int = 0) -> list[float | None]:
     """The ``qs`` quantiles (0..1) of a histogram, in nanoseconds (``None`` when empty).
 
     Each is the midpoint of the bucket holding the ``ceil(q * n)``-th value (nearest
     rank), clipped to ``maximum`` when given (the exact largest value recorded).
     """
-    n = sum(counts)
+    n = sum(counts.values())
     qs = list(qs)
     if n == 0:
         return [None] * len(qs)
@@ -73,7 +85,7 @@ def percentiles(counts: Sequence[int], qs: Iterable[float],
     order = sorted(range(len(qs)), key=lambda k: ranks[k])
     seen = 0
     k = 0
-    for i, c in enumerate(counts):
+    for i, c in sorted(counts.items()):
         if not c:
             continue
         seen += c

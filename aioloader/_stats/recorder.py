@@ -143,7 +143,7 @@ class Recorder:
         self.count = [0] * len(STAGES)
         self.ns = [0] * len(STAGES)
         # Latency histograms by stage (percentiles, aioloader._stats.hist) and exact maxima.
-        self.hist = [_hist.new() for _ in STAGES]
+        self.hist = _hist.new_set(len(STAGES))
         self.hmax = [0] * len(STAGES)
         # Opt-in trace ring (loader.record_trace): (stage, lane, t0, t1, batch) spans.
         self.trace = trace
@@ -228,7 +228,8 @@ class Recorder:
                 if self.procs is not None:
                     self.procs.begin()
             else:  # percentiles leave the first wait (start-up, startup_s) out
-                self.hist[WAIT][_bucket(took)] += 1
+                sh = took.bit_length() - 5  # hist.bucket(took), inlined (took >= 0)
+                self.hist[WAIT][(sh << 4) + (took >> sh) if sh > 0 else took] += 1
                 if took > self.hmax[WAIT]:
                     self.hmax[WAIT] = took
             if self.trace is not None:
@@ -272,7 +273,8 @@ class Recorder:
             self.first_wait_ns = took
             self.first_done_ns = t_done
         else:
-            self.hist[WAIT][_bucket(took)] += 1
+            sh = took.bit_length() - 5  # hist.bucket(took), inlined (took >= 0)
+            self.hist[WAIT][(sh << 4) + (took >> sh) if sh > 0 else took] += 1
             if took > self.hmax[WAIT]:
                 self.hmax[WAIT] = took
         if self.trace is not None:
@@ -289,12 +291,23 @@ class Recorder:
         self.countdown = self.time_every if self.inline_timed >= self.time_every else 1
         acc = self.inline_ns
         hist, hmax = self.hist, self.hmax
-        for stage, took in ((SAMPLING, t_drawn - t_draw), (FETCH, t_read - t_drawn),
-                            (COLLATE, t_done - t_read)):
-            acc[stage] += took
-            hist[stage][_bucket(took)] += 1
-            if took > hmax[stage]:
-                hmax[stage] = took
+        # Written out (hist.bucket inlined, times >= 0): one timed batch in TIME_EVERY.
+        a, b, c = t_drawn - t_draw, t_read - t_drawn, t_done - t_read
+        acc[SAMPLING] += a
+        acc[FETCH] += b
+        acc[COLLATE] += c
+        sh = a.bit_length() - 5
+        hist[SAMPLING][(sh << 4) + (a >> sh) if sh > 0 else a] += 1
+        sh = b.bit_length() - 5
+        hist[FETCH][(sh << 4) + (b >> sh) if sh > 0 else b] += 1
+        sh = c.bit_length() - 5
+        hist[COLLATE][(sh << 4) + (c >> sh) if sh > 0 else c] += 1
+        if a > hmax[SAMPLING]:
+            hmax[SAMPLING] = a
+        if b > hmax[FETCH]:
+            hmax[FETCH] = b
+        if c > hmax[COLLATE]:
+            hmax[COLLATE] = c
         if self.trace is not None:
             n = self.batches + self.inline_untimed
             self.trace.extend(((SAMPLING, LANE_CONSUMER, t_draw, t_drawn, n),
