@@ -1,7 +1,10 @@
 """The per-batch counters behind ``loader.stats()``: what the hot path writes.
 
 The hot path only does ``time.perf_counter_ns()`` reads and plain integer adds on
-a :class:`Recorder` (no locks, no allocation beyond the ints themselves); every
+a :class:`Recorder` (no locks, no allocation beyond the ints themselves), including one
+add to a latency histogram bucket per timed item (:mod:`aioloader._stats.hist`; the
+percentiles) and, only when ``loader.record_trace()`` is on, one span tuple appended to
+a bounded ring per stage (:mod:`aioloader._stats.trace`); every
 ratio, mean and the hint are computed lazily by :meth:`aioloader._stats.book.StatsBook.snapshot`
 (folding, :mod:`aioloader._stats.book`; the results and their table,
 :mod:`aioloader._stats.report`).
