@@ -27,7 +27,7 @@ from ._errors import (
 )
 from ._fetch.records import SampleFailure
 from ._fetch.report import FailureReport, SkippedSamplesWarning, TooManyFailuresError
-from ._stats.report import LoaderStats, StageStats, WorkerStats
+from ._stats.report import LoaderStats, RankStats, StageStats, WorkerStats
 from ._worker_info import WorkerInfo, get_worker_info
 from .collate import default_collate, default_convert
 from .dataset import (
@@ -71,6 +71,7 @@ __all__ = [
     "LoaderTimeoutError",
     "PrefetchFactorError",
     "RandomSampler",
+    "RankStats",
     "SampleFailure",
     "Sampler",
     "SequentialSampler",
@@ -131,7 +132,7 @@ def _fix_module_names() -> None:
     """Show public objects as ``aioloader.X`` in reprs, tracebacks and docs."""
     for name in ("EpochSupersededError", "FailureReport",
                  "IteratorClosedError", "LoaderClosedError", "LoaderError", "LoaderStats",
-                 "LoaderTimeoutError", "PrefetchFactorError", "SampleFailure",
+                 "LoaderTimeoutError", "PrefetchFactorError", "RankStats", "SampleFailure",
                  "SkippedSamplesWarning", "StageStats", "TooManyFailuresError",
                  "TransportError", "WorkerDiedError", "WorkerInfo", "WorkerStats",
                  "get_worker_info"):

@@ -47,7 +47,9 @@ from ._pipeline.source_inline import InlineSource
 from ._pools.lease import PoolKeeper
 from ._resume import state as _state
 from ._resume.tracker import EpochTracker
+from ._stats import ranks as _ranks
 from ._stats.book import StatsBook
+from ._stats.recorder import StatsHook
 from ._stats.report import LoaderStats
 from ._tune.state import EpochSummary, TuneState
 from .sampler import Sampler
@@ -257,22 +259,86 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         """
         return self._failure_report
 
-    def stats(self, cumulative: bool = False) -> LoaderStats:
+    def stats(self, cumulative: bool = False, all_ranks: bool = False) -> LoaderStats:
         """Per-stage statistics and a bottleneck hint; see docs/stats.md.
 
         Args:
             cumulative: ``False`` (default): the current epoch (or the latest one, once
                 it ended); ``True``: every epoch of this loader so far, added up.
+            all_ranks: gather every rank's summary over ``torch.distributed``'s default
+                process group (a collective: every rank must call it) into ``ranks``,
+                and name the rank and stage that hold the job back (``slow_rank``,
+                ``slow_stage``, ``hint``).
 
         All zeros (and a hint saying so) with ``collect_stats=False``.
+
+        Raises:
+            ValueError: ``all_ranks=True`` without an initialized default process
+                group (torch's type for that), or RuntimeError without
+                ``torch.distributed``.
         """
         stats = self._stats_book.snapshot(cumulative)
         if self._tune is not None and self._tune.decisions:  # docs/autotune.md
             stats = LoaderStats(**{**stats.__dict__, "autotune": list(self._tune.decisions)})
         if not self.collect_stats:
-            return LoaderStats(**{**stats.__dict__, "hint": "statistics are off "
-                                  "(collect_stats=False)"})
+            stats = LoaderStats(**{**stats.__dict__, "hint": "statistics are off "
+                                   "(collect_stats=False)"})
+        if all_ranks:
+            return _ranks.gather(stats)
         return stats
+
+    def record_trace(self, last_n_batches: int = 256) -> None:
+        """Keep the spans of about the last ``last_n_batches`` batches (every stage, every
+        worker) for ``stats().export_chrome_trace(path)``; ``0`` stops and forgets them.
+
+        Opt-in and bounded: a ring of ``8 * last_n_batches`` spans, across epochs, so
+        memory does not grow with the epochs. While it records, every batch is timed
+        (with ``num_workers=0`` otherwise 1 in 16 is). See docs/stats.md, "Trace".
+
+        Raises:
+            TypeError: ``last_n_batches`` is not an int; ValueError: it is negative, or
+                statistics are off (``collect_stats=False``).
+        """
+        if isinstance(last_n_batches, bool) or not isinstance(last_n_batches, int):
+            raise TypeError(f"record_trace(last_n_batches=) takes an int (batches to keep), "
+                            f"not {type(last_n_batches).__name__}")
+        if last_n_batches < 0:
+            raise ValueError(f"record_trace(last_n_batches={last_n_batches}): pass a "
+                             f"number of batches >= 0 (0 turns tracing off)")
+        if last_n_batches and not self.collect_stats:
+            raise ValueError("record_trace() needs statistics: construct the DataLoader "
+                             "with collect_stats=True (the default)")
+        self._stats_book.record_trace(last_n_batches)
+
+    def register_stats_hook(self, hook: Callable[[LoaderStats], object],
+                            every_n_batches: int = 100) -> StatsHook:
+        """Call ``hook(loader.stats())`` every ``every_n_batches`` delivered batches
+        (counted across epochs), from the consumer's thread (``async for``: its loop),
+        right after the batch is handed over: export statistics to your own metrics.
+
+        Returns a handle whose ``remove()`` unregisters the hook (as torch's
+        ``register_*_hook`` methods). An exception from the hook does not stop the epoch
+        (the batch is already yours): it is logged at ERROR with its traceback and
+        reported as a ``RuntimeWarning``; the hook stays registered. With a hook, every
+        batch is timed (see docs/stats.md, "Cost").
+
+        Raises:
+            TypeError: ``hook`` is not callable or ``every_n_batches`` is not an int.
+            ValueError: ``every_n_batches < 1``, or statistics are off.
+        """
+        if not callable(hook):
+            raise TypeError(f"register_stats_hook(hook=) takes a callable, not "
+                            f"{type(hook).__name__}")
+        if isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int):
+            raise TypeError(f"register_stats_hook(every_n_batches=) takes an int, not "
+                            f"{type(every_n_batches).__name__}")
+        if every_n_batches < 1:
+            raise ValueError(f"register_stats_hook(every_n_batches={every_n_batches}): "
+                             f"pass a number of batches >= 1")
+        if not self.collect_stats:
+            raise ValueError("register_stats_hook() needs statistics: construct the "
+                             "DataLoader with collect_stats=True (the default)")
+        return self._stats_book.register_hook(hook, every_n_batches)
 
     # -- iteration -----------------------------------------------------------------------
 

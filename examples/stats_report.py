@@ -2,12 +2,16 @@
 
 A dataset whose samples cost a known time to read (``--sample-ms``), read by
 ``--workers`` worker processes, consumed twice: by a step that takes no time
-(the loader is the bottleneck: the hint says to raise ``num_workers``) and by a
-step that takes ``--step-ms`` per batch (the workers wait: the hint names the
-training step). Prints each epoch's table and its one-line hint.
+(the loader is the bottleneck) and by a step that takes ``--step-ms`` per batch
+(the workers wait: the hint names the training step). Prints each epoch's table
+(with latency percentiles and each worker's CPU and memory) and its one-line hint.
+
+A read sleeps by default (waiting on I/O: the hint reads the workers' low CPU
+and says to raise ``fetch_threads``); with ``--busy`` it spins on the CPU
+instead (the hint says the workers are at 100% CPU: raise ``num_workers``).
 
     python examples/stats_report.py [--n 256] [--batch-size 8] [--workers 2]
-                                    [--sample-ms 2] [--step-ms 60]
+                                    [--sample-ms 2] [--step-ms 60] [--busy]
 """
 
 from __future__ import annotations
@@ -24,15 +28,21 @@ from aioloader import DataLoader, Dataset
 class SlowReads(Dataset[tuple[torch.Tensor, int]]):
     """Each sample takes ``sample_s`` to read (stands in for disk or decoding)."""
 
-    def __init__(self, n: int, sample_s: float) -> None:
+    def __init__(self, n: int, sample_s: float, busy: bool = False) -> None:
         self.n = n
         self.sample_s = sample_s
+        self.busy = busy
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        time.sleep(self.sample_s)
+        if self.busy:  # CPU work (decoding, augmenting)
+            end = time.perf_counter() + self.sample_s
+            while time.perf_counter() < end:
+                pass
+        else:  # waiting on I/O
+            time.sleep(self.sample_s)
         return torch.full((16,), float(i)), i
 
 
@@ -54,8 +64,9 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--sample-ms", type=float, default=2.0)
     p.add_argument("--step-ms", type=float, default=60.0)
+    p.add_argument("--busy", action="store_true", help="reads spin on the CPU, not sleep")
     args = p.parse_args()
-    ds = SlowReads(args.n, args.sample_ms / 1e3)
+    ds = SlowReads(args.n, args.sample_ms / 1e3, args.busy)
     for title, step_ms in (("fast training step (0 ms)", 0.0),
                            (f"slow training step ({args.step_ms:g} ms)", args.step_ms)):
         loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)

@@ -62,6 +62,7 @@ from .._fetch.sync import EXHAUSTED
 from .._pools.factory import start_pool
 from .._pools.lease import PoolKeeper, _PoolLease
 from .._resume.tracker import EpochTracker
+from .._stats.proc import WorkerProcs, worker_ids
 from .._stats.recorder import Recorder, TimedCollate
 from .._threads import ThreadRunner
 from .._tune.bounds import read_system
@@ -259,6 +260,9 @@ class _PipelineCore:
                 self.after = previous.stopped
             lease.holder = weakref.ref(self)
             self.lease = lease
+            if rec is not None:  # the workers' CPU and memory (loader.stats().workers)
+                rec.procs = WorkerProcs(
+                    lambda: worker_ids(lease.pool.processes) if lease.started else [])
             self.track.seed = lease.base_seed
             self.epoch = lease.epoch
             per_worker = config.prefetch_factor or 0
@@ -458,6 +462,8 @@ class _PipelineCore:
         """Let go of batches, the loader and the pool; the lease this epoch must close."""
         # Batches that arrived but will never be handed out: free their shared memory now.
         self.buffer.clear()
+        if self.rec is not None and self.rec.procs is not None:
+            self.rec.procs.end()  # the workers' last /proc reading, before they stop
         if self.device_stage is not None:
             self.device_stage.staged.clear()
         lease = self.lease

@@ -148,8 +148,8 @@ class InlineSource:
         t1 = _ns()
         if data is not EXHAUSTED:
             took = t1 - t0 - (ns[COLLATE] - collated)
-            ns[FETCH] += took if took > 0 else 0
-            rec.count[FETCH] += 1
+            took = took if took > 0 else 0
+            rec.add(FETCH, took, t0 + took)
             if self.pin.enabled:
                 data = on_batch(self.pin.apply, data)
                 t0, t1 = t1, _ns()
@@ -243,8 +243,7 @@ class InlineSource:
                     index, data = self._fetch(index)
                 else:
                     t1 = _ns()
-                    rec.ns[SAMPLING] += t1 - t_draw
-                    rec.count[SAMPLING] += 1
+                    rec.add(SAMPLING, t1 - t_draw)
                     index, data = self._fetch_timed(rec, index, t1)
             except Exception:
                 self.delivery.commit(track.last_drawn)  # consumed (as in torch, not retried)

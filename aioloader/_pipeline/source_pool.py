@@ -159,7 +159,7 @@ class PoolSource:
             if isinstance(extra, dict):
                 slot.wstate = extra
             elif isinstance(extra, tuple) and self.rec is not None:
-                self.rec.worker_batch(worker, extra)
+                self.rec.worker_batch(worker, extra, seq)
         if tag == "data":
             data = msg[3]
             rec = self.rec

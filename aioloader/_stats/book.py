@@ -14,8 +14,15 @@ Each name is imported from the module that defines it.
 
 from __future__ import annotations
 
-from .recorder import COLLATE, DEVICE, FETCH, SAMPLING, STAGES, WAIT, Recorder
+import os
+from collections import deque
+from collections.abc import Callable
+
+from . import hist as _hist
+from .proc import WorkerUsage
+from .recorder import COLLATE, DEVICE, FETCH, SAMPLING, STAGES, WAIT, Recorder, StatsHook
 from .report import LoaderStats, StageStats, WorkerStats, bottleneck_hint
+from .trace import Trace
 
 __all__ = ["StatsBook"]
 
@@ -34,12 +41,29 @@ class _Totals:
         self.startup_ns = 0
         self.occ = [0, 0, 0, 0]
         self.workers: list[list[int]] = []
+        self.hist = _hist.new_set(len(STAGES))
+        self.hmax = [0] * len(STAGES)
+        # Per worker: [cpu_s or None, window_s, rss, pss, pid, tid, runq_s or None]
+        # (the latest memory figures).
+        self.usage: list[list[object]] = []
 
-    def fold(self, r: Recorder) -> None:
+    def copy(self) -> _Totals:
+        t = _Totals()
+        for k, v in self.__dict__.items():
+            setattr(t, k, [x.copy() if isinstance(x, list | dict) else x for x in v]
+                    if isinstance(v, list) else v)
+        return t
+
+    def fold(self, r: Recorder, usage: list[WorkerUsage] | None = None) -> None:
+        """Add an epoch's counters; ``usage``: its workers' /proc figures (read now if
+        ``None``)."""
         self.epochs += 1
         for i in range(len(STAGES)):
             self.count[i] += r.count[i]
             self.ns[i] += r.ns[i]
+            _hist.merge_into(self.hist[i], r.hist[i])
+            if r.hmax[i] > self.hmax[i]:
+                self.hmax[i] = r.hmax[i]
         self.batches += r.batches
         self.samples += r.samples
         self.step_ns += r.step_ns
@@ -72,6 +96,18 @@ class _Totals:
             acc[1] += r.w_fetch[w]
             acc[2] += r.w_collate[w]
             acc[3] += r.w_idle[w]
+        if usage is None:
+            usage = r.procs.read() if r.procs is not None else []
+        while len(self.usage) < len(usage):
+            self.usage.append([None, 0.0, None, None, None, None, None])
+        for w, u in enumerate(usage):
+            acc2 = self.usage[w]
+            if u.cpu_s is not None:
+                acc2[0] = (acc2[0] or 0.0) + u.cpu_s  # type: ignore[operator]
+                acc2[1] += u.window_s  # type: ignore[operator]
+            if u.runq_s is not None:
+                acc2[6] = (acc2[6] or 0.0) + u.runq_s  # type: ignore[operator]
+            acc2[2], acc2[3], acc2[4], acc2[5] = u.rss_bytes, u.pss_bytes, u.pid, u.tid
 
 
 def _wall_ns(r: Recorder) -> int:
@@ -88,25 +124,48 @@ class StatsBook:
         self.log_every_s = log_every_s
         self.current: Recorder | None = None
         self.done = _Totals()
+        # Opt-in trace ring (record_trace): spans of about the last `trace_batches`.
+        self.trace: deque[tuple[int, int, int, int, int]] | None = None
+        self.trace_batches = 0
+        self.hooks: list[StatsHook] = []
+        # Worker (pid, tid) by worker id as last seen, for the trace's rows.
+        self.worker_ids: list[tuple[int | None, int | None]] = []
+
+    #: Trace spans kept per batch asked for: a batch has up to 8 (step, wait, sampling,
+    #: dispatch, fetch, collate, transport, pin or device).
+    SPANS_PER_BATCH = 8
 
     def new_epoch(self) -> Recorder:
         if self.current is not None:
             self.done.fold(self.current)
-        rec = Recorder(self.num_workers, self.log_every_s, self, self.done.epochs + 1)
+        rec = Recorder(self.num_workers, self.log_every_s, self, self.done.epochs + 1,
+                       trace=self.trace, hooks=self.hooks)
         self.current = rec
         return rec
 
+    def record_trace(self, last_n_batches: int) -> None:
+        """Keep the spans of about the last ``last_n_batches`` (0: stop and forget)."""
+        self.trace_batches = last_n_batches
+        self.trace = (deque(maxlen=last_n_batches * self.SPANS_PER_BATCH)
+                      if last_n_batches else None)
+        rec = self.current
+        if rec is not None:
+            rec.trace = self.trace
+            rec.time_every = 1 if rec.watch or self.trace is not None else rec.TIME_EVERY
+
+    def register_hook(self, fn: Callable[[LoaderStats], object], every: int) -> StatsHook:
+        """``fn(stats)`` every ``every`` delivered batches (:class:`StatsHook`)."""
+        hook = StatsHook(fn, every, self.hooks)
+        self.hooks.append(hook)
+        rec = self.current
+        if rec is not None:
+            rec.watch = True
+            rec.time_every = 1
+        return hook
+
     def snapshot(self, cumulative: bool = False) -> LoaderStats:
         """Statistics of the latest epoch, or of every epoch so far (``cumulative``)."""
-        if cumulative:
-            totals = _Totals()
-            totals.__dict__.update({k: (list(v) if isinstance(v, list) else v)
-                                    for k, v in self.done.__dict__.items()})
-            totals.workers = [list(w) for w in self.done.workers]
-            if self.current is not None:
-                totals.fold(self.current)
-            return self._build(totals)
-        totals = _Totals()
+        totals = self.done.copy() if cumulative else _Totals()
         if self.current is not None:
             totals.fold(self.current)
         return self._build(totals)
@@ -115,6 +174,14 @@ class StatsBook:
         totals = _Totals()
         totals.fold(rec)
         return self._build(totals)
+
+    def _trace(self) -> Trace | None:
+        if self.trace is None:
+            return None
+        rec = self.current
+        if rec is not None and rec.procs is not None and rec.procs.ids:
+            self.worker_ids = list(rec.procs.ids)
+        return Trace(tuple(self.trace), os.getpid(), tuple(self.worker_ids))
 
     def _build(self, t: _Totals) -> LoaderStats:
         occ_n = t.occ[0]
@@ -126,10 +193,26 @@ class StatsBook:
         stages = {}
         for i, name in enumerate(STAGES):
             sec = t.ns[i] / 1e9
-            stages[name] = StageStats(name, t.count[i], sec,
-                                      t.count[i] / sec if sec > 0 else 0.0, occupancy.get(i))
-        workers = [WorkerStats(w, acc[0], acc[1] / 1e9, acc[2] / 1e9, acc[3] / 1e9)
-                   for w, acc in enumerate(t.workers)]
+            p50, p95, p99 = _hist.percentiles(t.hist[i], (0.5, 0.95, 0.99), t.hmax[i])
+            stages[name] = StageStats(
+                name, t.count[i], sec, t.count[i] / sec if sec > 0 else 0.0, occupancy.get(i),
+                _ms(p50), _ms(p95), _ms(p99), t.hmax[i] / 1e6 if p50 is not None else None)
+        workers = []
+        for w, acc in enumerate(t.workers):
+            u = t.usage[w] if w < len(t.usage) else [None, 0.0, None, None, None, None, None]
+            cpu, window, runq = u[0], u[1], u[6]
+            workers.append(WorkerStats(
+                w, acc[0], acc[1] / 1e9, acc[2] / 1e9, acc[3] / 1e9,
+                cpu_s=cpu,  # type: ignore[arg-type]
+                cpu_fraction=(cpu / window  # type: ignore[operator]
+                              if cpu is not None and window else None),
+                rss_bytes=u[2], pss_bytes=u[3], pid=u[4], tid=u[5],  # type: ignore[arg-type]
+                runq_fraction=(runq / window  # type: ignore[operator]
+                               if runq is not None and window else None)))
         stats = LoaderStats(t.epochs, t.batches, t.samples, t.wall_ns / 1e9, t.step_ns / 1e9,
-                            t.startup_ns / 1e9, stages, workers)
+                            t.startup_ns / 1e9, stages, workers, trace=self._trace())
         return LoaderStats(**{**stats.__dict__, "hint": bottleneck_hint(stats, self.is_async)})
+
+
+def _ms(ns: float | None) -> float | None:
+    return ns / 1e6 if ns is not None else None

@@ -1,7 +1,10 @@
 """The per-batch counters behind ``loader.stats()``: what the hot path writes.
 
 The hot path only does ``time.perf_counter_ns()`` reads and plain integer adds on
-a :class:`Recorder` (no locks, no allocation beyond the ints themselves); every
+a :class:`Recorder` (no locks, no allocation beyond the ints themselves), including one
+add to a latency histogram bucket per timed item (:mod:`aioloader._stats.hist`; the
+percentiles) and, only when ``loader.record_trace()`` is on, one span tuple appended to
+a bounded ring per stage (:mod:`aioloader._stats.trace`); every
 ratio, mean and the hint are computed lazily by :meth:`aioloader._stats.book.StatsBook.snapshot`
 (folding, :mod:`aioloader._stats.book`; the results and their table,
 :mod:`aioloader._stats.report`).
@@ -30,14 +33,17 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .report import LoaderStats
+from . import hist as _hist
+from .proc import WorkerProcs
 
-__all__ = ["STAGES", "Recorder", "Snapshots", "TimedCollate", "WorkerClock"]
+__all__ = ["LANE_CONSUMER", "LANE_LOADER", "STAGES", "STEP", "Recorder", "Snapshots",
+           "StatsHook", "TimedCollate", "WorkerClock"]
 
 # A child of the "aioloader" logger: configuring "aioloader" shows these lines too.
 _LOG = logging.getLogger(__name__)
@@ -47,6 +53,14 @@ _now = time.perf_counter_ns
 STAGES = ("sampling", "dispatch", "fetch", "collate", "transport", "pin", "device",
           "consumer_wait")
 SAMPLING, DISPATCH, FETCH, COLLATE, TRANSPORT, PIN, DEVICE, WAIT = range(len(STAGES))
+#: Trace spans only: the consumer's time between batches (its training step).
+STEP = len(STAGES)
+#: Trace lanes of the main process (a worker's spans carry its worker id, >= 0).
+LANE_CONSUMER, LANE_LOADER = -1, -2
+#: Where each main-process stage's spans are drawn in a trace.
+_LANE = (LANE_LOADER, LANE_LOADER, LANE_CONSUMER, LANE_CONSUMER, LANE_LOADER, LANE_LOADER,
+         LANE_LOADER, LANE_CONSUMER, LANE_CONSUMER)
+_bucket = _hist.bucket
 
 
 class Snapshots(Protocol):
@@ -54,7 +68,27 @@ class Snapshots(Protocol):
     for periodic logging: the statistics of one recorder. A protocol, so that this module
     does not import the book that imports it."""
 
-    def snapshot_of(self, rec: Recorder) -> LoaderStats: ...
+    def snapshot_of(self, rec: Recorder) -> Any: ...  # a report.LoaderStats
+
+
+class StatsHook:
+    """A registered stats hook (``loader.register_stats_hook``): ``fn(stats)`` every
+    ``every`` delivered batches, counted across epochs. Its :meth:`remove` unregisters
+    it (the handle torch's ``register_*_hook`` methods return)."""
+
+    __slots__ = ("__weakref__", "every", "fn", "hooks", "seen")
+
+    def __init__(self, fn: Callable[[Any], object], every: int,
+                 hooks: list[StatsHook]) -> None:
+        self.fn = fn
+        self.every = every
+        self.seen = 0
+        self.hooks = hooks
+
+    def remove(self) -> None:
+        """Unregister the hook (idempotent)."""
+        if self in self.hooks:
+            self.hooks.remove(self)
 
 
 # ------------------------------------------------------------------------- hot-path recorders
@@ -73,6 +107,9 @@ class Recorder:
         "epoch",
         "first_done_ns",
         "first_wait_ns",
+        "hist",
+        "hmax",
+        "hooks",
         "inline_ns",
         "inline_samples",
         "inline_timed",
@@ -86,23 +123,37 @@ class Recorder:
         "occ_n",
         "occ_ready",
         "occ_staged",
+        "procs",
         "reading_ns",
         "samples",
         "start_ns",
         "step_ns",
         "time_every",
+        "trace",
         "w_batches",
         "w_collate",
         "w_fetch",
         "w_idle",
         "wait_countdown",
         "wait_timed",
+        "watch",
     )
 
     def __init__(self, num_workers: int, log_every_s: float | None = None,
-                 book: Snapshots | None = None, epoch: int = 0) -> None:
+                 book: Snapshots | None = None, epoch: int = 0,
+                 trace: deque[tuple[int, int, int, int, int]] | None = None,
+                 hooks: list[StatsHook] | None = None) -> None:
         self.count = [0] * len(STAGES)
         self.ns = [0] * len(STAGES)
+        # Latency histograms by stage (percentiles, aioloader._stats.hist) and exact maxima.
+        self.hist = _hist.new_set(len(STAGES))
+        self.hmax = [0] * len(STAGES)
+        # Opt-in trace ring (loader.record_trace): (stage, lane, t0, t1, batch) spans.
+        self.trace = trace
+        # Registered stats hooks (the book's list, shared); watch: check at each batch.
+        self.hooks: list[StatsHook] = hooks if hooks is not None else []
+        # The workers' /proc usage (set by the epoch when it has local workers).
+        self.procs: WorkerProcs | None = None
         self.batches = 0
         self.samples = 0
         self.step_ns = 0
@@ -129,8 +180,10 @@ class Recorder:
         # timed stage by stage; the others only counted. Sums of the timed ones, by
         # stage (SAMPLING, FETCH, COLLATE).
         self.countdown = 1  # batches until the next timed one (the first one is timed)
-        # Periodic logging (opt-in) checks the clock at every batch: time them all then.
-        self.time_every = 1 if self.log_every_ns else self.TIME_EVERY
+        # Periodic logging and stats hooks (opt-in) look at every batch, and a trace
+        # draws every batch: time them all then.
+        self.watch = bool(self.log_every_ns or self.hooks)
+        self.time_every = 1 if self.watch or trace is not None else self.TIME_EVERY
         self.inline_ns = [0] * len(STAGES)
         self.inline_timed = 0
         self.inline_untimed = 0  # counted by the loader itself (two adds, no call)
@@ -157,6 +210,8 @@ class Recorder:
         """:meth:`begin_wait`, the consumer having asked at ``t``."""
         if self.last_ns:
             self.step_ns += t - self.last_ns
+            if self.trace is not None:
+                self.trace.append((STEP, LANE_CONSUMER, self.last_ns, t, self.count[WAIT] - 1))
         elif not self.start_ns:
             self.start_ns = t
 
@@ -173,10 +228,17 @@ class Recorder:
             if self.first_wait_ns < 0:
                 self.first_wait_ns = took
                 self.first_done_ns = t
-            if self.log_every_ns and t >= self.next_log_ns:
-                if self.next_log_ns:
-                    self._log()
-                self.next_log_ns = t + self.log_every_ns
+                if self.procs is not None:
+                    self.procs.begin()
+            else:  # percentiles leave the first wait (start-up, startup_s) out
+                sh = took.bit_length() - 5  # hist.bucket(took), inlined (took >= 0)
+                self.hist[WAIT][(sh << 4) + (took >> sh) if sh > 0 else took] += 1
+                if took > self.hmax[WAIT]:
+                    self.hmax[WAIT] = took
+            if self.trace is not None:
+                self.trace.append((WAIT, LANE_CONSUMER, t0, t, self.count[WAIT] - 1))
+            if self.watch:
+                self._tick(t)
 
     #: num_workers=0 plain batches: time one in this many stage by stage (the others
     #: are only counted, and their times estimated from the timed ones: a steady loop
@@ -200,19 +262,29 @@ class Recorder:
     def sampled_wait(self, t_ask: int, t_done: int) -> None:
         """One of the consumer's waits that are timed (1 in :attr:`time_every`): it
         asked at ``t_ask`` and got its batch at ``t_done``."""
-        self.inline_ns[WAIT] += t_done - t_ask
+        took = t_done - t_ask
+        self.inline_ns[WAIT] += took
         self.wait_timed += 1
         self.wait_countdown = self.time_every if self.wait_timed >= self.time_every else 1
         if not self.start_ns:
             self.start_ns = t_ask
+        elif self.trace is not None and self.last_ns:
+            self.trace.append((STEP, LANE_CONSUMER, self.last_ns, t_ask,
+                               self.batches + self.inline_untimed - 2))
         self.last_ns = t_done
         if self.first_wait_ns < 0:
-            self.first_wait_ns = t_done - t_ask
+            self.first_wait_ns = took
             self.first_done_ns = t_done
-        if self.log_every_ns and t_done >= self.next_log_ns:
-            if self.next_log_ns:
-                self._log()
-            self.next_log_ns = t_done + self.log_every_ns
+        else:
+            sh = took.bit_length() - 5  # hist.bucket(took), inlined (took >= 0)
+            self.hist[WAIT][(sh << 4) + (took >> sh) if sh > 0 else took] += 1
+            if took > self.hmax[WAIT]:
+                self.hmax[WAIT] = took
+        if self.trace is not None:
+            self.trace.append((WAIT, LANE_CONSUMER, t_ask, t_done,
+                               self.batches + self.inline_untimed - 1))
+        if self.watch:
+            self._tick(t_done)
 
     def inline_split(self, index: Any, auto_collation: bool, t_draw: int, t_drawn: int,
                      t_read: int, t_done: int) -> None:
@@ -221,9 +293,29 @@ class Recorder:
         # The epoch's first time_every batches are all timed (short epochs, start-up).
         self.countdown = self.time_every if self.inline_timed >= self.time_every else 1
         acc = self.inline_ns
-        acc[SAMPLING] += t_drawn - t_draw
-        acc[FETCH] += t_read - t_drawn
-        acc[COLLATE] += t_done - t_read
+        hist, hmax = self.hist, self.hmax
+        # Written out (hist.bucket inlined, times >= 0): one timed batch in TIME_EVERY.
+        a, b, c = t_drawn - t_draw, t_read - t_drawn, t_done - t_read
+        acc[SAMPLING] += a
+        acc[FETCH] += b
+        acc[COLLATE] += c
+        sh = a.bit_length() - 5
+        hist[SAMPLING][(sh << 4) + (a >> sh) if sh > 0 else a] += 1
+        sh = b.bit_length() - 5
+        hist[FETCH][(sh << 4) + (b >> sh) if sh > 0 else b] += 1
+        sh = c.bit_length() - 5
+        hist[COLLATE][(sh << 4) + (c >> sh) if sh > 0 else c] += 1
+        if a > hmax[SAMPLING]:
+            hmax[SAMPLING] = a
+        if b > hmax[FETCH]:
+            hmax[FETCH] = b
+        if c > hmax[COLLATE]:
+            hmax[COLLATE] = c
+        if self.trace is not None:
+            n = self.batches + self.inline_untimed
+            self.trace.extend(((SAMPLING, LANE_CONSUMER, t_draw, t_drawn, n),
+                               (FETCH, LANE_CONSUMER, t_drawn, t_read, n),
+                               (COLLATE, LANE_CONSUMER, t_read, t_done, n)))
         self.inline_timed += 1
         self.delivered(index, auto_collation)
 
@@ -261,11 +353,18 @@ class Recorder:
         else:
             self.samples += 1
 
-    def add(self, stage: int, ns: int) -> None:
+    def add(self, stage: int, ns: int, end: int = 0) -> None:
+        """One item of ``stage`` took ``ns``, ending at ``end`` (0: it just ended)."""
         self.count[stage] += 1
         self.ns[stage] += ns
+        self.hist[stage][_bucket(ns)] += 1
+        if ns > self.hmax[stage]:
+            self.hmax[stage] = ns
+        if self.trace is not None:
+            t = end or _now()
+            self.trace.append((stage, _LANE[stage], t - ns, t, self.count[WAIT]))
 
-    def worker_batch(self, worker: int, stamp: tuple[int, int, int, int]) -> None:
+    def worker_batch(self, worker: int, stamp: tuple[int, int, int, int], seq: int = -1) -> None:
         """A worker's reply arrived (just decoded) with its :class:`WorkerClock` stamp.
 
         Start-up is left out (it is ``startup_s``): transport counts from when the main
@@ -279,8 +378,24 @@ class Recorder:
         self.count[COLLATE] += 1
         self.ns[COLLATE] += collate
         self.count[TRANSPORT] += 1
-        took = _now() - (sent if sent > self.reading_ns else self.reading_ns)
-        self.ns[TRANSPORT] += took if took > 0 else 0
+        now = _now()
+        took = now - (sent if sent > self.reading_ns else self.reading_ns)
+        took = took if took > 0 else 0
+        self.ns[TRANSPORT] += took
+        hist, hmax = self.hist, self.hmax
+        hist[FETCH][_bucket(fetch)] += 1
+        hist[COLLATE][_bucket(collate)] += 1
+        hist[TRANSPORT][_bucket(took)] += 1
+        if fetch > hmax[FETCH]:
+            hmax[FETCH] = fetch
+        if collate > hmax[COLLATE]:
+            hmax[COLLATE] = collate
+        if took > hmax[TRANSPORT]:
+            hmax[TRANSPORT] = took
+        if self.trace is not None:
+            self.trace.extend(((FETCH, worker, sent - total, sent - collate, seq),
+                               (COLLATE, worker, sent - collate, sent, seq),
+                               (TRANSPORT, worker, now - took, now, seq)))
         began = sent - total  # the fetch started here, after `idle` ns of waiting
         first = self.first_done_ns
         if not first:
@@ -292,6 +407,32 @@ class Recorder:
             self.w_fetch[worker] += fetch
             self.w_collate[worker] += collate
             self.w_idle[worker] += idle
+
+    def _tick(self, t: int) -> None:
+        """A batch was delivered at ``t`` with periodic logging or stats hooks on."""
+        if self.log_every_ns and t >= self.next_log_ns:
+            if self.next_log_ns:
+                self._log()
+            self.next_log_ns = t + self.log_every_ns
+        for hook in tuple(self.hooks):
+            hook.seen += 1
+            if hook.seen % hook.every == 0:
+                self._call_hook(hook)
+
+    def _call_hook(self, hook: StatsHook) -> None:
+        """Call a stats hook with the epoch's statistics. An error is reported (a
+        ``RuntimeWarning`` and an ERROR log record with its traceback), never raised:
+        the batch is already the consumer's, and the epoch goes on (docs/stats.md)."""
+        book = self.book() if self.book is not None else None
+        if book is None:
+            return
+        try:
+            hook.fn(book.snapshot_of(self))
+        except Exception as exc:
+            _LOG.error("stats hook %r raised; the epoch goes on", hook.fn, exc_info=True)
+            warnings.warn(f"aioloader: stats hook {hook.fn!r} raised {exc!r}; the epoch "
+                          f"goes on (the hook stays registered: call its handle's remove() "
+                          f"to stop it)", RuntimeWarning, stacklevel=2)
 
     def _log(self) -> None:
         book = self.book() if self.book is not None else None
@@ -326,18 +467,16 @@ class TimedCollate:
     keep ``count``/``ns`` lists indexed by stage. A call that raises is not counted.
     """
 
-    __slots__ = ("count", "fn", "ns")
+    __slots__ = ("add", "fn")
 
     def __init__(self, fn: Callable[[Any], Any], sink: Recorder | WorkerClock) -> None:
         self.fn = fn
-        self.count = sink.count
-        self.ns = sink.ns
+        self.add = sink.add
 
     def __call__(self, data: Any) -> Any:
         t0 = _now()
         batch = self.fn(data)
-        self.ns[COLLATE] += _now() - t0
-        self.count[COLLATE] += 1
+        self.add(COLLATE, _now() - t0)
         return batch
 
 
@@ -359,6 +498,11 @@ class WorkerClock:
 
     def wrap(self, collate_fn: Callable[[Any], Any]) -> TimedCollate:
         return TimedCollate(collate_fn, self)
+
+    def add(self, stage: int, ns: int) -> None:
+        """:class:`TimedCollate`'s sink: ``ns`` more in ``stage``."""
+        self.count[stage] += 1
+        self.ns[stage] += ns
 
     def reset(self) -> None:
         """A new epoch: idle time between epochs is not this epoch's."""

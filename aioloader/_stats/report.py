@@ -6,10 +6,14 @@ Built by :class:`aioloader._stats.book.StatsBook` from the counters of
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["LoaderStats", "StageStats", "WorkerStats", "bottleneck_hint"]
+if TYPE_CHECKING:
+    from .trace import Trace
+
+__all__ = ["LoaderStats", "RankStats", "StageStats", "WorkerStats", "bottleneck_hint"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,12 @@ class StageStats:
             for ``fetch`` the batches in flight in workers/fetches, for
             ``consumer_wait`` the batches ready in the reorder buffer, for
             ``device`` the batches staged on the device; ``None`` elsewhere.
+        p50_ms, p95_ms, p99_ms, max_ms: latency percentiles of one item (a batch; a
+            command for ``dispatch``) in milliseconds, from a streaming log-bucket
+            histogram (within 3.2 % of the true value; ``max_ms`` exact); ``None`` when
+            nothing was timed. ``consumer_wait`` leaves each epoch's first wait out
+            (it is ``startup_s``). With ``num_workers=0`` and plain batches they come
+            from the timed batches (see docs/stats.md, "Cost").
     """
 
     name: str
@@ -34,6 +44,10 @@ class StageStats:
     seconds: float
     per_s: float
     occupancy: float | None = None
+    p50_ms: float | None = None
+    p95_ms: float | None = None
+    p99_ms: float | None = None
+    max_ms: float | None = None
 
     @property
     def mean_ms(self) -> float:
@@ -43,7 +57,7 @@ class StageStats:
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """One worker process over the period covered.
+    """One worker over the period covered.
 
     Attributes:
         worker_id: the worker's id (``get_worker_info().id``).
@@ -51,6 +65,16 @@ class WorkerStats:
         fetch_s: time reading samples; collate_s: time in ``collate_fn``;
         idle_s: time waiting for work (sync datasets: for the next command; async:
             with no fetch in flight).
+        cpu_s: CPU seconds (user + system) the worker used from the epoch's first
+            delivered batch to its end (or to now), read from ``/proc``; a thread
+            worker's own thread's. ``None`` where unknown (no ``/proc``, a Ray actor).
+        cpu_fraction: ``cpu_s`` over that window's wall time (1.0: one core busy).
+        runq_fraction: the share of that window it was runnable but waiting for a CPU
+            (``/proc/<pid>/schedstat``): high when the machine's cores are all busy.
+        rss_bytes, pss_bytes: the worker process's resident and proportional set
+            sizes at the latest reading (``None`` for thread workers, whose memory is
+            the main process's, and where unknown).
+        pid, tid: the worker's process id (and thread id for thread workers).
     """
 
     worker_id: int
@@ -58,12 +82,43 @@ class WorkerStats:
     fetch_s: float
     collate_s: float
     idle_s: float
+    cpu_s: float | None = None
+    cpu_fraction: float | None = None
+    rss_bytes: int | None = None
+    pss_bytes: int | None = None
+    pid: int | None = None
+    tid: int | None = None
+    runq_fraction: float | None = None
 
     @property
     def idle_fraction(self) -> float:
         """``idle_s / (idle_s + fetch_s + collate_s)``; 0.0 before any batch."""
         total = self.idle_s + self.fetch_s + self.collate_s
         return self.idle_s / total if total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's summary in ``stats(all_ranks=True).ranks``.
+
+    Attributes:
+        rank: its rank in the default process group.
+        batches: batches delivered; wall_s: its wall time.
+        wait_s: its consumer's wait on the loader, start-up excluded.
+        wait_fraction: that wait over wait plus training step.
+        p99_wait_ms: the 99th percentile of one wait (``None`` before any).
+        top_stage: its costliest loading stage (time per lane); ``""`` if none.
+        hint: its own bottleneck hint.
+    """
+
+    rank: int
+    batches: int
+    wall_s: float
+    wait_s: float
+    wait_fraction: float
+    p99_wait_ms: float | None
+    top_stage: str
+    hint: str
 
 
 @dataclass(frozen=True)
@@ -81,7 +136,14 @@ class LoaderStats:
             summed; left out of the hint's ratios.
         stages: :class:`StageStats` by name, in pipeline order.
         workers: :class:`WorkerStats` per worker (empty with ``num_workers=0``).
-        hint: one line naming the bottleneck.
+        hint: one line naming the bottleneck (with ``stats(all_ranks=True)``: the rank
+            and stage that hold the job back).
+        ranks: with ``stats(all_ranks=True)``, every rank's summary
+            (:class:`RankStats`, by rank); else empty.
+        slow_rank, slow_stage: with ``all_ranks=True``, the rank whose consumer waited
+            longest on its loader and its costliest stage (``None`` otherwise).
+        trace: the spans kept by ``loader.record_trace()`` (``None`` when off); write
+            them with :meth:`export_chrome_trace`.
         autotune: the autotuner's decisions so far, oldest first (empty without an
             ``"auto"`` argument): each has ``batch``, ``knob``, ``old``, ``new`` and
             ``reason`` (:class:`aioloader._tune.controller.Decision`; docs/autotune.md).
@@ -97,6 +159,25 @@ class LoaderStats:
     workers: list[WorkerStats] = field(default_factory=list)
     hint: str = ""
     autotune: list[Any] = field(default_factory=list)
+    ranks: list[RankStats] = field(default_factory=list)
+    slow_rank: int | None = None
+    slow_stage: str | None = None
+    trace: Trace | None = field(default=None, repr=False, compare=False)
+
+    def export_chrome_trace(self, path: str | os.PathLike[str]) -> None:
+        """Write the kept spans as a Chrome trace-event JSON file (the format of
+        ``torch.profiler``'s ``export_chrome_trace``; open it in https://ui.perfetto.dev
+        or chrome://tracing). One row per main-process lane and per worker.
+
+        Raises:
+            RuntimeError: tracing is off (call ``loader.record_trace()`` before
+                iterating).
+        """
+        if self.trace is None:
+            raise RuntimeError("no trace was recorded: call loader.record_trace("
+                               "last_n_batches) before iterating, then stats()."
+                               "export_chrome_trace(path)")
+        self.trace.write(path)
 
     @property
     def batches_per_s(self) -> float:
@@ -125,19 +206,33 @@ class LoaderStats:
                 f"({self.startup_s:.3f}s to the first batch), {self.batches_per_s:.1f} "
                 f"batches/s, {self.samples_per_s:.0f} samples/s")
         rows = [f"{'stage':<14}{'count':>8}{'total s':>10}{'mean ms':>10}{'items/s':>11}"
-                f"{'queue':>7}"]
+                f"{'queue':>7}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'max ms':>9}"]
         for s in self.stages.values():
             occ = f"{s.occupancy:7.1f}" if s.occupancy is not None else f"{'-':>7}"
+            pct = "".join(f"{v:9.3f}" if v is not None else f"{'-':>9}"
+                          for v in (s.p50_ms, s.p95_ms, s.p99_ms, s.max_ms))
             rows.append(f"{s.name:<14}{s.count:>8}{s.seconds:>10.3f}{s.mean_ms:>10.3f}"
-                        f"{s.per_s:>11.1f}{occ}")
+                        f"{s.per_s:>11.1f}{occ}{pct}")
         rows.append(f"{'step':<14}{'':>8}{self.step_s:>10.3f}")
         lines = [head, *rows]
         if self.workers:
             lines.append(f"{'worker':<8}{'batches':>8}{'fetch s':>10}{'collate s':>11}"
-                         f"{'idle s':>9}{'idle':>7}")
+                         f"{'idle s':>9}{'idle':>7}{'cpu s':>9}{'cpu':>6}{'runq':>6}{'rss MB':>9}"
+                         f"{'pss MB':>9}")
             for w in self.workers:
                 lines.append(f"{w.worker_id:<8}{w.batches:>8}{w.fetch_s:>10.3f}"
-                             f"{w.collate_s:>11.3f}{w.idle_s:>9.3f}{w.idle_fraction:>7.0%}")
+                             f"{w.collate_s:>11.3f}{w.idle_s:>9.3f}{w.idle_fraction:>7.0%}"
+                             f"{_opt(w.cpu_s, 9, '.2f')}{_opt(w.cpu_fraction, 6, '.0%')}"
+                             f"{_opt(w.runq_fraction, 6, '.0%')}"
+                             f"{_opt(_mb(w.rss_bytes), 9, '.1f')}"
+                             f"{_opt(_mb(w.pss_bytes), 9, '.1f')}")
+        if self.ranks:
+            lines.append(f"{'rank':<8}{'batches':>8}{'wall s':>9}{'waited':>8}"
+                         f"{'p99 wait ms':>13}  costliest stage")
+            for r in self.ranks:
+                lines.append(f"{r.rank:<8}{r.batches:>8}{r.wall_s:>9.3f}"
+                             f"{r.wait_fraction:>8.0%}{_opt(r.p99_wait_ms, 13, '.3f')}"
+                             f"  {r.top_stage}")
         if self.autotune:
             lines.append("autotune:")
             lines.extend(f"  {d}" for d in self.autotune)
@@ -145,8 +240,28 @@ class LoaderStats:
         return "\n".join(lines)
 
 
+def _opt(v: float | None, width: int, fmt: str) -> str:
+    return f"{v:{width}{fmt}}" if v is not None else f"{'-':>{width}}"
+
+
+def _mb(b: int | None) -> float | None:
+    return b / 2**20 if b is not None else None
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
+
+
+#: Workers' mean CPU share (on a CPU or waiting for one) at or above which the hint calls
+#: them CPU-bound, and below which it calls them waiting on I/O; the run-queue share
+#: above which it says the machine's cores are all busy (docs/stats.md, "The hint").
+CPU_BOUND, CPU_IDLE, RUNQ_BUSY = 0.8, 0.5, 0.25
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """The mean of the known values (``None``: none known)."""
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def bottleneck_hint(s: LoaderStats, is_async: bool) -> str:
@@ -161,8 +276,29 @@ def bottleneck_hint(s: LoaderStats, is_async: bool) -> str:
         idle_frac = idle / (idle + busy) if idle + busy > 0 else 0.0
         if wait >= 0.5:
             if idle_frac < 0.5:
-                what = ("collate_fn" if st["collate"].seconds > st["fetch"].seconds
-                        else "reading samples")
+                in_collate = st["collate"].seconds > st["fetch"].seconds
+                what = "collate_fn" if in_collate else "reading samples"
+                cpu = _mean([w.cpu_fraction for w in s.workers])
+                runq = _mean([w.runq_fraction for w in s.workers]) or 0.0
+                fn = "collate_fn" if in_collate else "__getitem__"
+                if cpu is not None and cpu + runq >= CPU_BOUND and runq >= RUNQ_BUSY:
+                    return (f"consumer waited {_pct(wait)} of the time on workers (busy "
+                            f"{_pct(1 - idle_frac)}, mostly {what}); workers at "
+                            f"{_pct(cpu)} CPU and waiting {_pct(runq)} of the time for a "
+                            f"core: the machine's CPUs are all busy, more workers will "
+                            f"not help: make {fn} cheaper")
+                if cpu is not None and cpu >= CPU_BOUND:
+                    return (f"consumer waited {_pct(wait)} of the time on workers (busy "
+                            f"{_pct(1 - idle_frac)}, mostly {what}); workers at "
+                            f"{_pct(cpu)} CPU: raise num_workers or make {fn} cheaper")
+                if cpu is not None and cpu + runq < CPU_IDLE:
+                    threads = any(w.tid is not None for w in s.workers)
+                    fix = ("raise fetch_concurrency" if is_async
+                           else "raise fetch_threads (or num_workers)")
+                    return (f"consumer waited {_pct(wait)} of the time on workers (busy "
+                            f"{_pct(1 - idle_frac)}, mostly {what}) but workers at "
+                            f"{_pct(cpu)} CPU: workers idle waiting on I/O"
+                            f"{' or the GIL' if threads else ''}: {fix}")
                 return (f"consumer waited {_pct(wait)} of the time on workers (busy "
                         f"{_pct(1 - idle_frac)}, mostly {what}): raise num_workers")
             main = max(("transport", "pin", "device"), key=lambda n: st[n].seconds)
