@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,6 +33,7 @@ import torch
 
 from .._fetch.amap import AsyncFetchPool
 from .._pools.lease import _PoolLease
+from .._stats import proc as _proc
 from .._stats.recorder import Recorder
 from .._threads import ThreadRunner
 from .._tune.bounds import Limits, System, limits
@@ -61,34 +61,29 @@ FAST_WINDOW_BATCHES = 64
 FAST_WINDOW_S = 0.05
 
 #: Reads the CPU seconds used so far by the given pids (``None``: unknown). Swappable
-#: (tests; aioloader._stats' /proc reader).
+#: (tests); by default aioloader._stats.proc reads it.
 CpuReader = Callable[[Sequence[int]], "float | None"]
 
 
 def proc_cpu_seconds(pids: Sequence[int]) -> float | None:
-    """User + system CPU seconds of ``pids`` so far, from ``/proc/<pid>/stat``."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    total = 0
+    """User + system CPU seconds of ``pids`` so far (``None`` if one is unknown)."""
+    total = 0.0
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
+        cpu = _proc.sample(pid, pss=False).cpu_s
+        if cpu is None:
             return None
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
-    return total / tick
+        total += cpu
+    return total
 
 
 def proc_rss_bytes(pids: Sequence[int]) -> int | None:
-    """The largest resident set (bytes) among ``pids``, from ``/proc/<pid>/statm``."""
-    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    """The largest resident set (bytes) among ``pids`` (``None`` if one is unknown)."""
     largest = 0
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/statm", "rb") as f:
-                largest = max(largest, int(f.read().split()[1]) * page)
-        except (OSError, IndexError, ValueError):
+        rss = _proc.sample(pid, pss=False).rss_bytes
+        if rss is None:
             return None
+        largest = max(largest, rss)
     return largest
 
 

@@ -78,11 +78,13 @@ def _pss(pid: int) -> int | None:
     return None
 
 
-def sample(pid: int | None, tid: int | None = None) -> ProcSample:
+def sample(pid: int | None, tid: int | None = None, *, pss: bool = True) -> ProcSample:
     """CPU seconds and memory of process ``pid`` (or of its thread ``tid``: CPU only).
 
-    ``pid=None`` (a worker that is not a local process, e.g. a Ray actor) or a missing
-    ``/proc`` gives ``ProcSample(None, None, None)``.
+    ``pss=False`` leaves out the proportional set size (``None``), whose read walks
+    the process's mappings; CPU and RSS come from one small file. ``pid=None`` (a
+    worker that is not a local process, e.g. a Ray actor) or a missing ``/proc`` gives
+    ``ProcSample(None, None, None)``.
     """
     if pid is None or not AVAILABLE:
         return _NOTHING
@@ -99,7 +101,7 @@ def sample(pid: int | None, tid: int | None = None) -> ProcSample:
         return _NOTHING
     if tid is not None:
         return ProcSample(cpu, None, None)
-    return ProcSample(cpu, rss, _pss(pid))
+    return ProcSample(cpu, rss, _pss(pid) if pss else None)
 
 
 def run_delay(pid: int | None, tid: int | None = None) -> float | None:
