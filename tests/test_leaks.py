@@ -9,6 +9,7 @@ check them explicitly too. They are marked ``gc_off``: clean-up must not need a
 from __future__ import annotations
 
 import _posixshmem
+import errno
 import itertools
 import multiprocessing
 import os
@@ -137,6 +138,10 @@ def _create_segment_then_fail() -> None:
                        "No space left on device (28)")
 
 
+def _memfd_fails(*args: Any) -> int:
+    raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+
 def _new_shared_fails(cls: Any, size: int) -> Any:
     _create_segment_then_fail()
 
@@ -154,14 +159,14 @@ def _stack(batch: list[Any]) -> Any:
 
 
 @pytest.mark.gc_off
-@pytest.mark.parametrize("method", ["multiprocessing", "thread"])
-def test_a_full_dev_shm_leaves_no_segment_leak(monkeypatch: Any, method: str) -> None:
+def test_a_full_dev_shm_leaves_no_segment_leak(monkeypatch: Any) -> None:
     """Regression test for issue 18: a batch whose shared memory cannot be allocated
-    (/dev/shm full) raises torch's error, and the file torch created is removed."""
+    (/dev/shm full, no recycled segment either) raises torch's error, and the file torch
+    created is removed."""
     monkeypatch.setattr(torch.UntypedStorage, "_new_using_fd_cpu", classmethod(_new_shared_fails))
+    monkeypatch.setattr(os, "memfd_create", _memfd_fails)  # no recycled segment either
     shm = shm_entries()
-    loader = DataLoader(BigSamples(), batch_size=2, num_workers=2, worker_method=method,
-                        **(FORK if method == "multiprocessing" else {}))
+    loader = DataLoader(BigSamples(), batch_size=2, num_workers=2, **FORK)
     it = iter(loader)
     for _ in range(4):  # every batch fails, and each failure is raised
         with pytest.raises(RuntimeError, match=r"unable to allocate shared memory\(shm\)"):
@@ -169,6 +174,20 @@ def test_a_full_dev_shm_leaves_no_segment_leak(monkeypatch: Any, method: str) ->
     assert next(it, None) is None
     it.close()
     assert shm_entries() <= shm, "segments of failed allocations left in /dev/shm"
+
+
+@pytest.mark.gc_off
+def test_thread_workers_allocate_no_shared_memory(monkeypatch: Any) -> None:
+    """Regression test for issue 20: thread workers collate into ordinary memory (their
+    batches never leave the process), so a full /dev/shm does not concern them."""
+    monkeypatch.setattr(torch.UntypedStorage, "_new_using_fd_cpu", classmethod(_new_shared_fails))
+    shm = shm_entries()
+    loader = DataLoader(BigSamples(), batch_size=2, num_workers=2, worker_method="thread")
+    batches = list(loader)
+    assert [b[:, 0].tolist() for b in batches] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0],
+                                                   [6.0, 7.0]]
+    assert not any(b.is_shared() for b in batches)
+    assert shm_entries() <= shm
 
 
 @pytest.mark.gc_off
@@ -183,6 +202,7 @@ def test_a_full_dev_shm_while_sending_inlines_the_batch_no_leak(monkeypatch: Any
         _create_segment_then_fail()
 
     monkeypatch.setattr(torch.UntypedStorage, "_share_fd_cpu_", share_fails)
+    monkeypatch.setattr(os, "memfd_create", _memfd_fails)  # no recycled segment either
     shm = shm_entries()
     loader = DataLoader(BigSamples(), batch_size=2, num_workers=2, collate_fn=_stack, **FORK)
     batches = [b[:, 0].tolist() for b in loader]

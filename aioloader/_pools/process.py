@@ -161,7 +161,7 @@ class WorkerPool(PoolBase[Conn]):
             conn.retiring = True
         if conn.exited:
             return
-        conn.writer.write(command)
+        conn.write(command)  # released segments ride along
         await self._drain(conn)
 
     def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
@@ -176,7 +176,7 @@ class WorkerPool(PoolBase[Conn]):
         conn = self._workers[worker_id]
         if conn.exited:
             return
-        conn.writer.write(command)
+        conn.write(command)  # released segments ride along
         try:
             conn.writer.flush()
         except (BrokenPipeError, ConnectionResetError):
