@@ -288,3 +288,161 @@ def test_truncated_header_fd_count_is_a_transport_error(no_fd_leak: None) -> Non
     reader.close()
     a.close()
     b.close()
+
+
+# ------------------------------------------------------------ recycled segments (issue 20)
+
+
+@pytest.fixture
+def seg_pool() -> Iterator[Any]:
+    """This process acting as a worker with a segment pool (collate allocates from it)."""
+    from aioloader._collate import fns
+    from aioloader._worker import segments
+    from aioloader._worker_info import WorkerInfo, _set_worker_info
+
+    _set_worker_info(WorkerInfo(id=0, num_workers=1, seed=0, dataset=None))
+    pool = segments.install()
+    assert pool is not None
+    try:
+        yield pool
+    finally:
+        fns.set_segment_allocator(None)
+        segments._current = None
+        _set_worker_info(None)
+        pool.close()
+
+
+def _send(obj: Any, maps: Any) -> Any:
+    """Encode as the worker does and decode as the parent does (``maps``: its mappings)."""
+    return decode(*encode(obj), maps)
+
+
+def _hand_back(maps: Any, pool: Any) -> None:
+    """Carry the parent's releases to the worker, as the next command does."""
+    from aioloader._worker.segments import Freed
+
+    cmd = maps.attach(("fetch",))
+    if isinstance(cmd, Freed):
+        decode(*encode(cmd))  # a worker's decode hands the ids to its pool
+        assert pool.stats()["free"] >= 1
+
+
+def test_segment_is_reused_only_once_every_view_is_gone(no_fd_leak: None, seg_pool: Any) -> None:
+    """Regression test for issue 20: a batch collated into a recycled segment keeps its
+    values while any tensor, view, storage or numpy view of it lives; then it is reused."""
+    from aioloader._collate.fns import collate_tensor_fn
+    from aioloader._worker.segments import SegmentMaps
+
+    maps = SegmentMaps()
+    first = _send(("data", collate_tensor_fn([torch.full((64, 64), 1.0)] * 8)), maps)[1]
+    keep_view, keep_np, keep_storage = first[2:4], first[5].numpy(), first.untyped_storage()
+    del first
+    gc.collect()
+    _hand_back(maps, seg_pool)  # nothing released yet: no envelope
+    assert seg_pool.stats()["free"] == 0
+    second = _send(("data", collate_tensor_fn([torch.full((64, 64), 2.0)] * 8)), maps)[1]
+    assert second.data_ptr() != keep_view.data_ptr() - 2 * 64 * 64 * 4  # another segment
+    assert (keep_view == 1).all() and (keep_np == 1).all() and keep_storage.nbytes() > 0
+    del keep_view, keep_np, keep_storage, second
+    gc.collect()
+    _hand_back(maps, seg_pool)
+    stats = seg_pool.stats()
+    assert stats["free"] == stats["pooled"] == 2 and len(maps) == 2
+    third = _send(("data", collate_tensor_fn([torch.full((64, 64), 3.0)] * 8)), maps)[1]
+    assert (third == 3).all() and seg_pool.stats()["live"] == 2  # reused, not a new one
+    del third
+    maps.close()
+
+
+def test_pool_bound_orphans_beyond_it_are_freed(no_fd_leak: None, seg_pool: Any) -> None:
+    """Regression test for issue 20: a user keeping every batch gets fresh segments beyond
+    the pool's bound, and those are destroyed (not pooled) once dropped."""
+    from aioloader._collate.fns import collate_tensor_fn
+    from aioloader._worker.segments import POOL_LIMIT, SegmentMaps
+
+    maps = SegmentMaps()
+    kept = [_send(collate_tensor_fn([torch.full((32, 32), float(i))] * 4), maps)
+            for i in range(POOL_LIMIT + 3)]
+    assert seg_pool.stats()["pooled"] == POOL_LIMIT and len(maps) == POOL_LIMIT
+    assert [int(t[0, 0, 0]) for t in kept] == list(range(POOL_LIMIT + 3))
+    del kept
+    gc.collect()
+    _hand_back(maps, seg_pool)
+    stats = seg_pool.stats()
+    assert stats["live"] == stats["free"] == POOL_LIMIT  # the orphans are gone
+    maps.close()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.arange(40000, dtype=np.float32).reshape(200, 200),
+    lambda: np.asfortranarray(np.arange(40000, dtype=np.int64).reshape(200, 200)),
+    lambda: np.arange(360000, dtype=">i4").reshape(600, 600),
+    lambda: np.zeros(20000, dtype=[("a", "<f8"), ("b", "u1", (3,))]),
+    lambda: np.arange(30000, dtype=np.float64),
+], ids=["c", "fortran", "bigendian", "structured", "readonly"])
+def test_numpy_arrays_travel_out_of_band(no_fd_leak: None, seg_pool: Any,
+                                         make: Any) -> None:
+    """Regression test for issue 20: numpy arrays of any layout come back with torch's
+    dtype, shape, values, order and writability, over the segment (no copy in the pickle)."""
+    from aioloader._worker.segments import SegmentMaps
+
+    maps = SegmentMaps()
+    arr = make()
+    if arr.dtype == np.float64 and arr.ndim == 1:
+        arr.flags.writeable = False
+    payload, fds = encode({"x": arr})
+    assert len(payload) < 1024  # the bytes went through the segment (a byte-swapped array
+    # arrives in native order, as with torch's workers: numpy's protocol-4 bytes do)
+    ours = decode(payload, fds, maps)["x"]
+    theirs = pickle.loads(pickle.dumps(arr, protocol=4))  # what torch's workers send
+    assert type(ours) is np.ndarray and ours.dtype == theirs.dtype
+    assert ours.shape == theirs.shape and ours.strides == theirs.strides
+    assert ours.flags.f_contiguous == theirs.flags.f_contiguous
+    assert ours.flags.writeable == theirs.flags.writeable
+    np.testing.assert_array_equal(ours, arr)
+    strided = arr[::2, 1::3] if arr.ndim == 2 else arr[::3]  # numpy's own pickling
+    np.testing.assert_array_equal(decode(*encode(strided), maps), strided)
+    del ours
+    maps.close()
+
+
+def test_bytes_bytearray_memoryview_keep_their_types(no_fd_leak: None, seg_pool: Any) -> None:
+    """Regression test for issue 20: bytes stay bytes, bytearrays bytearrays, memoryviews
+    memoryviews (format, shape, read-only flag), large ones out of band, small ones inline."""
+    from aioloader._worker.segments import SegmentMaps
+
+    maps = SegmentMaps()
+    big = bytes(range(256)) * 1024
+    ro = memoryview(big).cast("I", (256, 256))
+    rw = memoryview(bytearray(big))
+    obj = {"b": big, "ba": bytearray(big), "ro": ro, "rw": rw, "small": b"abc",
+           "small_view": memoryview(b"xyz")}
+    payload, fds = encode(obj)
+    assert len(payload) < 2048
+    out = decode(payload, fds, maps)
+    assert type(out["b"]) is bytes and out["b"] == big
+    assert type(out["ba"]) is bytearray and out["ba"] == bytearray(big)
+    assert out["ro"].readonly and out["ro"].format == "I" and out["ro"].shape == (256, 256)
+    assert out["ro"].tolist() == ro.tolist()
+    assert not out["rw"].readonly and out["rw"].tobytes() == big
+    assert out["small"] == b"abc" and out["small_view"].tobytes() == b"xyz"
+    del out
+    maps.close()
+
+
+def test_a_received_tensor_can_be_shared_again(no_fd_leak: None, seg_pool: Any) -> None:
+    """Regression test for issue 20: a tensor over a segment (is_shared() False) still goes
+    through torch.multiprocessing's reducer, and share_memory_() gives it its own copy."""
+    from torch.multiprocessing.reductions import rebuild_storage_fd  # noqa: F401
+
+    from aioloader._collate.fns import collate_tensor_fn
+    from aioloader._worker.segments import SegmentMaps
+
+    maps = SegmentMaps()
+    batch = _send(collate_tensor_fn([torch.full((64, 64), 5.0)] * 8), maps)
+    batch.share_memory_()
+    assert batch.is_shared() and (batch == 5).all()
+    del batch
+    gc.collect()
+    _hand_back(maps, seg_pool)  # its segment went back as soon as the copy was made
+    maps.close()

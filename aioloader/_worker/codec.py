@@ -25,7 +25,9 @@ numpy arrays and byte buffers travel out of band through recycled segments inste
   shared memory) is copied into a segment (warm pages) rather than moved to fresh
   shared memory;
 * a numpy array (exact ``ndarray``, no Python objects in it), ``bytes``, ``bytearray``
-  or ``memoryview`` of at least :data:`SHARE_THRESHOLD` bytes is copied into a segment
+  or ``memoryview`` of at least :data:`SHARE_THRESHOLD` bytes (numpy arrays: C or
+  Fortran contiguous ones in native byte order; others are pickled in band as torch's
+  workers pickle them, protocol 4) is copied into a segment
   (or referenced where it already lies in one) and rebuilt in the parent over the
   mapping: numpy arrays and memoryviews without a copy (same dtype, shape, C or Fortran
   order, writable as torch's unpickled arrays are), ``bytes``/``bytearray`` with one
@@ -220,12 +222,8 @@ def _rebuild_ndarray(lease: Any, dtype: np.dtype[Any], shape: tuple[int, ...],
     return np.ndarray(shape, dtype=dtype, buffer=lease, order="F" if fortran else "C")
 
 
-def _rebuild_bytes(lease: Any) -> bytes:
-    return bytes(lease)
-
-
-def _rebuild_bytearray(lease: Any) -> bytearray:
-    return bytearray(lease)
+_SEGMENT_TAGS = frozenset({"s", "sb", "sB", "sA"})
+"""Persistent ids of segment regions: a storage, a raw buffer, bytes, a bytearray."""
 
 
 def _rebuild_memoryview(data: Any, fmt: str, shape: tuple[int, ...],
@@ -257,6 +255,7 @@ class _Pickler(pickle.Pickler):
         self.fd_sent: list[Any] = []
         self._seg_fd: dict[int, int] = {}  # segment id -> fd index in this message
         self._seg_pids: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._buffers: dict[int, tuple[Any, tuple[Any, ...]]] = {}  # id -> (obj, pid)
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
@@ -264,23 +263,28 @@ class _Pickler(pickle.Pickler):
             return _reduce_tensor(obj)
         if cls is memoryview:
             return self._reduce_memoryview(obj)
-        if self.pool is None:
-            return NotImplemented
         if cls is np.ndarray:
             return self._reduce_ndarray(obj)
-        if cls is bytes or cls is bytearray:
-            if len(obj) < self._threshold:
-                return NotImplemented
-            ref = self._copy_in(np.frombuffer(obj, dtype=np.uint8), len(obj))
-            if ref is None:
-                return NotImplemented
-            return (_rebuild_bytes if cls is bytes else _rebuild_bytearray, (ref,))
+        if self.pool is None:
+            return NotImplemented
         return NotImplemented
 
     def persistent_id(self, obj: Any) -> Any:
         cls = type(obj)
         if cls is _SegRef:
             return obj.pid
+        if cls is bytes or cls is bytearray:  # these never reach reducer_override
+            if self.pool is None or len(obj) < self._threshold:
+                return None
+            seen = self._buffers.get(id(obj))
+            if seen is not None:  # the same object again: the same one comes out
+                return seen[1]
+            ref = self._copy_in(np.frombuffer(obj, dtype=np.uint8), len(obj),
+                                "sB" if cls is bytes else "sA")
+            if ref is None:
+                return None
+            self._buffers[id(obj)] = (obj, ref.pid)
+            return ref.pid
         if cls is not torch.UntypedStorage or obj.device.type != "cpu":
             return None
         return self._storage_id(obj)
@@ -328,18 +332,17 @@ class _Pickler(pickle.Pickler):
 
     def _reduce_ndarray(self, arr: np.ndarray[Any, Any]) -> Any:
         nbytes = arr.nbytes
-        if nbytes < self._threshold or arr.dtype.hasobject:
-            return NotImplemented
         flags = arr.flags
         fortran = bool(flags.f_contiguous and not flags.c_contiguous)
-        ref = None
-        if flags.c_contiguous or fortran:
-            ref = self._in_segment(arr.ctypes.data, nbytes)
-            if ref is None:
-                flat = arr.reshape(-1, order="F" if fortran else "C").view(np.uint8)
-                ref = self._copy_in(flat, nbytes)
-        else:  # torch's (protocol 4) result is a C-contiguous copy: so is ours
-            ref = self._copy_in(np.ascontiguousarray(arr).reshape(-1).view(np.uint8), nbytes)
+        if (self.pool is None or nbytes < self._threshold or arr.dtype.hasobject
+                or not arr.dtype.isnative or not (flags.c_contiguous or fortran)):
+            # In band, as torch's workers pickle it (protocol 4: a byte-swapped array
+            # arrives in native order, a non-contiguous one C-contiguous).
+            return arr.__reduce_ex__(4)
+        ref = self._in_segment(arr.ctypes.data, nbytes)
+        if ref is None:
+            ref = self._copy_in(arr.reshape(-1, order="F" if fortran else "C").view(np.uint8),
+                                nbytes)
         if ref is None:
             return NotImplemented
         return (_rebuild_ndarray, (ref, arr.dtype, arr.shape, fortran))
@@ -427,7 +430,14 @@ class _Unpickler(pickle.Unpickler):
                 raise pickle.UnpicklingError("a segment reference needs the worker's SegmentMaps")
             fd = self._fds[fd_index] if fd_index >= 0 else None
             lease = self._maps.lease(seg_id, offset, nbytes, fd, pooled)
-            out = _segments._storage_over(lease) if tag == "s" else lease
+            if tag == "s":
+                out = _segments._storage_over(lease)
+            elif tag == "sB":  # bytes own their memory: one copy out, the lease goes now
+                out = bytes(lease)
+            elif tag == "sA":
+                out = bytearray(lease)
+            else:
+                out = lease
             self._leased[key] = out
         return out
 
@@ -435,7 +445,7 @@ class _Unpickler(pickle.Unpickler):
         tag = pid[0]
         if tag == "b":
             return _storage_from_bytes(pid[1])
-        if tag == "s" or tag == "sb":
+        if tag in _SEGMENT_TAGS:
             return self._segment(pid)
         if tag == "fd":
             index, nbytes = pid[1], pid[2]
