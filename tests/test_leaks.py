@@ -19,6 +19,7 @@ import tempfile
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from _loader_datasets import Dies, Slow
@@ -293,3 +294,70 @@ def test_forked_workers_keep_the_files_and_pipes_their_dataset_holds() -> None:
         assert [b.tolist() for b in loader] == [[10, 11], [12, 13]]
     assert sorted(queue.get() for _ in range(4)) == [0, 1, 2, 3]
     queue.close()
+
+
+# ------------------------------------------------------- recycled segments (issue 20)
+
+
+class BigOrFails(aioloader.Dataset[Any]):
+    """256 KiB samples (collated into the workers' segments); ``how`` at index 9."""
+
+    def __init__(self, how: str = "") -> None:
+        self.how = how
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 9 and self.how == "error":
+            raise ValueError("sample 9 is bad")
+        if i == 9 and self.how == "crash":
+            os._exit(3)
+        return torch.full((64 * 1024,), float(i)), np.full(20000, i)
+
+
+def _segment_fds() -> list[str]:
+    """The memfd segments this process holds open (one per mapping kept)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:aioloader-"):
+            out.append(target)
+    return out
+
+
+@pytest.mark.gc_off
+@pytest.mark.parametrize("path", ["end", "break", "error", "crash", "persistent", "gc"])
+def test_segments_are_released_on_every_exit_path_leak(path: str) -> None:
+    """Regression test for issue 20: whatever way an epoch ends (normal end, break, a
+    dataset error, a worker crash, persistent workers over epochs, the loader collected),
+    once the batches are dropped the parent holds no segment and no worker is left."""
+    before = open_fds()
+    loader = DataLoader(BigOrFails(path), batch_size=2, num_workers=2,
+                        persistent_workers=path == "persistent", **FORK)
+    got = []
+    procs: list[Any] = []
+    if path in ("error", "crash"):
+        expected = ValueError if path == "error" else WorkerDiedError
+        with pytest.raises(expected):
+            for batch in loader:
+                got.append(batch)
+    else:
+        for _ in range(3 if path == "persistent" else 1):
+            it = iter(loader)
+            procs = list(it._workers)
+            for n, batch in enumerate(it):
+                got.append(batch)
+                if path in ("break", "gc") and n == 3:  # gc: dropped unclosed
+                    break
+            it.close() if path == "break" else None
+            del it
+    assert all(torch.equal(b[0][:, 0], b[0][:, -1]) for b in got)  # every value intact
+    batch = None
+    del got, batch, loader
+    assert wait_until(lambda: _segment_fds() == [], LEAK_GRACE_S), _segment_fds()
+    assert wait_until(lambda: not any(p.is_alive() for p in procs), LEAK_GRACE_S)
+    assert wait_until(lambda: open_fds() <= before, LEAK_GRACE_S)

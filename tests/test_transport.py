@@ -446,3 +446,75 @@ def test_a_received_tensor_can_be_shared_again(no_fd_leak: None, seg_pool: Any) 
     gc.collect()
     _hand_back(maps, seg_pool)  # its segment went back as soon as the copy was made
     maps.close()
+
+
+class _Payloads(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Sample i: a 64 KiB+ tensor, numpy array and bytes, all filled with i."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> Any:
+        return {"t": torch.full((3, 80, 80), float(i)), "a": np.full((90, 90), i, np.int64),
+                "b": bytes([i]) * 70000, "i": i}
+
+
+def _keep_as_is(samples: list[Any]) -> Any:
+    return samples  # a custom collate_fn: numpy arrays and bytes cross as they are
+
+
+def _check_sample(sample: Any, i: int, array_type: type = np.ndarray) -> None:
+    assert (sample["t"] == float(i)).all()
+    assert type(sample["a"]) is array_type and (sample["a"] == i).all()
+    assert type(sample["b"]) is bytes and sample["b"] == bytes([i]) * 70000
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_kept_batches_of_several_epochs_are_never_overwritten(persistent: bool) -> None:
+    """Regression test for issue 20: a user keeping every batch of three epochs (default
+    collate, a custom collate_fn, batch_size=None) finds every value intact."""
+    from aioloader import DataLoader
+
+    fork = {"multiprocessing_context": "fork", "persistent_workers": persistent}
+    default = DataLoader(_Payloads(), batch_size=4, num_workers=2, **fork)
+    kept = [batch for _ in range(3) for batch in default]
+    for k, batch in enumerate(kept):
+        ids = list(range((k % 6) * 4, (k % 6) * 4 + 4))
+        assert batch["i"].tolist() == ids
+        for j, i in enumerate(ids):
+            _check_sample({key: value[j] for key, value in batch.items()}, i, torch.Tensor)
+    custom = DataLoader(_Payloads(), batch_size=3, num_workers=2, collate_fn=_keep_as_is,
+                        **fork)
+    kept = [batch for _ in range(3) for batch in custom]
+    for k, batch in enumerate(kept):
+        for j, sample in enumerate(batch):
+            _check_sample(sample, (k % 8) * 3 + j)
+    unbatched = DataLoader(_Payloads(), batch_size=None, num_workers=2, **fork)
+    kept = [sample for _ in range(3) for sample in unbatched]
+    for k, sample in enumerate(kept):
+        _check_sample(sample, k % 24, torch.Tensor)  # default_convert: arrays to tensors
+
+
+def test_dropped_batches_recycle_within_the_bound() -> None:
+    """Regression test for issue 20: with most batches dropped as they come (every fifth
+    kept), segments are recycled, each worker's stay within the pool's bound epoch after
+    epoch (persistent workers), and the kept ones are intact at the end."""
+    from aioloader import DataLoader
+    from aioloader._worker.segments import POOL_LIMIT
+
+    loader = DataLoader(_Payloads(), batch_size=2, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork")
+    kept = []
+    for _ in range(4):
+        it = iter(loader)
+        for n, batch in enumerate(it):
+            assert (batch["t"][:, 0, 0, 0] == batch["i"].float()).all()
+            if n % 5 == 0:
+                kept.append(batch)
+        del batch
+        conns = it._core.lease.pool._workers
+        assert all(len(c.segments) <= POOL_LIMIT for c in conns)
+        del it
+    for batch in kept:
+        for j, i in enumerate(batch["i"].tolist()):
+            _check_sample({key: value[j] for key, value in batch.items()}, i, torch.Tensor)
