@@ -429,15 +429,12 @@ class _Unpickler(pickle.Unpickler):
             if self._maps is None:
                 raise pickle.UnpicklingError("a segment reference needs the worker's SegmentMaps")
             fd = self._fds[fd_index] if fd_index >= 0 else None
-            lease = self._maps.lease(seg_id, offset, nbytes, fd, pooled)
-            if tag == "s":
-                out = _segments._storage_over(lease)
-            elif tag == "sB":  # bytes own their memory: one copy out, the lease goes now
-                out = bytes(lease)
-            elif tag == "sA":
-                out = bytearray(lease)
+            if tag == "sB" or tag == "sA":  # bytes own their memory: one copy out
+                out = self._maps.copy_out(seg_id, offset, nbytes, fd, pooled,
+                                          bytes if tag == "sB" else bytearray)
             else:
-                out = lease
+                lease = self._maps.lease(seg_id, offset, nbytes, fd, pooled)
+                out = _segments._storage_over(lease) if tag == "s" else lease
             self._leased[key] = out
         return out
 

@@ -162,6 +162,7 @@ class WorkerSegments:
         self._arena_bytes = 0
         self._hint = 0  # the largest arena so far: the size a new one asks for
         self._next_id = 0
+        self.created = 0  # segments made so far (pooled and orphans)
         self._retired: list[int] = []
         # Finalizers may run in any thread, at any time: they only append here.
         self._local_done: collections.deque[int] = collections.deque()
@@ -222,6 +223,7 @@ class WorkerSegments:
             pooled -= 1
         seg = _Segment(self._next_id, _round_size(want), pooled < self.limit)
         self._next_id += 1
+        self.created += 1
         self._segments[seg.id] = seg
         return seg
 
@@ -303,7 +305,8 @@ class WorkerSegments:
             self._collect()
             segs = list(self._segments.values())
             return {"live": len(segs), "pooled": sum(s.pooled for s in segs),
-                    "free": len(self._free), "bytes": sum(s.size for s in segs)}
+                    "free": len(self._free), "bytes": sum(s.size for s in segs),
+                    "created": self.created}
 
     def close(self) -> None:
         """Let go of every segment (views still alive keep their memory)."""
@@ -372,10 +375,7 @@ class SegmentMaps:
         self._maps: dict[int, mmap.mmap] = {}
         self._freed: collections.deque[int] = collections.deque()
 
-    def lease(self, seg_id: int, offset: int, nbytes: int, fd: int | None, pooled: bool
-              ) -> Any:
-        """The lease for ``nbytes`` at ``offset`` of segment ``seg_id`` (mapping ``fd`` if
-        given; the caller keeps and closes ``fd``)."""
+    def _map(self, seg_id: int, fd: int | None, pooled: bool) -> mmap.mmap:
         mm = self._maps.get(seg_id) if pooled else None
         if mm is None:
             if fd is None:
@@ -383,10 +383,29 @@ class SegmentMaps:
             mm = mmap.mmap(fd, os.fstat(fd).st_size)
             if pooled:
                 self._maps[seg_id] = mm
-        lease = _lease(mm, offset, nbytes)
+        return mm
+
+    def lease(self, seg_id: int, offset: int, nbytes: int, fd: int | None, pooled: bool
+              ) -> Any:
+        """The lease for ``nbytes`` at ``offset`` of segment ``seg_id`` (mapping ``fd`` if
+        given; the caller keeps and closes ``fd``)."""
+        lease = _lease(self._map(seg_id, fd, pooled), offset, nbytes)
         if pooled:
             weakref.finalize(lease, self._freed.append, seg_id)
         return lease
+
+    def copy_out(self, seg_id: int, offset: int, nbytes: int, fd: int | None, pooled: bool,
+                 cls: type[bytes] | type[bytearray] = bytes) -> bytes | bytearray:
+        """A ``cls`` copy of those bytes; the region is released at once (no lease)."""
+        mm = self._map(seg_id, fd, pooled)
+        if cls is bytes:
+            data: bytes | bytearray = mm[offset:offset + nbytes]
+        else:
+            with memoryview(mm) as view:
+                data = bytearray(view[offset:offset + nbytes])
+        if pooled:
+            self._freed.append(seg_id)
+        return data
 
     def retire(self, ids: list[int]) -> None:
         """The worker destroyed these segments: forget their mappings."""
