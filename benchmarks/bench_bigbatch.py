@@ -109,7 +109,7 @@ def main() -> None:
     libs = ["torch", "aioloader"]
     print(f"3x224x224, batch {BATCH}, num_workers=2 (fork), {n} samples, median of {reps}, "
           f"consumer {'reads' if args.touch else 'does not read'} the batches; "
-          f"load {open('/proc/loadavg').read().split()[:3]}")
+          f"load {os.getloadavg()}")
     print(f"  {'dtype':<8}{'case':<11}{'GB/s':>7}{'vs torch':>10}{'/ fresh':>9}"
           f"{'/ warm':>8}{'peak MB':>9}{'vs torch':>10}")
     for dtype in DTYPES:

@@ -97,7 +97,7 @@ def main() -> None:
     n = 640 if args.quick else 2048
     libs = ["torch", "aioloader"]
     print(f"custom collate_fn returning the samples, batch {BATCH}, num_workers=2 (fork), "
-          f"{n} samples, median of {reps}; load {open('/proc/loadavg').read().split()[:3]}")
+          f"{n} samples, median of {reps}; load {os.getloadavg()}")
     print(f"  {'payload':<28}{'case':<11}{'MB/s':>9}{'vs torch':>10}")
     for kind, label in (("numpy", "numpy 3x224x224 float32"), ("bytes", "bytes 150 KiB")):
         runs: dict[str, list[float]] = {lib: [] for lib in libs}
