@@ -426,6 +426,9 @@ def test_bytes_bytearray_memoryview_keep_their_types(no_fd_leak: None, seg_pool:
     assert out["ro"].tolist() == ro.tolist()
     assert not out["rw"].readonly and out["rw"].tobytes() == big
     assert out["small"] == b"abc" and out["small_view"].tobytes() == b"xyz"
+    assert out["small_view"].readonly
+    small_rw = decode(*encode(memoryview(bytearray(b"xyz")).cast("b")), maps)
+    assert not small_rw.readonly and small_rw.format == "b" and small_rw.tolist() == [120, 121, 122]
     del out
     maps.close()
 

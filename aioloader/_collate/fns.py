@@ -90,7 +90,9 @@ def _shared_empty(template: torch.Tensor, shape: tuple[int, ...]) -> torch.Tenso
     if alloc is not None and template.device.type == "cpu":
         storage = alloc(math.prod(shape) * template.element_size())
         if storage is not None:
-            return template.new_empty((0,)).set_(storage, 0, shape)
+            out: torch.Tensor = template.new_empty((0,)).set_(
+                storage, 0, shape)  # type: ignore[call-overload]
+            return out
     storage = template._typed_storage()._new_shared(  # type: ignore[no-untyped-call]
         math.prod(shape), device=template.device
     )

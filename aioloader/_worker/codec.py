@@ -219,7 +219,9 @@ class _SegRef:
 
 def _rebuild_ndarray(lease: Any, dtype: np.dtype[Any], shape: tuple[int, ...],
                      fortran: bool) -> np.ndarray[Any, Any]:
-    return np.ndarray(shape, dtype=dtype, buffer=lease, order="F" if fortran else "C")
+    out: np.ndarray[Any, Any] = np.ndarray(shape, dtype=dtype, buffer=lease,
+                                           order="F" if fortran else "C")
+    return out
 
 
 _SEGMENT_TAGS = frozenset({"s", "sb", "sB", "sA"})
@@ -228,14 +230,19 @@ _SEGMENT_TAGS = frozenset({"s", "sb", "sB", "sA"})
 
 def _rebuild_memoryview(data: Any, fmt: str, shape: tuple[int, ...],
                         readonly: bool) -> memoryview:
-    view = memoryview(np.frombuffer(data, dtype=np.uint8) if not isinstance(data, bytes)
-                      else data).cast("B")
+    """A memoryview like the one sent: over the segment (a lease), or over its inline bytes."""
+    buf: Any
+    if isinstance(data, bytes):
+        buf = data if readonly else bytearray(data)
+    else:
+        buf = np.frombuffer(data, dtype=np.uint8)  # keeps the lease alive
+    view = memoryview(buf).cast("B")
     if fmt != "B" or len(shape) != 1:
-        view = view.cast(fmt, shape)
+        view = view.cast(fmt, shape)  # type: ignore[call-overload]
     return view.toreadonly() if readonly else view
 
 
-_PLAIN_FORMAT = re.compile(r"^[@=<>!]?[?cbBhHiIlLqQnNefdP]$")
+_PLAIN_FORMAT = re.compile(r"^@?[?cbBhHiIlLqQnNefdP]$")  # what memoryview.cast() takes
 
 
 class _Pickler(pickle.Pickler):

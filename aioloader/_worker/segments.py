@@ -340,7 +340,8 @@ def install(limit: int = POOL_LIMIT) -> WorkerSegments | None:
 
     from .._collate import fns
 
-    if not hasattr(os, "memfd_create") or tmp.get_sharing_strategy() != "file_descriptor":
+    if not hasattr(os, "memfd_create") or tmp.get_sharing_strategy() != (  # type: ignore[no-untyped-call]
+            "file_descriptor"):
         return None
     pool = WorkerSegments(limit)
     _current = pool
