@@ -521,3 +521,59 @@ def test_dropped_batches_recycle_within_the_bound() -> None:
     for batch in kept:
         for j, i in enumerate(batch["i"].tolist()):
             _check_sample({key: value[j] for key, value in batch.items()}, i, torch.Tensor)
+
+
+def _segment_fds() -> list[str]:
+    """The memfd segments this process holds open (one per mapping kept)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own fd, closed
+            continue
+        if target.startswith("/memfd:aioloader-"):
+            out.append(target)
+    return out
+
+
+def test_pinned_batches_give_their_segments_back_at_once(monkeypatch: Any) -> None:
+    """Regression test for issue 20: with pin_memory=True (pinning faked on CPU by a copy)
+    a kept pinned batch holds no segment: the segment went back when the copy was made,
+    so keeping every batch needs no fresh segment."""
+    from aioloader import DataLoader
+    from aioloader._pipeline import pin as _pin
+    from aioloader._worker.segments import POOL_LIMIT
+
+    real_pin = _pin.pin_memory
+
+    def copy_pin(data: Any, device: str | None = None) -> Any:
+        return real_pin(data, device, pin_fn=lambda t: t.clone())
+
+    monkeypatch.setattr(_pin, "pin_available", lambda: True)
+    monkeypatch.setattr(_pin, "pin_memory", copy_pin)
+    loader = DataLoader(_Payloads(), batch_size=2, num_workers=1, pin_memory=True,
+                        multiprocessing_context="fork")
+    it = iter(loader)
+    kept = list(it)
+    assert [b["i"].tolist() for b in kept] == [[i, i + 1] for i in range(0, 24, 2)]
+    assert all((b["t"][:, 0, 0, 0] == b["i"].float()).all() for b in kept)
+    assert len(_segment_fds()) <= POOL_LIMIT  # the pool's own mappings, no orphan for a kept batch
+    it.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_memory_is_recycled_by_the_caching_host_allocator() -> None:
+    """Regression test for issue 20: with CUDA, pinned batches come from torch's caching
+    host allocator, which reuses freed pinned blocks: allocations stop growing."""
+    from aioloader import DataLoader
+
+    loader = DataLoader(_Payloads(), batch_size=2, num_workers=2, pin_memory=True,
+                        multiprocessing_context="fork")
+    for batch in loader:
+        assert batch["t"].is_pinned()
+    before = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+    for _ in range(3):
+        for batch in loader:
+            assert batch["t"].is_pinned() and (batch["t"][:, 0, 0, 0] == batch["i"]).all()
+    assert torch.cuda.host_memory_stats().get("num_host_alloc", 0) - before <= 4
