@@ -577,3 +577,25 @@ def test_pinned_memory_is_recycled_by_the_caching_host_allocator() -> None:
         for batch in loader:
             assert batch["t"].is_pinned() and (batch["t"][:, 0, 0, 0] == batch["i"]).all()
     assert torch.cuda.host_memory_stats().get("num_host_alloc", 0) - before <= 4
+
+
+def test_file_system_sharing_strategy_takes_the_old_path() -> None:
+    """Regression test for issue 20: with torch's sharing strategy set to file_system,
+    workers keep no segment pool and batches still arrive whole (inline)."""
+    import torch.multiprocessing as tmp
+
+    from aioloader import DataLoader
+
+    before = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        loader = DataLoader(_Payloads(), batch_size=4, num_workers=2,
+                            multiprocessing_context="fork")
+        batches = list(loader)
+        assert _segment_fds() == []
+        for k, batch in enumerate(batches):
+            assert batch["i"].tolist() == list(range(k * 4, k * 4 + 4))
+            assert (batch["t"][:, 0, 0, 0] == batch["i"].float()).all()
+            assert all(b == bytes([i]) * 70000 for b, i in zip(batch["b"], batch["i"].tolist()))
+    finally:
+        tmp.set_sharing_strategy(before)
