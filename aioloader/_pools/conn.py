@@ -17,6 +17,7 @@ import os
 import pickle
 import signal
 import socket
+import traceback
 import weakref
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -159,7 +160,16 @@ class Conn:
                     await decoder.run(_decode_into, self.pending, frame, self.segments)
                 else:
                     self.pending.append(decode(*frame, self.segments))
-            await sink.send((self.worker_id, self.pending[0]))
+            try:
+                await sink.send((self.worker_id, self.pending[0]))
+            except BaseException as exc:
+                # A cancelled send's frame keeps the message (and the batch's shared memory)
+                # for as long as the exception's traceback lives, which a reference cycle
+                # can make "until the cyclic GC": let go of it now (the pending copy stays).
+                if exc.__traceback__ is not None:
+                    traceback.clear_frames(exc.__traceback__.tb_next)
+                del exc
+                raise
             self.pending.clear()
 
     async def death_error(self, num_workers: int, method: str) -> WorkerDiedError:
@@ -226,6 +236,7 @@ class Conn:
         """
         self.close_socket()
         self.reader.close()
+        self.pending.clear()  # a message never handed over: its batch goes now
         self.segments.close()  # batches still held keep their own mappings
         proc = self.proc
         if proc.exitcode is not None:

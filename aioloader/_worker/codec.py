@@ -436,12 +436,17 @@ class _Unpickler(pickle.Unpickler):
             if self._maps is None:
                 raise pickle.UnpicklingError("a segment reference needs the worker's SegmentMaps")
             fd = self._fds[fd_index] if fd_index >= 0 else None
-            if tag == "sB" or tag == "sA":  # bytes own their memory: one copy out
-                out = self._maps.copy_out(seg_id, offset, nbytes, fd, pooled,
-                                          bytes if tag == "sB" else bytearray)
-            else:
-                lease = self._maps.lease(seg_id, offset, nbytes, fd, pooled)
-                out = _segments._storage_over(lease) if tag == "s" else lease
+            try:
+                if tag == "sB" or tag == "sA":  # bytes own their memory: one copy out
+                    out = self._maps.copy_out(seg_id, offset, nbytes, fd, pooled,
+                                              bytes if tag == "sB" else bytearray)
+                else:
+                    lease = self._maps.lease(seg_id, offset, nbytes, fd, pooled)
+                    out = _segments._storage_over(lease) if tag == "s" else lease
+            except OSError as exc:  # each mapping holds an fd, as torch's storages do
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    raise TransportError(TOO_MANY_FDS) from exc
+                raise
             self._leased[key] = out
         return out
 
