@@ -286,8 +286,7 @@ class _Pickler(pickle.Pickler):
             seen = self._buffers.get(id(obj))
             if seen is not None:  # the same object again: the same one comes out
                 return seen[1]
-            ref = self._copy_in(np.frombuffer(obj, dtype=np.uint8), len(obj),
-                                "sB" if cls is bytes else "sA")
+            ref = self._copy_in(obj, len(obj), "sB" if cls is bytes else "sA")
             if ref is None:
                 return None
             self._buffers[id(obj)] = (obj, ref.pid)
@@ -314,17 +313,15 @@ class _Pickler(pickle.Pickler):
         self.refs.append(seg)
         return pid
 
-    def _copy_in(self, data: np.ndarray[Any, Any], nbytes: int, tag: str = "sb"
-                 ) -> _SegRef | None:
-        """Copy ``data`` (a C-contiguous uint8 array) into the open arena; its reference."""
+    def _copy_in(self, data: Any, nbytes: int, tag: str = "sb") -> _SegRef | None:
+        """Copy ``data`` (a C-contiguous buffer of ``nbytes`` bytes) into the open arena;
+        its reference."""
         assert self.pool is not None
         placed = self.pool.place(nbytes)
         if placed is None:
             return None
         seg, offset = placed
-        dst = np.frombuffer(seg.mm, dtype=np.uint8, count=nbytes, offset=offset)
-        dst[:] = data
-        del dst
+        seg.mm[offset:offset + nbytes] = data  # one memcpy
         return _SegRef(self._seg_pid(tag, seg, offset, nbytes))
 
     def _in_segment(self, ptr: int, nbytes: int) -> _SegRef | None:
@@ -362,7 +359,7 @@ class _Pickler(pickle.Pickler):
         ref: Any = None
         if self.pool is not None and view.nbytes >= self._threshold:
             flat = view.cast("B") if view.c_contiguous else view.tobytes()
-            ref = self._copy_in(np.frombuffer(flat, dtype=np.uint8), view.nbytes)
+            ref = self._copy_in(flat, view.nbytes)
         if ref is None:
             ref = view.tobytes()
         return (_rebuild_memoryview, (ref, fmt, shape, view.readonly))
