@@ -599,3 +599,37 @@ def test_file_system_sharing_strategy_takes_the_old_path() -> None:
             assert all(b == bytes([i]) * 70000 for b, i in zip(batch["b"], batch["i"].tolist()))
     finally:
         tmp.set_sharing_strategy(before)
+
+
+def test_the_bound_follows_the_prefetch_window(no_fd_leak: None, seg_pool: Any) -> None:
+    """Regression test for issue 20: the parent sends each worker its bound (its share of
+    the prefetch window plus 2); lowering it destroys idle segments beyond it and tells
+    the parent to unmap them."""
+    from aioloader._collate.fns import collate_tensor_fn
+    from aioloader._worker.segments import MAX_POOL_LIMIT, SegmentMaps, limit_for
+
+    assert limit_for(4, 2) == 4 and limit_for(8, 2) == 6 and limit_for(2**40, 1) == MAX_POOL_LIMIT
+    maps = SegmentMaps()
+    kept = [_send(collate_tensor_fn([torch.full((32, 32), float(i))] * 4), maps)
+            for i in range(4)]
+    del kept
+    gc.collect()
+    maps.limit = 2
+    decode(*encode(maps.attach(("fetch",))))  # the worker reads the releases and the bound
+    assert seg_pool.limit == 2 and seg_pool.stats()["pooled"] == 2
+    out = _send(collate_tensor_fn([torch.full((32, 32), 9.0)] * 4), maps)  # carries Retired
+    assert (out == 9).all() and len(maps) == 2
+    del out
+    maps.close()
+
+
+def test_workers_get_their_share_of_a_larger_window() -> None:
+    """Regression test for issue 20: with prefetch_factor=4 each worker's bound is 6."""
+    from aioloader import DataLoader
+
+    loader = DataLoader(_Payloads(), batch_size=2, num_workers=2, prefetch_factor=4,
+                        multiprocessing_context="fork")
+    it = iter(loader)
+    assert [int(b["i"][0]) for b in it] == list(range(0, 24, 2))
+    assert all(c.segments.limit == 6 for c in it._core.lease.pool._workers)
+    it.close()

@@ -82,6 +82,7 @@ class WorkerPool(PoolBase[Conn]):
         self._ctx = mp_context
         # During serve(): decides whether a dead worker is replaced (respawn_workers).
         self._respawn: Callable[[WorkerDiedError], bool] | None = None
+        self._segment_limit: int | None = None  # each worker's segment pool bound
 
     # ------------------------------------------------------------------ info
 
@@ -136,12 +137,19 @@ class WorkerPool(PoolBase[Conn]):
         # With fork, every parent-side socket so far is inherited (the new one is added).
         inherited = [c.sock.fileno() for c in self._workers] if method == "fork" else []
         conn = Conn.start(self._ctx, worker_id, cfg, method, parent_pid, inherited)
+        conn.segments.limit = self._segment_limit  # a respawned worker gets it too
         if worker_id < len(self._workers):  # a respawn: the replacement takes the same id
             self._workers[worker_id] = conn
         else:
             self._workers.append(conn)
 
     # ------------------------------------------------------------------ talk
+
+    def set_segment_limit(self, limit: int) -> None:
+        """Bound each worker's pool of recycled segments (sent with the next command)."""
+        self._segment_limit = limit
+        for conn in self._workers:
+            conn.segments.limit = limit
 
     async def send(self, worker_id: int, command: tuple[Any, ...]) -> None:
         """Write ``command`` to worker ``worker_id`` without blocking the loop.

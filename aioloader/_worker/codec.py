@@ -551,6 +551,6 @@ def decode(payload: bytes | bytearray | memoryview, fds: list[int],
     if cls is _segments.Freed:
         pool = _segments.current()
         if pool is not None:
-            pool.released(obj.ids)
+            pool.released(obj.ids, obj.limit)
         return obj.cmd
     return obj

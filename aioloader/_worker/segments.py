@@ -19,8 +19,9 @@ Worker side (:class:`WorkerSegments`, one per worker process, installed by
   only the first time the parent sees it; the reply *seals* the arena;
 * a segment is reused only when (a) every reference sent to the parent was released by
   the parent and (b) no view of it is alive in the worker (a collate_fn keeping its
-  output). The pool holds at most :data:`POOL_LIMIT` segments; a batch that finds none
-  free while the pool is full gets a fresh *orphan* segment, never reused and freed when
+  output). The pool holds at most ``limit`` segments (the parent sends it:
+  :func:`limit_for` the prefetch window; :data:`POOL_LIMIT` until then); a batch that
+  finds none free while the pool is full gets a fresh *orphan* segment, never reused and freed when
   the last view of it goes (a user who keeps every batch gets fresh memory, never memory
   that is overwritten).
 
@@ -60,8 +61,18 @@ __all__ = [
 ]
 
 POOL_LIMIT = 4
-"""Most pooled segments one worker keeps (the default prefetch window of 2 batches per
-worker, plus the batch being collated and the one the consumer holds)."""
+"""Most pooled segments one worker keeps, until the parent says otherwise: the default
+prefetch window of 2 batches per worker, plus 2 (the batch the consumer holds, and one
+whose release has not reached the worker yet). See :func:`limit_for`."""
+
+MAX_POOL_LIMIT = 16
+"""The bound never exceeds this, whatever the prefetch window."""
+
+
+def limit_for(window: int, num_workers: int) -> int:
+    """The pool bound for a worker's share of a prefetch window of ``window`` batches."""
+    share = -(-window // max(1, num_workers))
+    return max(2, min(MAX_POOL_LIMIT, share + 2))
 
 _ALIGN = 64
 _SMALL_GRANULE = 64 * 1024
@@ -74,10 +85,12 @@ def _round_size(n: int) -> int:
 
 
 class Freed(NamedTuple):
-    """A command with the ids of segments whose leases the parent has all released."""
+    """A command with the ids of segments whose leases the parent has all released (and,
+    when it changed, the pool's new bound: the prefetch window's share of this worker)."""
 
     ids: list[int]
     cmd: Any
+    limit: int | None = None
 
 
 class Retired(NamedTuple):
@@ -150,7 +163,7 @@ class WorkerSegments:
     """One worker process's segment pool (see the module docstring).
 
     Args:
-        limit: most pooled segments kept (:data:`POOL_LIMIT`).
+        limit: most pooled segments kept (:data:`POOL_LIMIT`; the parent may change it).
     """
 
     def __init__(self, limit: int = POOL_LIMIT) -> None:
@@ -216,7 +229,7 @@ class WorkerSegments:
             seg.filling = True
             seg.used = 0
             return seg
-        pooled = sum(1 for s in self._segments.values() if s.pooled)
+        pooled = self._pooled()
         if pooled >= self.limit and self._free:  # a free one too small: replace it
             small = self._free.pop(0)
             self._drop(small)
@@ -267,9 +280,14 @@ class WorkerSegments:
         with self.lock:
             self._retired[:0] = ids
 
-    def released(self, ids: list[int]) -> None:
-        """The parent released one reference to each of ``ids`` (repeats count)."""
+    def released(self, ids: list[int], limit: int | None = None) -> None:
+        """The parent released one reference to each of ``ids`` (repeats count); ``limit``:
+        a new bound (segments above it are destroyed as they come free)."""
         with self.lock:
+            if limit is not None:
+                self.limit = limit
+                while self._free and self._pooled() > limit:  # idle ones beyond it go now,
+                    self._drop(self._free.pop())  # busy ones as they come free
             for seg_id in ids:
                 seg = self._segments.get(seg_id)
                 if seg is not None and seg.outstanding > 0:
@@ -284,14 +302,21 @@ class WorkerSegments:
             seg = self._segments.get(done.popleft())
             if seg is not None:
                 seg.local -= 1
+        pooled = self._pooled()
         for seg in list(self._segments.values()):
             if seg.filling or seg.local or seg.outstanding or seg in self._free:
                 continue
-            if seg.pooled:
+            if seg.pooled and pooled > self.limit:  # the bound was lowered
+                self._drop(seg)
+                pooled -= 1
+            elif seg.pooled:
                 seg.used = 0
                 self._free.append(seg)
             else:  # an orphan: its memory goes once the parent's views go too
                 self._drop(seg, announce=False)
+
+    def _pooled(self) -> int:
+        return sum(1 for s in self._segments.values() if s.pooled)
 
     def _drop(self, seg: _Segment, announce: bool = True) -> None:
         del self._segments[seg.id]
@@ -375,6 +400,8 @@ class SegmentMaps:
     def __init__(self) -> None:
         self._maps: dict[int, mmap.mmap] = {}
         self._freed: collections.deque[int] = collections.deque()
+        self.limit: int | None = None  # the worker's pool bound, sent when it changes
+        self._sent_limit: int | None = None
 
     def _map(self, seg_id: int, fd: int | None, pooled: bool) -> mmap.mmap:
         mm = self._maps.get(seg_id) if pooled else None
@@ -416,10 +443,12 @@ class SegmentMaps:
     def attach(self, command: tuple[Any, ...]) -> Any:
         """``command``, wrapped with the ids released since the last call if there are any."""
         freed = self._freed
-        if not freed:
+        limit = self.limit if self.limit != self._sent_limit else None
+        if not freed and limit is None:
             return command
         ids = [freed.popleft() for _ in range(len(freed))]
-        return Freed(ids, command)
+        self._sent_limit = self.limit
+        return Freed(ids, command, limit)
 
     def __len__(self) -> int:
         """Segments mapped now."""
