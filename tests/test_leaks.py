@@ -9,6 +9,7 @@ check them explicitly too. They are marked ``gc_off``: clean-up must not need a
 from __future__ import annotations
 
 import _posixshmem
+import errno
 import itertools
 import multiprocessing
 import os
@@ -18,6 +19,7 @@ import tempfile
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from _loader_datasets import Dies, Slow
@@ -137,6 +139,10 @@ def _create_segment_then_fail() -> None:
                        "No space left on device (28)")
 
 
+def _memfd_fails(*args: Any) -> int:
+    raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+
 def _new_shared_fails(cls: Any, size: int) -> Any:
     _create_segment_then_fail()
 
@@ -154,14 +160,14 @@ def _stack(batch: list[Any]) -> Any:
 
 
 @pytest.mark.gc_off
-@pytest.mark.parametrize("method", ["multiprocessing", "thread"])
-def test_a_full_dev_shm_leaves_no_segment_leak(monkeypatch: Any, method: str) -> None:
+def test_a_full_dev_shm_leaves_no_segment_leak(monkeypatch: Any) -> None:
     """Regression test for issue 18: a batch whose shared memory cannot be allocated
-    (/dev/shm full) raises torch's error, and the file torch created is removed."""
+    (/dev/shm full, no recycled segment either) raises torch's error, and the file torch
+    created is removed."""
     monkeypatch.setattr(torch.UntypedStorage, "_new_using_fd_cpu", classmethod(_new_shared_fails))
+    monkeypatch.setattr(os, "memfd_create", _memfd_fails)  # no recycled segment either
     shm = shm_entries()
-    loader = DataLoader(BigSamples(), batch_size=2, num_workers=2, worker_method=method,
-                        **(FORK if method == "multiprocessing" else {}))
+    loader = DataLoader(BigSamples(), batch_size=2, num_workers=2, **FORK)
     it = iter(loader)
     for _ in range(4):  # every batch fails, and each failure is raised
         with pytest.raises(RuntimeError, match=r"unable to allocate shared memory\(shm\)"):
@@ -169,6 +175,20 @@ def test_a_full_dev_shm_leaves_no_segment_leak(monkeypatch: Any, method: str) ->
     assert next(it, None) is None
     it.close()
     assert shm_entries() <= shm, "segments of failed allocations left in /dev/shm"
+
+
+@pytest.mark.gc_off
+def test_thread_workers_allocate_no_shared_memory(monkeypatch: Any) -> None:
+    """Regression test for issue 20: thread workers collate into ordinary memory (their
+    batches never leave the process), so a full /dev/shm does not concern them."""
+    monkeypatch.setattr(torch.UntypedStorage, "_new_using_fd_cpu", classmethod(_new_shared_fails))
+    shm = shm_entries()
+    loader = DataLoader(BigSamples(), batch_size=2, num_workers=2, worker_method="thread")
+    batches = list(loader)
+    assert [b[:, 0].tolist() for b in batches] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0],
+                                                   [6.0, 7.0]]
+    assert not any(b.is_shared() for b in batches)
+    assert shm_entries() <= shm
 
 
 @pytest.mark.gc_off
@@ -183,6 +203,7 @@ def test_a_full_dev_shm_while_sending_inlines_the_batch_no_leak(monkeypatch: Any
         _create_segment_then_fail()
 
     monkeypatch.setattr(torch.UntypedStorage, "_share_fd_cpu_", share_fails)
+    monkeypatch.setattr(os, "memfd_create", _memfd_fails)  # no recycled segment either
     shm = shm_entries()
     loader = DataLoader(BigSamples(), batch_size=2, num_workers=2, collate_fn=_stack, **FORK)
     batches = [b[:, 0].tolist() for b in loader]
@@ -273,3 +294,70 @@ def test_forked_workers_keep_the_files_and_pipes_their_dataset_holds() -> None:
         assert [b.tolist() for b in loader] == [[10, 11], [12, 13]]
     assert sorted(queue.get() for _ in range(4)) == [0, 1, 2, 3]
     queue.close()
+
+
+# ------------------------------------------------------- recycled segments (issue 20)
+
+
+class BigOrFails(aioloader.Dataset[Any]):
+    """256 KiB samples (collated into the workers' segments); ``how`` at index 9."""
+
+    def __init__(self, how: str = "") -> None:
+        self.how = how
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 9 and self.how == "error":
+            raise ValueError("sample 9 is bad")
+        if i == 9 and self.how == "crash":
+            os._exit(3)
+        return torch.full((64 * 1024,), float(i)), np.full(20000, i)
+
+
+def _segment_fds() -> list[str]:
+    """The memfd segments this process holds open (one per mapping kept)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:aioloader-"):
+            out.append(target)
+    return out
+
+
+@pytest.mark.gc_off
+@pytest.mark.parametrize("path", ["end", "break", "error", "crash", "persistent", "gc"])
+def test_segments_are_released_on_every_exit_path_leak(path: str) -> None:
+    """Regression test for issue 20: whatever way an epoch ends (normal end, break, a
+    dataset error, a worker crash, persistent workers over epochs, the loader collected),
+    once the batches are dropped the parent holds no segment and no worker is left."""
+    before = open_fds()
+    loader = DataLoader(BigOrFails(path), batch_size=2, num_workers=2,
+                        persistent_workers=path == "persistent", **FORK)
+    got = []
+    procs: list[Any] = []
+    if path in ("error", "crash"):
+        expected = ValueError if path == "error" else WorkerDiedError
+        with pytest.raises(expected):
+            for batch in loader:
+                got.append(batch)
+    else:
+        for _ in range(3 if path == "persistent" else 1):
+            it = iter(loader)
+            procs = list(it._workers)
+            for n, batch in enumerate(it):
+                got.append(batch)
+                if path in ("break", "gc") and n == 3:  # gc: dropped unclosed
+                    break
+            it.close() if path == "break" else None
+            del it
+    assert all(torch.equal(b[0][:, 0], b[0][:, -1]) for b in got)  # every value intact
+    batch = None
+    del got, batch, loader
+    assert wait_until(lambda: _segment_fds() == [], LEAK_GRACE_S), _segment_fds()
+    assert wait_until(lambda: not any(p.is_alive() for p in procs), LEAK_GRACE_S)
+    assert wait_until(lambda: open_fds() <= before, LEAK_GRACE_S)

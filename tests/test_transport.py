@@ -288,3 +288,348 @@ def test_truncated_header_fd_count_is_a_transport_error(no_fd_leak: None) -> Non
     reader.close()
     a.close()
     b.close()
+
+
+# ------------------------------------------------------------ recycled segments (issue 20)
+
+
+@pytest.fixture
+def seg_pool() -> Iterator[Any]:
+    """This process acting as a worker with a segment pool (collate allocates from it)."""
+    from aioloader._collate import fns
+    from aioloader._worker import segments
+    from aioloader._worker_info import WorkerInfo, _set_worker_info
+
+    _set_worker_info(WorkerInfo(id=0, num_workers=1, seed=0, dataset=None))
+    pool = segments.install()
+    assert pool is not None
+    try:
+        yield pool
+    finally:
+        fns.set_segment_allocator(None)
+        segments._current = None
+        _set_worker_info(None)
+        pool.close()
+
+
+def _send(obj: Any, maps: Any) -> Any:
+    """Encode as the worker does and decode as the parent does (``maps``: its mappings)."""
+    return decode(*encode(obj), maps)
+
+
+def _hand_back(maps: Any, pool: Any) -> None:
+    """Carry the parent's releases to the worker, as the next command does."""
+    from aioloader._worker.segments import Freed
+
+    cmd = maps.attach(("fetch",))
+    if isinstance(cmd, Freed):
+        decode(*encode(cmd))  # a worker's decode hands the ids to its pool
+        assert pool.stats()["free"] >= 1
+
+
+def test_segment_is_reused_only_once_every_view_is_gone(no_fd_leak: None, seg_pool: Any) -> None:
+    """Regression test for issue 20: a batch collated into a recycled segment keeps its
+    values while any tensor, view, storage or numpy view of it lives; then it is reused."""
+    from aioloader._collate.fns import collate_tensor_fn
+    from aioloader._worker.segments import SegmentMaps
+
+    maps = SegmentMaps()
+    first = _send(("data", collate_tensor_fn([torch.full((64, 64), 1.0)] * 8)), maps)[1]
+    keep_view, keep_np, keep_storage = first[2:4], first[5].numpy(), first.untyped_storage()
+    del first
+    gc.collect()
+    _hand_back(maps, seg_pool)  # nothing released yet: no envelope
+    assert seg_pool.stats()["free"] == 0
+    second = _send(("data", collate_tensor_fn([torch.full((64, 64), 2.0)] * 8)), maps)[1]
+    assert second.data_ptr() != keep_view.data_ptr() - 2 * 64 * 64 * 4  # another segment
+    assert (keep_view == 1).all() and (keep_np == 1).all() and keep_storage.nbytes() > 0
+    del keep_view, keep_np, keep_storage, second
+    gc.collect()
+    _hand_back(maps, seg_pool)
+    stats = seg_pool.stats()
+    assert stats["free"] == stats["pooled"] == 2 and len(maps) == 2
+    third = _send(("data", collate_tensor_fn([torch.full((64, 64), 3.0)] * 8)), maps)[1]
+    assert (third == 3).all() and seg_pool.stats()["live"] == 2  # reused, not a new one
+    del third
+    maps.close()
+
+
+def test_pool_bound_orphans_beyond_it_are_freed(no_fd_leak: None, seg_pool: Any) -> None:
+    """Regression test for issue 20: a user keeping every batch gets fresh segments beyond
+    the pool's bound, and those are destroyed (not pooled) once dropped."""
+    from aioloader._collate.fns import collate_tensor_fn
+    from aioloader._worker.segments import POOL_LIMIT, SegmentMaps
+
+    maps = SegmentMaps()
+    kept = [_send(collate_tensor_fn([torch.full((32, 32), float(i))] * 4), maps)
+            for i in range(POOL_LIMIT + 3)]
+    assert seg_pool.stats()["pooled"] == POOL_LIMIT and len(maps) == POOL_LIMIT
+    assert [int(t[0, 0, 0]) for t in kept] == list(range(POOL_LIMIT + 3))
+    del kept
+    gc.collect()
+    _hand_back(maps, seg_pool)
+    stats = seg_pool.stats()
+    assert stats["live"] == stats["free"] == POOL_LIMIT  # the orphans are gone
+    maps.close()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.arange(40000, dtype=np.float32).reshape(200, 200),
+    lambda: np.asfortranarray(np.arange(40000, dtype=np.int64).reshape(200, 200)),
+    lambda: np.arange(360000, dtype=">i4").reshape(600, 600),
+    lambda: np.zeros(20000, dtype=[("a", "<f8"), ("b", "u1", (3,))]),
+    lambda: np.arange(30000, dtype=np.float64),
+], ids=["c", "fortran", "bigendian", "structured", "readonly"])
+def test_numpy_arrays_travel_out_of_band(no_fd_leak: None, seg_pool: Any,
+                                         make: Any) -> None:
+    """Regression test for issue 20: numpy arrays of any layout come back with torch's
+    dtype, shape, values, order and writability, over the segment (no copy in the pickle)."""
+    from aioloader._worker.segments import SegmentMaps
+
+    maps = SegmentMaps()
+    arr = make()
+    if arr.dtype == np.float64 and arr.ndim == 1:
+        arr.flags.writeable = False
+    payload, fds = encode({"x": arr})
+    assert len(payload) < 1024  # the bytes went through the segment (a byte-swapped array
+    # arrives in native order, as with torch's workers: numpy's protocol-4 bytes do)
+    ours = decode(payload, fds, maps)["x"]
+    theirs = pickle.loads(pickle.dumps(arr, protocol=4))  # what torch's workers send
+    assert type(ours) is np.ndarray and ours.dtype == theirs.dtype
+    assert ours.shape == theirs.shape and ours.strides == theirs.strides
+    assert ours.flags.f_contiguous == theirs.flags.f_contiguous
+    assert ours.flags.writeable == theirs.flags.writeable
+    np.testing.assert_array_equal(ours, arr)
+    strided = arr[::2, 1::3] if arr.ndim == 2 else arr[::3]  # numpy's own pickling
+    np.testing.assert_array_equal(decode(*encode(strided), maps), strided)
+    del ours
+    maps.close()
+
+
+def test_bytes_bytearray_memoryview_keep_their_types(no_fd_leak: None, seg_pool: Any) -> None:
+    """Regression test for issue 20: bytes stay bytes, bytearrays bytearrays, memoryviews
+    memoryviews (format, shape, read-only flag), large ones out of band, small ones inline."""
+    from aioloader._worker.segments import SegmentMaps
+
+    maps = SegmentMaps()
+    big = bytes(range(256)) * 1024
+    ro = memoryview(big).cast("I", (256, 256))
+    rw = memoryview(bytearray(big))
+    obj = {"b": big, "ba": bytearray(big), "ro": ro, "rw": rw, "small": b"abc",
+           "small_view": memoryview(b"xyz")}
+    payload, fds = encode(obj)
+    assert len(payload) < 2048
+    out = decode(payload, fds, maps)
+    assert type(out["b"]) is bytes and out["b"] == big
+    assert type(out["ba"]) is bytearray and out["ba"] == bytearray(big)
+    assert out["ro"].readonly and out["ro"].format == "I" and out["ro"].shape == (256, 256)
+    assert out["ro"].tolist() == ro.tolist()
+    assert not out["rw"].readonly and out["rw"].tobytes() == big
+    assert out["small"] == b"abc" and out["small_view"].tobytes() == b"xyz"
+    assert out["small_view"].readonly
+    small_rw = decode(*encode(memoryview(bytearray(b"xyz")).cast("b")), maps)
+    assert not small_rw.readonly and small_rw.format == "b" and small_rw.tolist() == [120, 121, 122]
+    del out
+    maps.close()
+
+
+def test_a_received_tensor_can_be_shared_again(no_fd_leak: None, seg_pool: Any) -> None:
+    """Regression test for issue 20: a tensor over a segment (is_shared() False) still goes
+    through torch.multiprocessing's reducer, and share_memory_() gives it its own copy."""
+    from torch.multiprocessing.reductions import rebuild_storage_fd  # noqa: F401
+
+    from aioloader._collate.fns import collate_tensor_fn
+    from aioloader._worker.segments import SegmentMaps
+
+    maps = SegmentMaps()
+    batch = _send(collate_tensor_fn([torch.full((64, 64), 5.0)] * 8), maps)
+    batch.share_memory_()
+    assert batch.is_shared() and (batch == 5).all()
+    del batch
+    gc.collect()
+    _hand_back(maps, seg_pool)  # its segment went back as soon as the copy was made
+    maps.close()
+
+
+class _Payloads(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Sample i: a 64 KiB+ tensor, numpy array and bytes, all filled with i."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> Any:
+        return {"t": torch.full((3, 80, 80), float(i)), "a": np.full((90, 90), i, np.int64),
+                "b": bytes([i]) * 70000, "i": i}
+
+
+def _keep_as_is(samples: list[Any]) -> Any:
+    return samples  # a custom collate_fn: numpy arrays and bytes cross as they are
+
+
+def _check_sample(sample: Any, i: int, array_type: type = np.ndarray) -> None:
+    assert (sample["t"] == float(i)).all()
+    assert type(sample["a"]) is array_type and (sample["a"] == i).all()
+    assert type(sample["b"]) is bytes and sample["b"] == bytes([i]) * 70000
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_kept_batches_of_several_epochs_are_never_overwritten(persistent: bool) -> None:
+    """Regression test for issue 20: a user keeping every batch of three epochs (default
+    collate, a custom collate_fn, batch_size=None) finds every value intact."""
+    from aioloader import DataLoader
+
+    fork = {"multiprocessing_context": "fork", "persistent_workers": persistent}
+    default = DataLoader(_Payloads(), batch_size=4, num_workers=2, **fork)
+    kept = [batch for _ in range(3) for batch in default]
+    for k, batch in enumerate(kept):
+        ids = list(range((k % 6) * 4, (k % 6) * 4 + 4))
+        assert batch["i"].tolist() == ids
+        for j, i in enumerate(ids):
+            _check_sample({key: value[j] for key, value in batch.items()}, i, torch.Tensor)
+    custom = DataLoader(_Payloads(), batch_size=3, num_workers=2, collate_fn=_keep_as_is,
+                        **fork)
+    kept = [batch for _ in range(3) for batch in custom]
+    for k, batch in enumerate(kept):
+        for j, sample in enumerate(batch):
+            _check_sample(sample, (k % 8) * 3 + j)
+    unbatched = DataLoader(_Payloads(), batch_size=None, num_workers=2, **fork)
+    kept = [sample for _ in range(3) for sample in unbatched]
+    for k, sample in enumerate(kept):
+        _check_sample(sample, k % 24, torch.Tensor)  # default_convert: arrays to tensors
+
+
+def test_dropped_batches_recycle_within_the_bound() -> None:
+    """Regression test for issue 20: with most batches dropped as they come (every fifth
+    kept), segments are recycled, each worker's stay within the pool's bound epoch after
+    epoch (persistent workers), and the kept ones are intact at the end."""
+    from aioloader import DataLoader
+    from aioloader._worker.segments import POOL_LIMIT
+
+    loader = DataLoader(_Payloads(), batch_size=2, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork")
+    kept = []
+    for _ in range(4):
+        it = iter(loader)
+        for n, batch in enumerate(it):
+            assert (batch["t"][:, 0, 0, 0] == batch["i"].float()).all()
+            if n % 5 == 0:
+                kept.append(batch)
+        del batch
+        conns = it._core.lease.pool._workers
+        assert all(len(c.segments) <= POOL_LIMIT for c in conns)
+        del it
+    for batch in kept:
+        for j, i in enumerate(batch["i"].tolist()):
+            _check_sample({key: value[j] for key, value in batch.items()}, i, torch.Tensor)
+
+
+def _segment_fds() -> list[str]:
+    """The memfd segments this process holds open (one per mapping kept)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own fd, closed
+            continue
+        if target.startswith("/memfd:aioloader-"):
+            out.append(target)
+    return out
+
+
+def test_pinned_batches_give_their_segments_back_at_once(monkeypatch: Any) -> None:
+    """Regression test for issue 20: with pin_memory=True (pinning faked on CPU by a copy)
+    a kept pinned batch holds no segment: the segment went back when the copy was made,
+    so keeping every batch needs no fresh segment."""
+    from aioloader import DataLoader
+    from aioloader._pipeline import pin as _pin
+    from aioloader._worker.segments import POOL_LIMIT
+
+    real_pin = _pin.pin_memory
+
+    def copy_pin(data: Any, device: str | None = None) -> Any:
+        return real_pin(data, device, pin_fn=lambda t: t.clone())
+
+    monkeypatch.setattr(_pin, "pin_available", lambda: True)
+    monkeypatch.setattr(_pin, "pin_memory", copy_pin)
+    loader = DataLoader(_Payloads(), batch_size=2, num_workers=1, pin_memory=True,
+                        multiprocessing_context="fork")
+    it = iter(loader)
+    kept = list(it)
+    assert [b["i"].tolist() for b in kept] == [[i, i + 1] for i in range(0, 24, 2)]
+    assert all((b["t"][:, 0, 0, 0] == b["i"].float()).all() for b in kept)
+    assert len(_segment_fds()) <= POOL_LIMIT  # the pool's own mappings, no orphan for a kept batch
+    it.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_memory_is_recycled_by_the_caching_host_allocator() -> None:
+    """Regression test for issue 20: with CUDA, pinned batches come from torch's caching
+    host allocator, which reuses freed pinned blocks: allocations stop growing."""
+    from aioloader import DataLoader
+
+    loader = DataLoader(_Payloads(), batch_size=2, num_workers=2, pin_memory=True,
+                        multiprocessing_context="fork")
+    for batch in loader:
+        assert batch["t"].is_pinned()
+    before = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+    for _ in range(3):
+        for batch in loader:
+            assert batch["t"].is_pinned() and (batch["t"][:, 0, 0, 0] == batch["i"]).all()
+    assert torch.cuda.host_memory_stats().get("num_host_alloc", 0) - before <= 4
+
+
+def test_file_system_sharing_strategy_takes_the_old_path() -> None:
+    """Regression test for issue 20: with torch's sharing strategy set to file_system,
+    workers keep no segment pool and batches still arrive whole (inline)."""
+    import torch.multiprocessing as tmp
+
+    from aioloader import DataLoader
+
+    before = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        loader = DataLoader(_Payloads(), batch_size=4, num_workers=2,
+                            multiprocessing_context="fork")
+        batches = list(loader)
+        assert _segment_fds() == []
+        for k, batch in enumerate(batches):
+            assert batch["i"].tolist() == list(range(k * 4, k * 4 + 4))
+            assert (batch["t"][:, 0, 0, 0] == batch["i"].float()).all()
+            assert all(b == bytes([i]) * 70000 for b, i in zip(batch["b"], batch["i"].tolist()))
+    finally:
+        tmp.set_sharing_strategy(before)
+
+
+def test_the_bound_follows_the_prefetch_window(no_fd_leak: None, seg_pool: Any) -> None:
+    """Regression test for issue 20: the parent sends each worker its bound (its share of
+    the prefetch window plus 2); lowering it destroys idle segments beyond it and tells
+    the parent to unmap them."""
+    from aioloader._collate.fns import collate_tensor_fn
+    from aioloader._worker.segments import MAX_POOL_LIMIT, SegmentMaps, limit_for
+
+    assert limit_for(4, 2) == 4 and limit_for(8, 2) == 6 and limit_for(2**40, 1) == MAX_POOL_LIMIT
+    maps = SegmentMaps()
+    kept = [_send(collate_tensor_fn([torch.full((32, 32), float(i))] * 4), maps)
+            for i in range(4)]
+    del kept
+    gc.collect()
+    maps.limit = 2
+    decode(*encode(maps.attach(("fetch",))))  # the worker reads the releases and the bound
+    assert seg_pool.limit == 2 and seg_pool.stats()["pooled"] == 2
+    out = _send(collate_tensor_fn([torch.full((32, 32), 9.0)] * 4), maps)  # carries Retired
+    assert (out == 9).all() and len(maps) == 2
+    del out
+    maps.close()
+
+
+def test_workers_get_their_share_of_a_larger_window() -> None:
+    """Regression test for issue 20: with prefetch_factor=4 each worker's bound is 6."""
+    from aioloader import DataLoader
+
+    loader = DataLoader(_Payloads(), batch_size=2, num_workers=2, prefetch_factor=4,
+                        multiprocessing_context="fork")
+    it = iter(loader)
+    assert [int(b["i"][0]) for b in it] == list(range(0, 24, 2))
+    assert all(c.segments.limit == 6 for c in it._core.lease.pool._workers)
+    it.close()

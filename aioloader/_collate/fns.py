@@ -1,8 +1,11 @@
 """The per-type collate functions of ``default_collate_fn_map``, and where they allocate.
 
 Inside a worker process (:func:`~aioloader._worker_info.get_worker_info` is not
-``None``) stacked outputs are allocated directly in shared memory
-(:func:`_shared_empty`), so the batch crosses to the parent without a copy.
+``None`` and says ``"multiprocessing"``) stacked outputs are allocated directly in shared
+memory (:func:`_shared_empty`), so the batch crosses to the parent without a copy: in
+the worker's recycled segments when it has them (:func:`set_segment_allocator`,
+:mod:`aioloader._worker.segments`), else in a fresh segment as torch does. Thread
+workers allocate ordinary memory: their batches never leave the process.
 Batches of plain ``int``/``float`` go through numpy, and batches of same-shaped,
 contiguous, writable numpy arrays are copied once into the output tensor
 (:func:`_stack_numpy_fast`); both give torch's results.
@@ -11,7 +14,7 @@ contiguous, writable numpy arrays are copied once into the output tensor
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,6 +56,26 @@ _NUMPY_TO_TORCH: dict[np.dtype[Any], torch.dtype] = {
     np.dtype(np.complex128): torch.complex128,
 }
 _INT64 = np.dtype(np.int64)
+
+SegmentAllocator = Callable[[int], "torch.UntypedStorage | None"]
+_segment_alloc: SegmentAllocator | None = None
+
+
+def set_segment_allocator(alloc: SegmentAllocator | None) -> None:
+    """Route this process's shared allocations to ``alloc`` (a worker's segment pool).
+
+    ``alloc(nbytes)`` returns a storage of ``nbytes`` bytes, or ``None`` to fall back to
+    torch's fresh shared memory. ``None`` removes the hook.
+    """
+    global _segment_alloc
+    _segment_alloc = alloc
+
+
+def _in_worker_process() -> bool:
+    """Whether this is a worker whose batches cross to another process."""
+    info = get_worker_info()
+    return info is not None and getattr(info, "worker_method", "multiprocessing") != "thread"
+
 _FLOAT64 = np.dtype(np.float64)
 
 
@@ -61,8 +84,15 @@ def _shared_empty(template: torch.Tensor, shape: tuple[int, ...]) -> torch.Tenso
 
     It has ``template``'s dtype, device and tensor type; the storage is created
     directly in shared memory (no second copy when the batch is sent to the
-    parent process).
+    parent process): a recycled segment's warm pages when the worker has a pool.
     """
+    alloc = _segment_alloc
+    if alloc is not None and template.device.type == "cpu":
+        storage = alloc(math.prod(shape) * template.element_size())
+        if storage is not None:
+            out: torch.Tensor = template.new_empty((0,)).set_(
+                storage, 0, shape)  # type: ignore[call-overload]
+            return out
     storage = template._typed_storage()._new_shared(  # type: ignore[no-untyped-call]
         math.prod(shape), device=template.device
     )
@@ -99,7 +129,7 @@ def collate_tensor_fn(
     if elem.layout in _SPARSE_LAYOUTS:
         raise RuntimeError(_SPARSE_ERROR)
     out = None
-    if get_worker_info() is not None:
+    if _in_worker_process():
         out = _shared_empty(elem, (len(batch), *elem.shape))
     return torch.stack(batch, 0, out=out)  # type: ignore[arg-type]
 
@@ -125,7 +155,7 @@ def _stack_numpy_fast(batch: Sequence[np.ndarray[Any, Any]]) -> torch.Tensor | N
         if not (flags.c_contiguous and flags.writeable):
             return None
     count = len(batch)
-    if get_worker_info() is not None:
+    if _in_worker_process():
         out = _shared_empty(torch.empty(0, dtype=torch_dtype), (count, *shape))
     else:
         out = torch.empty((count, *shape), dtype=torch_dtype)

@@ -19,6 +19,7 @@ from .._fetch.sync import EXHAUSTED
 from .._pools.lease import _PoolLease
 from .._stats.recorder import DISPATCH, PIN, Recorder
 from .._threads import ThreadRunner
+from .._worker.segments import limit_for
 from .dispatch import Dispatcher
 from .offload import on_batch
 from .pin import PinPolicy
@@ -72,6 +73,9 @@ class PoolSource:
         if not lease.started:
             return
         pool = lease.pool
+        set_limit = getattr(pool, "set_segment_limit", None)  # worker processes only
+        if set_limit is not None:
+            set_limit(limit_for(self.window, self.num_workers))
         if self.fresh_epoch:
             self.fresh_epoch = False
             seed = self.reset_seed  # an IterDataPipe's shared seed for the epoch

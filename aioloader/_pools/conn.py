@@ -17,6 +17,7 @@ import os
 import pickle
 import signal
 import socket
+import traceback
 import weakref
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -29,6 +30,7 @@ from .._threads import ThreadRunner
 from .._worker.codec import LARGE_PAYLOAD, decode
 from .._worker.config import WorkerConfig
 from .._worker.main import worker_main
+from .._worker.segments import SegmentMaps
 from .._worker.wire import Frame, FrameReader, FrameWriter
 from .ladder import reap
 
@@ -49,6 +51,7 @@ class Conn:
         "proc",
         "reader",
         "retiring",
+        "segments",
         "send_lock",
         "sock",
         "wait_scope",
@@ -62,6 +65,7 @@ class Conn:
         self.sock = sock
         self.reader = FrameReader(sock)
         self.writer = FrameWriter(sock)
+        self.segments = SegmentMaps()  # the worker's recycled segments, mapped once each
         self.retiring = False  # asked to exit: its end is not a death
         self.exited = False  # sentinel fired (or reaped)
         self.exitcode: int | None = None
@@ -153,10 +157,19 @@ class Conn:
                 if len(frame.payload) >= LARGE_PAYLOAD:
                     # Unpickling megabytes would stall the loop: do it in a thread. The
                     # result is parked on the conn first, so a cancellation loses nothing.
-                    await decoder.run(_decode_into, self.pending, frame)
+                    await decoder.run(_decode_into, self.pending, frame, self.segments)
                 else:
-                    self.pending.append(decode(*frame))
-            await sink.send((self.worker_id, self.pending[0]))
+                    self.pending.append(decode(*frame, self.segments))
+            try:
+                await sink.send((self.worker_id, self.pending[0]))
+            except BaseException as exc:
+                # A cancelled send's frame keeps the message (and the batch's shared memory)
+                # for as long as the exception's traceback lives, which a reference cycle
+                # can make "until the cyclic GC": let go of it now (the pending copy stays).
+                if exc.__traceback__ is not None:
+                    traceback.clear_frames(exc.__traceback__.tb_next)
+                del exc
+                raise
             self.pending.clear()
 
     async def death_error(self, num_workers: int, method: str) -> WorkerDiedError:
@@ -189,6 +202,10 @@ class Conn:
 
     # ------------------------------------------------------------------ stop
 
+    def write(self, command: tuple[Any, ...]) -> None:
+        """Queue ``command``, with the segments released since the last one (if any)."""
+        self.writer.write(self.segments.attach(command))
+
     def say_exit(self) -> None:
         """Ask a live worker to exit: its end is then orderly."""
         if self.proc.exitcode is None and not self.exited:
@@ -219,6 +236,8 @@ class Conn:
         """
         self.close_socket()
         self.reader.close()
+        self.pending.clear()  # a message never handed over: its batch goes now
+        self.segments.close()  # batches still held keep their own mappings
         proc = self.proc
         if proc.exitcode is not None:
             if notify:
@@ -267,8 +286,8 @@ def _identities(fds: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _decode_into(out: list[Any], frame: Frame) -> None:
-    out.append(decode(*frame))
+def _decode_into(out: list[Any], frame: Frame, maps: SegmentMaps) -> None:
+    out.append(decode(*frame, maps))
 
 
 def _explain_pickling_failure(exc: Exception, method: str) -> None:

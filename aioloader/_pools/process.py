@@ -86,6 +86,7 @@ class WorkerPool(PoolBase[Conn]):
         self._serve_ctx: tuple[Any, Any, list[BaseException], ThreadRunner] | None = None
         # Workers retired by the autotuner (retire_worker): freed with the pool.
         self._retired: list[Conn] = []
+        self._segment_limit: int | None = None  # each worker's segment pool bound
 
     # ------------------------------------------------------------------ info
 
@@ -140,12 +141,19 @@ class WorkerPool(PoolBase[Conn]):
         # With fork, every parent-side socket so far is inherited (the new one is added).
         inherited = [c.sock.fileno() for c in self._workers] if method == "fork" else []
         conn = Conn.start(self._ctx, worker_id, cfg, method, parent_pid, inherited)
+        conn.segments.limit = self._segment_limit  # a respawned worker gets it too
         if worker_id < len(self._workers):  # a respawn: the replacement takes the same id
             self._workers[worker_id] = conn
         else:
             self._workers.append(conn)
 
     # ------------------------------------------------------------------ talk
+
+    def set_segment_limit(self, limit: int) -> None:
+        """Bound each worker's pool of recycled segments (sent with the next command)."""
+        self._segment_limit = limit
+        for conn in self._workers:
+            conn.segments.limit = limit
 
     async def send(self, worker_id: int, command: tuple[Any, ...]) -> None:
         """Write ``command`` to worker ``worker_id`` without blocking the loop.
@@ -165,7 +173,7 @@ class WorkerPool(PoolBase[Conn]):
             conn.retiring = True
         if conn.exited:
             return
-        conn.writer.write(command)
+        conn.write(command)  # released segments ride along
         await self._drain(conn)
 
     def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
@@ -180,7 +188,7 @@ class WorkerPool(PoolBase[Conn]):
         conn = self._workers[worker_id]
         if conn.exited:
             return
-        conn.writer.write(command)
+        conn.write(command)  # released segments ride along
         try:
             conn.writer.flush()
         except (BrokenPipeError, ConnectionResetError):

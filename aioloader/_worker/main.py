@@ -59,6 +59,7 @@ from .aserver import _serve_async
 from .codec import decode
 from .config import WorkerConfig, _where, seed_worker
 from .loop import _encode_reply, serve_commands
+from .segments import install as install_segments
 from .wire import Frame, FrameReader, send_frame
 
 __all__ = ["worker_main"]
@@ -294,6 +295,7 @@ def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
             _forget_inherited_exit_handlers()
         watch_ppid = os.getppid() == cfg.parent_pid  # False under forkserver
         _setup_process(cfg)
+        install_segments()  # collate into recycled shared memory (aioloader._worker.segments)
         logger.debug("worker %d (pid %d) started", cfg.worker_id, os.getpid())
         _start_watchdog(sock, cfg, watch_ppid, leaving)
         init_error: RemoteError | None = None
