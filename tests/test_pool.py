@@ -183,7 +183,7 @@ async def test_batches_shm_seeds_and_worker_info(method: str) -> None:
                      (1, ("fetch", 0, 6, ["strings"]))]
             replies = await ask(pool, recv, cmds)
             for s in range(4):
-                kind, epoch, seq, batch = replies[s]
+                kind, epoch, seq, batch = replies[s][:4]  # then extras (RNG states)
                 assert (kind, epoch, seq) == ("data", 0, s)
                 assert batch["index"].tolist() == [2 * s, 2 * s + 1]
                 assert torch.equal(batch["big"][1], torch.full((ds.BIG,), 2.0 * s + 1))
@@ -214,7 +214,7 @@ async def test_init_error_answers_every_fetch() -> None:
     with no_leaks():
         async with running(make_configs(1, ds.ProbeDataset(), init=ds.failing_init)) as (p, r):
             replies = await ask(p, r, [(0, ("fetch", 0, s, [s])) for s in range(3)])
-        for s, (kind, epoch, seq, err) in enumerate(replies):
+        for s, (kind, epoch, seq, err, *_extras) in enumerate(replies):
             assert (kind, epoch, seq) == ("error", 0, s)
             assert isinstance(err, RemoteError)
             with pytest.raises(ValueError, match="in DataLoader worker process 0") as info:
