@@ -1,7 +1,7 @@
 """The per-type collate functions of ``default_collate_fn_map``, and where they allocate.
 
 Inside a worker process (:func:`~aioloader._worker_info.get_worker_info` is not
-``None``) stacked outputs are allocated directly in shared memory
+``None`` and not a thread worker's, whose batch is handed over as is) stacked outputs are allocated directly in shared memory
 (:func:`_shared_empty`), so the batch crosses to the parent without a copy.
 Batches of plain ``int``/``float`` go through numpy, and batches of same-shaped,
 contiguous, writable numpy arrays are copied once into the output tensor
@@ -69,6 +69,12 @@ def _shared_empty(template: torch.Tensor, shape: tuple[int, ...]) -> torch.Tenso
     return template.new(storage).resize_(shape)
 
 
+def _in_worker_process() -> bool:
+    """True inside a worker process (not a thread worker: its batch is handed over as is)."""
+    info = get_worker_info()
+    return info is not None and info.worker_method != "thread"
+
+
 def collate_tensor_fn(
     batch: Sequence[torch.Tensor], *, collate_fn_map: CollateFnMap | None = None
 ) -> torch.Tensor:
@@ -99,7 +105,7 @@ def collate_tensor_fn(
     if elem.layout in _SPARSE_LAYOUTS:
         raise RuntimeError(_SPARSE_ERROR)
     out = None
-    if get_worker_info() is not None:
+    if _in_worker_process():
         out = _shared_empty(elem, (len(batch), *elem.shape))
     return torch.stack(batch, 0, out=out)  # type: ignore[arg-type]
 
@@ -125,7 +131,7 @@ def _stack_numpy_fast(batch: Sequence[np.ndarray[Any, Any]]) -> torch.Tensor | N
         if not (flags.c_contiguous and flags.writeable):
             return None
     count = len(batch)
-    if get_worker_info() is not None:
+    if _in_worker_process():
         out = _shared_empty(torch.empty(0, dtype=torch_dtype), (count, *shape))
     else:
         out = torch.empty((count, *shape), dtype=torch_dtype)
