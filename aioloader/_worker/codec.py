@@ -188,8 +188,9 @@ def _storage_from_bytes(data: bytes | bytearray) -> torch.UntypedStorage:
 class _Pickler(pickle.Pickler):
     """Protocol-5 pickler that sends large/shared CPU storages as file descriptors."""
 
-    def __init__(self, file: io.BytesIO, share_threshold: int, max_fds: int) -> None:
-        super().__init__(file, protocol=5)
+    def __init__(self, file: io.BytesIO, share_threshold: int, max_fds: int,
+                 buffer_callback: Any = None) -> None:
+        super().__init__(file, protocol=5, buffer_callback=buffer_callback)
         self.fds: list[int] = []
         self._ids: dict[int, tuple[Any, ...]] = {}
         self._threshold = share_threshold
@@ -237,8 +238,8 @@ class _Pickler(pickle.Pickler):
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, fds: list[int]) -> None:
-        super().__init__(file)
+    def __init__(self, file: io.BytesIO, fds: list[int], buffers: Any = None) -> None:
+        super().__init__(file, buffers=buffers)
         self._fds = fds
         self._storages: dict[int, torch.UntypedStorage] = {}
 
@@ -265,7 +266,9 @@ class _Unpickler(pickle.Unpickler):
 
 
 def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
-           max_fds: int = MAX_FDS_PER_MESSAGE) -> tuple[bytes, list[int]]:
+           max_fds: int = MAX_FDS_PER_MESSAGE,
+           buffer_callback: Any = None,
+           dispatch_table: Any = None) -> tuple[bytes, list[int]]:
     """Pickle ``obj``; large or shared CPU tensor storages become attached fds.
 
     Args:
@@ -274,6 +277,9 @@ def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
             shared memory (``share_memory_()``) and sent by fd; smaller ones
             travel inline unless they are already shared.
         max_fds: the most descriptors in one message; further storages inline.
+        buffer_callback: pickle's protocol-5 out-of-band hook (the caller then hands
+            the buffers to :func:`decode`); ``None``: every buffer in-band.
+        dispatch_table: the pickler's ``dispatch_table`` (``None``: ``copyreg``'s).
 
     Returns:
         ``(payload, fds)``. The caller owns ``fds`` (duplicates) and must close
@@ -294,7 +300,9 @@ def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
         True
     """
     buf = io.BytesIO()
-    pickler = _Pickler(buf, share_threshold, max_fds)
+    pickler = _Pickler(buf, share_threshold, max_fds, buffer_callback)
+    if dispatch_table is not None:
+        pickler.dispatch_table = dispatch_table
     try:
         pickler.dump(obj)
     except BaseException:
@@ -303,8 +311,10 @@ def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
     return buf.getvalue(), pickler.fds
 
 
-def decode(payload: bytes | bytearray | memoryview, fds: list[int]) -> Any:
-    """Unpickle a payload made by :func:`encode`, mapping storages from ``fds``.
+def decode(payload: bytes | bytearray | memoryview, fds: list[int],
+           buffers: Any = None) -> Any:
+    """Unpickle a payload made by :func:`encode`, mapping storages from ``fds``
+    (and taking out-of-band ``buffers``, if it was made with a ``buffer_callback``).
 
     Takes ownership of ``fds``: every one is closed exactly once before this
     returns or raises. Rebuilt storages keep their own duplicate descriptor.
@@ -314,6 +324,6 @@ def decode(payload: bytes | bytearray | memoryview, fds: list[int]) -> Any:
         ('data', 0, 1, [1.5, 'x'])
     """
     try:
-        return _Unpickler(io.BytesIO(payload), fds).load()
+        return _Unpickler(io.BytesIO(payload), fds, buffers).load()
     finally:
         close_fds(fds)
