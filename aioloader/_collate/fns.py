@@ -1,8 +1,9 @@
 """The per-type collate functions of ``default_collate_fn_map``, and where they allocate.
 
 Inside a worker process (:func:`~aioloader._worker_info.get_worker_info` is not
-``None`` and not a thread worker's, whose batch is handed over as is) stacked outputs are allocated directly in shared memory
-(:func:`_shared_empty`), so the batch crosses to the parent without a copy.
+``None`` and not a thread worker's, whose batch is handed over as is) stacked
+outputs are allocated directly in shared memory (:func:`_shared_empty`), so the
+batch crosses to the parent without a copy.
 Batches of plain ``int``/``float`` go through numpy, and batches of same-shaped,
 contiguous, writable numpy arrays are copied once into the output tensor
 (:func:`_stack_numpy_fast`); both give torch's results.
