@@ -88,3 +88,26 @@ def test_image_round_trip_keeps_views_and_dtypes() -> None:
     assert out["v"].tolist() == [5.0, 6.0, 7.0, 8.0]
     assert out["v"].untyped_storage().data_ptr() == out["t"].untyped_storage().data_ptr()
     assert (out["b"], out["s"]) == (b"bytes", "text")
+
+
+def test_the_fork_server_preloads_the_worker_module_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression test for issue 20: forkserver workers are forked from a server that imported
+    torch and the worker module once (added to the user's preload list while the server has
+    not started; a running server is left alone)."""
+    from multiprocessing import forkserver
+
+    from aioloader._pools.process import _preload_worker_in_forkserver
+
+    fresh = forkserver.ForkServer()
+    fresh._preload_modules = ["__main__", "users.module"]  # type: ignore[attr-defined]
+    monkeypatch.setattr(forkserver, "_forkserver", fresh)
+    _preload_worker_in_forkserver()
+    _preload_worker_in_forkserver()  # once
+    assert fresh._preload_modules == [  # type: ignore[attr-defined]
+        "__main__", "users.module", "aioloader._worker.main"]
+    running = forkserver.ForkServer()
+    running._forkserver_pid = 12345  # type: ignore[attr-defined]
+    monkeypatch.setattr(forkserver, "_forkserver", running)
+    before = list(running._preload_modules)  # type: ignore[attr-defined]
+    _preload_worker_in_forkserver()
+    assert running._preload_modules == before  # type: ignore[attr-defined]
