@@ -191,7 +191,10 @@ def cases_c(quick: bool, jpeg_dir: str) -> tuple[str, list[Case]]:
              Case("aioloader for, 2 workers", "aioloader",
                   lambda: W.run_aioloader("aioloader", ds(), n, bs, workers=2)),
              Case("aioloader for, fetch_threads=2", "aioloader",
-                  lambda: W.run_aioloader("aioloader", ds(), n, bs, fetch_threads=2))]
+                  lambda: W.run_aioloader("aioloader", ds(), n, bs, fetch_threads=2)),
+             Case("aioloader for, 2 thread workers", "aioloader",
+                  lambda: W.run_aioloader("aioloader", ds(), n, bs, workers=2,
+                                          worker_method="thread"))]
     if HAVE_SPDL:
         cases.append(Case("SPDL MT, 2 threads", "peer",
                           lambda: W.run_spdl("spdl", "c", ds(), n, bs)))

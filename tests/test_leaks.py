@@ -27,6 +27,7 @@ from conftest import LEAK_GRACE_S, open_fds, shm_entries, wait_until
 
 import aioloader
 from aioloader import DataLoader, WorkerDiedError
+from aioloader._worker.image import DatasetImage
 
 FORK = {"multiprocessing_context": "fork"}
 
@@ -324,7 +325,7 @@ def _segment_fds() -> list[str]:
             target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-        if target.startswith("/memfd:aioloader-"):
+        if target.startswith("/memfd:aioloader-") and "-dataset" not in target:
             out.append(target)
     return out
 
@@ -361,3 +362,59 @@ def test_segments_are_released_on_every_exit_path_leak(path: str) -> None:
     assert wait_until(lambda: _segment_fds() == [], LEAK_GRACE_S), _segment_fds()
     assert wait_until(lambda: not any(p.is_alive() for p in procs), LEAK_GRACE_S)
     assert wait_until(lambda: open_fds() <= before, LEAK_GRACE_S)
+
+
+def _dataset_images() -> list[str]:
+    """This process's descriptors of dataset images (memfd segments of spawn start-up)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile (the listing's own fd)
+            continue
+        if target.startswith("/memfd:aioloader-dataset"):
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("persistent", [False, True])  # not gc_off: see the end
+def test_the_dataset_image_of_spawned_workers_is_freed_with_the_pool_leak(
+        persistent: bool) -> None:
+    """Regression test for issue 20: the segment holding the once-pickled dataset is held only
+    while the workers can still be started from it, and closed with the pool (persistent
+    workers: at close), leaving nothing in /dev/shm (the autouse fixture checks)."""
+    from _startup_datasets import Arrays
+
+    loader = DataLoader(Arrays(), batch_size=4, num_workers=2, multiprocessing_context="spawn",
+                        persistent_workers=persistent)
+    for _ in range(2 if persistent else 1):
+        it = iter(loader)
+        assert len(next(it)) == 6
+        if DatasetImage.supported():
+            assert len(_dataset_images()) == 1
+        it.close()
+        del it
+    if persistent:
+        assert len(_dataset_images()) == (1 if DatasetImage.supported()
+                                          else 0)
+        loader.close()
+    assert _dataset_images() == []
+    # The dataset's tensor lives in shared memory now, as with torch: its fd goes with the
+    # dataset, which the epoch's sampler and delivery keep in a reference cycle (collected).
+    del loader
+
+
+@pytest.mark.gc_off
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_worker_dying_while_unpickling_the_dataset_leaks_no_image(persistent: bool) -> None:
+    """Regression test for issue 20: a spawned worker that dies while it unpickles the dataset
+    (start-up) is reported, and the dataset image is closed with the pool."""
+    from _startup_datasets import FailsToUnpickle
+
+    loader = DataLoader(FailsToUnpickle("exit"), batch_size=2, num_workers=2,
+                        multiprocessing_context="spawn", persistent_workers=persistent)
+    with pytest.raises(WorkerDiedError, match="exit code 3"):
+        list(loader)
+    if persistent:
+        loader.close()
+    assert _dataset_images() == []

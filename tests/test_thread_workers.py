@@ -584,3 +584,56 @@ def test_dispatch_keeps_the_commands_in_flight_within_the_window(
     del loader
     gc.collect()
     assert_threads_gone()
+
+
+# ------------------------------------------------------------------------------ speed's premises
+
+
+class IntraOpThreads(aioloader.Dataset[Any]):
+    """Each sample: torch's intra-op thread count as seen inside the worker."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(torch.get_num_threads())
+
+
+def test_thread_workers_run_one_intraop_thread_and_leave_the_main_threads_setting() -> None:
+    """Regression test for issue 20: a thread worker's torch ops use one intra-op thread (as a
+    worker process's), not an OpenMP team per worker thread; the main thread keeps its own."""
+    before = torch.get_num_threads()
+    got = torch.cat(list(DataLoader(IntraOpThreads(), batch_size=2, num_workers=2,
+                                    worker_method="thread")))
+    assert got.tolist() == [1] * 8
+    assert torch.get_num_threads() == before
+
+
+def test_worker_init_fn_may_set_the_threads_own_intraop_count() -> None:
+    """Regression test for issue 20: worker_init_fn runs after the one-thread default, so it can
+    change it."""
+    before = torch.get_num_threads()
+    if before < 2:
+        pytest.skip("torch runs one intra-op thread here")
+
+    def init(worker_id: int) -> None:
+        torch.set_num_threads(before)
+
+    try:
+        got = torch.cat(list(DataLoader(IntraOpThreads(), batch_size=2, num_workers=1,
+                                        worker_method="thread", worker_init_fn=init)))
+    finally:
+        torch.set_num_threads(before)
+    assert got.tolist() == [before] * 8
+
+
+def test_thread_worker_batches_are_not_put_in_shared_memory() -> None:
+    """Regression test for issue 20: a thread worker hands its batch over as an object, so collate
+    allocates plain memory, not a shared-memory segment per batch (worker processes still do)."""
+    data = [np.full(4, i, dtype=np.float32) for i in range(8)]
+    pairs = [(torch.full((3,), i), data[i]) for i in range(8)]
+    batches = list(DataLoader(pairs, batch_size=4, num_workers=2, worker_method="thread"))
+    assert [b[0][:, 0].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert not any(t.is_shared() for b in batches for t in b)
+    procs = list(DataLoader(pairs, batch_size=4, num_workers=1))
+    assert all(t.is_shared() for b in procs for t in b)

@@ -99,6 +99,12 @@ def _shared_empty(template: torch.Tensor, shape: tuple[int, ...]) -> torch.Tenso
     return template.new(storage).resize_(shape)
 
 
+def _in_worker_process() -> bool:
+    """True inside a worker process (not a thread worker: its batch is handed over as is)."""
+    info = get_worker_info()
+    return info is not None and info.worker_method != "thread"
+
+
 def collate_tensor_fn(
     batch: Sequence[torch.Tensor], *, collate_fn_map: CollateFnMap | None = None
 ) -> torch.Tensor:

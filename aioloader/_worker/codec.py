@@ -250,8 +250,8 @@ class _Pickler(pickle.Pickler):
     storages, numpy arrays and byte buffers through the worker's segments when it has them."""
 
     def __init__(self, file: io.BytesIO, share_threshold: int, max_fds: int,
-                 pool: _segments.WorkerSegments | None) -> None:
-        super().__init__(file, protocol=5)
+                 pool: _segments.WorkerSegments | None, buffer_callback: Any = None) -> None:
+        super().__init__(file, protocol=5, buffer_callback=buffer_callback)
         self.fds: list[int] = []
         self._ids: dict[int, tuple[Any, ...]] = {}
         self._threshold = share_threshold
@@ -418,8 +418,8 @@ class _Pickler(pickle.Pickler):
 
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, fds: list[int],
-                 maps: _segments.SegmentMaps | None) -> None:
-        super().__init__(file)
+                 maps: _segments.SegmentMaps | None, buffers: Any = None) -> None:
+        super().__init__(file, buffers=buffers)
         self._fds = fds
         self._maps = maps
         self._storages: dict[int, torch.UntypedStorage] = {}
@@ -472,7 +472,9 @@ class _Unpickler(pickle.Unpickler):
 
 
 def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
-           max_fds: int = MAX_FDS_PER_MESSAGE) -> tuple[bytes, list[int]]:
+           max_fds: int = MAX_FDS_PER_MESSAGE,
+           buffer_callback: Any = None,
+           dispatch_table: Any = None) -> tuple[bytes, list[int]]:
     """Pickle ``obj``; large or shared CPU tensor storages become attached fds.
 
     Args:
@@ -481,6 +483,9 @@ def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
             shared memory (``share_memory_()``) and sent by fd; smaller ones
             travel inline unless they are already shared.
         max_fds: the most descriptors in one message; further storages inline.
+        buffer_callback: pickle's protocol-5 out-of-band hook (the caller then hands
+            the buffers to :func:`decode`); ``None``: every buffer in-band.
+        dispatch_table: the pickler's ``dispatch_table`` (``None``: ``copyreg``'s).
 
     Returns:
         ``(payload, fds)``. The caller owns ``fds`` (duplicates) and must close
@@ -503,7 +508,9 @@ def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
     buf = io.BytesIO()
     pool = _segments.current()
     if pool is None:
-        pickler = _Pickler(buf, share_threshold, max_fds, None)
+        pickler = _Pickler(buf, share_threshold, max_fds, None, buffer_callback)
+        if dispatch_table is not None:
+            pickler.dispatch_table = dispatch_table
         try:
             pickler.dump(obj)
         except BaseException:
@@ -511,7 +518,9 @@ def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
             raise
         return buf.getvalue(), pickler.fds
     with pool.lock:  # a worker with a segment pool: this reply seals the open arena
-        pickler = _Pickler(buf, share_threshold, max_fds, pool)
+        pickler = _Pickler(buf, share_threshold, max_fds, pool, buffer_callback)
+        if dispatch_table is not None:
+            pickler.dispatch_table = dispatch_table
         retired = pool.take_retired()
         try:
             pickler.dump(_segments.Retired(retired, obj) if retired else obj)
@@ -526,8 +535,9 @@ def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
 
 
 def decode(payload: bytes | bytearray | memoryview, fds: list[int],
-           maps: _segments.SegmentMaps | None = None) -> Any:
-    """Unpickle a payload made by :func:`encode`, mapping storages from ``fds``.
+           maps: _segments.SegmentMaps | None = None, buffers: Any = None) -> Any:
+    """Unpickle a payload made by :func:`encode`, mapping storages from ``fds``
+    (and taking out-of-band ``buffers``, if it was made with a ``buffer_callback``).
 
     Takes ownership of ``fds``: every one is closed exactly once before this
     returns or raises. Rebuilt storages keep their own duplicate descriptor.
@@ -540,7 +550,7 @@ def decode(payload: bytes | bytearray | memoryview, fds: list[int],
         ('data', 0, 1, [1.5, 'x'])
     """
     try:
-        obj = _Unpickler(io.BytesIO(payload), fds, maps).load()
+        obj = _Unpickler(io.BytesIO(payload), fds, maps, buffers).load()
     finally:
         close_fds(fds)
     cls = type(obj)

@@ -93,6 +93,7 @@ def thread_worker_main(cfg: WorkerConfig, commands: queue.SimpleQueue[tuple[Any,
     worker_id = cfg.worker_id
     reason: str | None = None
     try:
+        one_intraop_thread()
         rng = _seed_thread(cfg)
         seed = cfg.base_seed + worker_id
         reseed_datapipe(cfg, cfg.shared_seed)  # its own copy of the graph (_datapipes)
@@ -126,6 +127,41 @@ def thread_worker_main(cfg: WorkerConfig, commands: queue.SimpleQueue[tuple[Any,
         if torch_local is not None:
             torch_local.worker_info = None
         channel.post_end(worker_id, reason)
+
+
+_OMP_SET_NUM_THREADS: Any = None  # libgomp's omp_set_num_threads, looked up once (False: none)
+
+
+def one_intraop_thread() -> None:
+    """Make torch run this thread's ops on one intra-op thread, as a worker process does.
+
+    A worker process calls ``torch.set_num_threads(1)`` (torch's ``_worker_loop``);
+    in a thread that would change the whole process's setting (the user's main
+    thread included; torchdata's thread mappers do it). With torch's OpenMP
+    backend the number of threads of a parallel region is a per-thread OpenMP
+    setting, so it is set for the calling thread only: torch's lazy per-thread
+    initialisation runs first (``torch.get_num_threads()``), then
+    ``omp_set_num_threads(1)`` for this thread. Without it every worker thread's
+    larger tensor ops (a permute + ``contiguous()``, collate's stack) wake an
+    OpenMP team of their own: with N worker threads on N cores that is 2N busy
+    threads and thousands of extra context switches per second. Where OpenMP is
+    not found (another backend), nothing changes. ``worker_init_fn`` runs after
+    this and may call ``torch.set_num_threads`` itself.
+    """
+    global _OMP_SET_NUM_THREADS
+    if _OMP_SET_NUM_THREADS is None:
+        try:
+            import ctypes
+
+            _OMP_SET_NUM_THREADS = ctypes.CDLL(None).omp_set_num_threads
+            _OMP_SET_NUM_THREADS.argtypes = [ctypes.c_int]
+            _OMP_SET_NUM_THREADS.restype = None
+        except Exception:  # no OpenMP in the process (or no ctypes lookup of it)
+            _OMP_SET_NUM_THREADS = False
+    if _OMP_SET_NUM_THREADS is False:
+        return
+    if torch.get_num_threads() > 1:  # also torch's lazy per-thread init: it would reset ours
+        _OMP_SET_NUM_THREADS(1)
 
 
 def _seed_thread(cfg: WorkerConfig) -> Any:

@@ -1,0 +1,203 @@
+"""A dataset pickled once for every spawned worker: one memory segment all of them read.
+
+With ``spawn``/``forkserver`` a worker gets its own copy of the dataset by
+unpickling it. ``multiprocessing`` pickles a process's arguments for each
+process it starts and writes them into a pipe that only drains once the new
+interpreter has booted (``import torch`` included): a dataset of 128 MiB was
+pickled N times and the N starts ran one after the other. Instead the pool
+pickles the dataset once (:meth:`DatasetImage.pack`) into an anonymous memory
+file (``memfd_create``: no name in ``/dev/shm``, freed by the kernel when its
+last descriptor and mapping go, whatever way the processes holding them end),
+and every worker is given only the :class:`DatasetImage`, a few descriptors:
+the processes start at once (their arguments are small) and boot in parallel.
+
+What travels how:
+
+* the pickle stream and every out-of-band buffer of protocol 5 (numpy arrays,
+  ``bytearray``, ``PickleBuffer``) lie in the segment. A worker maps it
+  copy-on-write (``MAP_PRIVATE``) and unpickles from the mapping: a numpy
+  array becomes a view of the mapping, with no copy; its pages are shared by
+  every worker until one writes to it, and a write stays that worker's own, as
+  with an unpickled copy;
+* CPU tensor storages are moved to shared memory and passed as descriptors,
+  as torch shares them (:mod:`aioloader._worker.codec`): the parent and every
+  worker see one storage, as with torch's ``spawn`` workers.
+
+The worker rebuilds the dataset while ``multiprocessing`` unpickles its
+arguments (as before: an error there ends the worker at start with its
+traceback on stderr, and the parent reports the worker's death). The pool
+keeps the image open for its own life (a respawned worker reads the same one)
+and closes it with its other descriptors.
+
+Only where the kernel has ``memfd_create`` (Linux) and torch shares storages
+by descriptor (``file_descriptor``, its default on Linux); elsewhere
+:meth:`DatasetImage.pack` returns ``None`` and the dataset is pickled per worker
+as before.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+from multiprocessing import reduction
+from typing import Any
+
+from .codec import close_fds, decode, encode
+
+__all__ = ["DatasetImage"]
+
+_ALIGN = 64  # out-of-band buffers start at multiples of this (numpy's SIMD loads like it)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class DatasetImage:
+    """A dataset pickled once into a memory segment, given to each spawned worker.
+
+    In the parent it owns its descriptors (:meth:`close` them once no worker
+    will be started from it any more). Pickled for a worker being started (only
+    by ``multiprocessing`` while it starts a process: the descriptors are
+    duplicated into the child), it unpickles there to the dataset itself.
+
+    Example:
+        >>> import numpy as np
+        >>> image = DatasetImage.pack({"x": np.arange(3)})
+        >>> image is None or image.load()["x"].tolist() == [0, 1, 2]
+        True
+        >>> image is None or image.close()
+    """
+
+    __slots__ = ("_layout", "fd", "nbytes", "tensor_fds")
+
+    def __init__(self, fd: int, tensor_fds: list[int], layout: tuple[Any, ...],
+                 nbytes: int) -> None:
+        self.fd = fd
+        self.tensor_fds = tensor_fds
+        self._layout = layout  # (pickle's offset, its length, [(offset, length) per buffer])
+        self.nbytes = nbytes
+
+    @staticmethod
+    def supported() -> bool:
+        """True where an image can be made (``memfd_create``, descriptor sharing)."""
+        if not hasattr(os, "memfd_create"):
+            return False
+        import torch.multiprocessing as tmp
+
+        return bool(tmp.get_sharing_strategy() == "file_descriptor")  # type: ignore[no-untyped-call]
+
+    @classmethod
+    def pack(cls, dataset: Any) -> DatasetImage | None:
+        """Pickle ``dataset`` once into a new segment; ``None`` where images are unsupported.
+
+        Raises:
+            Whatever pickling the dataset raises (nothing is left open then).
+        """
+        if not cls.supported():
+            return None
+        buffers: list[pickle.PickleBuffer] = []
+        payload, tensor_fds = encode(dataset, buffer_callback=buffers.append,
+                                     dispatch_table=_dispatch_table())
+        try:
+            views = [b.raw() for b in buffers]
+            spans = []
+            offset = _aligned(len(payload))
+            for view in views:
+                spans.append((offset, view.nbytes))
+                offset = _aligned(offset + view.nbytes)
+            nbytes = max(offset, 1)
+            fd = os.memfd_create("aioloader-dataset", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, nbytes)
+                with mmap.mmap(fd, nbytes) as mem:
+                    mem[:len(payload)] = payload
+                    for (start, length), view in zip(spans, views, strict=True):
+                        mem[start:start + length] = view
+                    del view
+            except BaseException:
+                os.close(fd)
+                raise
+        except BaseException:
+            close_fds(tensor_fds)
+            raise
+        finally:
+            for b in buffers:
+                b.release()
+        return cls(fd, tensor_fds, (0, len(payload), spans), nbytes)
+
+    def __reduce__(self) -> Any:
+        if self.fd < 0:
+            raise ValueError("this DatasetImage is closed")
+        # DupFd: multiprocessing hands the descriptors to the process it is starting
+        # (spawn: inherited across exec; forkserver: passed to the server with the rest).
+        return (_open_image, (reduction.DupFd(self.fd),
+                              [reduction.DupFd(fd) for fd in self.tensor_fds],
+                              self._layout, self.nbytes))
+
+    def load(self) -> Any:
+        """Unpickle the dataset here (the worker's path, for a parent-side check or test)."""
+        fds = [os.dup(fd) for fd in self.tensor_fds]
+        return _load(os.dup(self.fd), fds, self._layout, self.nbytes)
+
+    def close(self) -> None:
+        """Close the parent's descriptors (idempotent); workers keep what they mapped."""
+        fds = ([self.fd] if self.fd >= 0 else []) + self.tensor_fds
+        self.fd, self.tensor_fds = -1, []
+        close_fds(fds)
+
+    def __repr__(self) -> str:
+        return (f"<DatasetImage {self.nbytes} bytes, {len(self._layout[2])} buffers, "
+                f"{len(self.tensor_fds)} tensor storages{'' if self.fd >= 0 else ', closed'}>")
+
+
+class SpawningOnlyError(TypeError):
+    """An object pickles only while ``multiprocessing`` starts a process (the dataset is then
+    pickled for each worker, as before)."""
+
+
+def _refuse(obj: Any) -> Any:
+    raise SpawningOnlyError(f"{type(obj).__qualname__} pickles only while multiprocessing "
+                            f"starts a process")
+
+
+def _dispatch_table() -> dict[type, Any]:
+    """``copyreg``'s reducers, and a refusal for each type ``multiprocessing``'s pickler
+    reduces in its own way (sockets, connections, torch storages that are not plain CPU
+    tensors' ...), which would otherwise pickle here into something wrong or not at all.
+    Plain CPU tensors never reach it (the codec's ``reducer_override`` comes first)."""
+    import copyreg
+    import functools
+    import types
+
+    harmless = {types.MethodType, types.MethodDescriptorType, types.WrapperDescriptorType,
+                functools.partial}
+    table: dict[type, Any] = dict(copyreg.dispatch_table)
+    for cls in reduction.ForkingPickler._extra_reducers:  # type: ignore[attr-defined]
+        if cls not in harmless:
+            table[cls] = _refuse
+    return table
+
+
+def _open_image(fd: Any, tensor_fds: list[Any], layout: tuple[Any, ...], nbytes: int) -> Any:
+    """In the worker: the dataset (unpickled from the segment) in place of the image."""
+    return _load(fd.detach(), [t.detach() for t in tensor_fds], layout, nbytes)
+
+
+def _load(fd: int, tensor_fds: list[int], layout: tuple[Any, ...], nbytes: int) -> Any:
+    """Map segment ``fd`` copy-on-write and unpickle from it; takes ownership of every fd."""
+    try:
+        mem = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        close_fds(tensor_fds)
+        raise
+    finally:
+        os.close(fd)  # the mapping keeps the segment
+    start, length, spans = layout
+    view = memoryview(mem)
+    # The out-of-band buffers are views of the mapping: what is rebuilt over them (a numpy
+    # array) keeps the mapping alive, and its pages stay shared until written.
+    buffers = [view[s:s + n] for s, n in spans]
+    return decode(view[start:start + length], tensor_fds, buffers=buffers)
