@@ -76,6 +76,7 @@ def _in_worker_process() -> bool:
     info = get_worker_info()
     return info is not None and getattr(info, "worker_method", "multiprocessing") != "thread"
 
+
 _FLOAT64 = np.dtype(np.float64)
 
 
@@ -97,12 +98,6 @@ def _shared_empty(template: torch.Tensor, shape: tuple[int, ...]) -> torch.Tenso
         math.prod(shape), device=template.device
     )
     return template.new(storage).resize_(shape)
-
-
-def _in_worker_process() -> bool:
-    """True inside a worker process (not a thread worker: its batch is handed over as is)."""
-    info = get_worker_info()
-    return info is not None and info.worker_method != "thread"
 
 
 def collate_tensor_fn(
