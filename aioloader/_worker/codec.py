@@ -252,6 +252,7 @@ class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, share_threshold: int, max_fds: int,
                  pool: _segments.WorkerSegments | None, buffer_callback: Any = None) -> None:
         super().__init__(file, protocol=5, buffer_callback=buffer_callback)
+        self._out_of_band = buffer_callback is not None  # the caller takes the buffers
         self.fds: list[int] = []
         self._ids: dict[int, tuple[Any, ...]] = {}
         self._threshold = share_threshold
@@ -338,6 +339,8 @@ class _Pickler(pickle.Pickler):
         nbytes = arr.nbytes
         flags = arr.flags
         fortran = bool(flags.f_contiguous and not flags.c_contiguous)
+        if self.pool is None and self._out_of_band:
+            return NotImplemented  # numpy's protocol-5 reduction: the data goes out of band
         if (self.pool is None or nbytes < self._threshold or arr.dtype.hasobject
                 or not arr.dtype.isnative or not (flags.c_contiguous or fortran)):
             # In band, as torch's workers pickle it (protocol 4: a byte-swapped array

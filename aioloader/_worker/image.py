@@ -100,6 +100,7 @@ class DatasetImage:
         buffers: list[pickle.PickleBuffer] = []
         payload, tensor_fds = encode(dataset, buffer_callback=buffers.append,
                                      dispatch_table=_dispatch_table())
+        views: list[memoryview] = []
         try:
             views = [b.raw() for b in buffers]
             spans = []
@@ -115,7 +116,6 @@ class DatasetImage:
                     mem[:len(payload)] = payload
                     for (start, length), view in zip(spans, views, strict=True):
                         mem[start:start + length] = view
-                    del view
             except BaseException:
                 os.close(fd)
                 raise
@@ -123,6 +123,8 @@ class DatasetImage:
             close_fds(tensor_fds)
             raise
         finally:
+            for view in views:  # before their buffers
+                view.release()
             for b in buffers:
                 b.release()
         return cls(fd, tensor_fds, (0, len(payload), spans), nbytes)
