@@ -210,10 +210,10 @@ def _draws(thread_only: bool) -> list[float]:
     info = torch.utils.data.get_worker_info()
     rng = getattr(info, "rng", None) if info is not None else None
     if rng is not None:
-        gen = torch.thread_safe_generator() if hasattr(torch, "thread_safe_generator") else None
         out += [float(torch.rand((), generator=rng.torch_generator)),
-                rng.random_generator.random(), float(rng.numpy_generator.random()),
-                float(torch.rand((), generator=gen))]
+                rng.random_generator.random(), float(rng.numpy_generator.random())]
+        if hasattr(torch, "thread_safe_generator"):  # newer torch; older has no such call
+            out.append(float(torch.rand((), generator=torch.thread_safe_generator())))
     return out
 
 

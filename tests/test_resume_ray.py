@@ -18,6 +18,11 @@ from aioloader import DataLoader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# As in test_ray_workers.py: on torch 2.4 Ray rebuilds a returned tensor's storage with
+# torch.load(), which warns about its weights_only default; later torch passes it explicitly.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:You are using `torch.load` with `weights_only=False`:FutureWarning")
+
 
 @pytest.fixture(scope="module")
 def ray() -> Iterator[Any]:
