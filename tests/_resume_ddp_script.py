@@ -1,6 +1,6 @@
 """One rank of a 2-rank gloo run for tests/test_resume_elastic.py (run as a script).
 
-``python _resume_ddp_script.py OUT_JSON STORE RANK WORLD``: the rank takes ``2 + rank``
+``python _resume_ddp_script.py OUT_JSON INIT_METHOD RANK WORLD``: the rank takes ``2 + rank``
 batches of a DistributedSampler loader (2 workers), then every rank's state is gathered
 (``aioloader.gather_rank_states``); rank 0 writes the merged state and the samples every
 rank delivered to ``OUT_JSON``.
@@ -12,12 +12,13 @@ import json
 import sys
 
 import torch.distributed as dist
+from _gloo_exit import leave_group
 
 import aioloader
 
 
-def main(out: str, store: str, rank: int, world: int) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+def main(out: str, init_method: str, rank: int, world: int) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank,
                             world_size=world)
     try:
         ds = list(range(43))
@@ -35,8 +36,10 @@ def main(out: str, store: str, rank: int, world: int) -> None:
             with open(out, "w") as f:
                 json.dump({"merged": aioloader.merge_rank_states(states),
                            "delivered": seen}, f)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_group()
 
 
 if __name__ == "__main__":

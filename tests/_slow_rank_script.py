@@ -1,7 +1,7 @@
 """One rank of the 2-rank slow-rank test in tests/test_stats.py (run as a script, never imported).
 
-``python _slow_rank_script.py STORE_FILE OUT_DIR RANK SLOW_RANK``: joins a 2-rank gloo
-group (file store), iterates a loader whose samples cost 4 ms to read on ``SLOW_RANK``
+``python _slow_rank_script.py INIT_METHOD OUT_DIR RANK SLOW_RANK``: joins a 2-rank gloo
+group (``INIT_METHOD``, e.g. ``tcp://127.0.0.1:PORT``), iterates a loader whose samples cost 4 ms to read on ``SLOW_RANK``
 and nothing on the other, with a DDP-like step (an all-reduce per batch, so the fast
 rank waits for the slow one inside its step), then calls ``stats(all_ranks=True)`` on
 both ranks and writes what it says to ``OUT_DIR/rank{N}.json``.
@@ -14,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from _gloo_exit import leave_group
 
-def main(store: str, out_dir: str, rank: int, slow_rank: int) -> None:
+
+def main(init_method: str, out_dir: str, rank: int, slow_rank: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -33,7 +35,7 @@ def main(store: str, out_dir: str, rank: int, slow_rank: int) -> None:
                 time.sleep(self.cost)
             return torch.tensor([float(i)])
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     try:
         loader = DataLoader(Reads(0.004 if rank == slow_rank else 0.0), batch_size=4)
         for batch in loader:
@@ -43,8 +45,10 @@ def main(store: str, out_dir: str, rank: int, slow_rank: int) -> None:
                "hint": stats.hint, "ranks": [r.rank for r in stats.ranks],
                "batches": [r.batches for r in stats.ranks], "table": str(stats)}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(doc))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_group()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import multiprocessing
 import multiprocessing.process
 import os
 import re
+import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -54,6 +56,43 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a test's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_processes(argvs: list[list[str]], env: Mapping[str, str], timeout: float = 90.0,
+                  cwd: str | None = None) -> list[tuple[int | None, str]]:
+    """Run the commands side by side (e.g. the ranks of a gloo job) for at most ``timeout`` s.
+
+    Returns each one's exit code (None: it was still running at the deadline and was
+    killed) and its output (stdout and stderr together). The deadline is shorter than
+    pytest's timeout, so a hung rank fails the test with every rank's output instead of a
+    pytest-timeout stack dump, and no process or pipe outlives the call.
+    """
+    procs = [subprocess.Popen(argv, env=dict(env), cwd=cwd, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for argv in argvs]
+    deadline = time.monotonic() + timeout
+    results: list[tuple[int | None, str]] = []
+    try:
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                results.append((p.returncode, out.decode(errors="replace")))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate()
+                results.append((None, out.decode(errors="replace")))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    return results
 
 
 def open_fds() -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from collections import Counter
 from typing import Any
@@ -18,6 +17,7 @@ import anyio
 import pytest
 import torch
 from _resume_datasets import Augment, PlainRange, collate_with_draw
+from conftest import free_port, run_processes
 
 import aioloader
 from aioloader import DataLoader
@@ -239,19 +239,11 @@ def test_two_gloo_ranks_resume_on_one(tmp_path: Any) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (os.path.dirname(here), os.environ.get("PYTHONPATH")) if p)}
-    out, store = tmp_path / "out.json", tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, os.path.join(here, "_resume_ddp_script.py"),
-                               str(out), str(store), str(rank), "2"], env=env, cwd=here,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for rank in range(2)]
-    try:
-        logs = [p.communicate(timeout=90)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], logs
+    out = tmp_path / "out.json"
+    init = f"tcp://127.0.0.1:{free_port()}"  # see test_stats: torch 2.4 and file stores
+    runs = run_processes([[sys.executable, os.path.join(here, "_resume_ddp_script.py"),
+                           str(out), init, str(rank), "2"] for rank in range(2)], env, cwd=here)
+    assert [code for code, _ in runs] == [0, 0], [log[-3000:] for _, log in runs]
     result = json.loads(out.read_text())
     before = [x for rank in result["delivered"] for x in rank]
     after, _ = _run_ranks(1, [-1], result["merged"])

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import free_port, run_processes
 
 from aioloader import DataLoader, Dataset, LoaderStats, StageStats, WorkerStats
 from aioloader._stats import proc
@@ -531,19 +532,13 @@ def test_all_ranks_names_the_slow_rank_and_its_stage(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     script = Path(__file__).with_name("_slow_rank_script.py")
-    store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, str(script), str(store), str(tmp_path),
-                               str(rank), "1"], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for rank in (0, 1)]
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    for p, out in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, out.decode(errors="replace")[-3000:]
+    # A TCP rendezvous: with a file store, torch 2.4's destroy_process_group sometimes
+    # never returns when both ranks tear down together.
+    init = f"tcp://127.0.0.1:{free_port()}"
+    runs = run_processes([[sys.executable, str(script), init, str(tmp_path), str(rank), "1"]
+                          for rank in (0, 1)], env)
+    for code, out in runs:
+        assert code == 0, out[-3000:]
     for rank in (0, 1):
         doc = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert doc["ranks"] == [0, 1] and doc["batches"] == [16, 16], doc
