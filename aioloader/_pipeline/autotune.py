@@ -53,11 +53,11 @@ _LG = logging.getLogger(__name__)
 _ns = time.perf_counter_ns
 
 #: A measurement window lasts at least this long ...
-WINDOW_S = 0.5
+WINDOW_S = 0.25
 #: ... and holds at least this many batches; or, for fast loops, it ends after
 #: FAST_WINDOW_BATCHES batches once FAST_WINDOW_S have passed.
 WINDOW_BATCHES = 8
-FAST_WINDOW_BATCHES = 64
+FAST_WINDOW_BATCHES = 32
 FAST_WINDOW_S = 0.05
 
 #: Reads the CPU seconds used so far by the given pids (``None``: unknown). Swappable
