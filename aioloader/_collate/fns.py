@@ -129,10 +129,10 @@ def collate_tensor_fn(
         raise RuntimeError(_NESTED_ERROR)
     if elem.layout in _SPARSE_LAYOUTS:
         raise RuntimeError(_SPARSE_ERROR)
-    out = None
     if _in_worker_process():
         out = _shared_empty(elem, (len(batch), *elem.shape))
-    return torch.stack(batch, 0, out=out)  # type: ignore[arg-type]
+        return torch.stack(batch, 0, out=out)  # type: ignore[arg-type]
+    return torch.stack(batch, 0)  # type: ignore[arg-type]  # no out=None: 0.4 us less
 
 
 def _stack_numpy_fast(batch: Sequence[np.ndarray[Any, Any]]) -> torch.Tensor | None:
