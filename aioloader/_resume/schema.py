@@ -6,9 +6,12 @@ included (per-worker dataset states, RNG states), then against the loader that l
 it (the configuration recorded in the state, positions within the epoch, generator
 states of the right length). The result is a state in the current layout
 (:data:`FORMAT_VERSION`), which :class:`aioloader._resume.tracker.EpochTracker` then
-trusts. Three layouts are read:
+trusts. Four layouts are read:
 
-* version 2 (current): everything below, plus ``config``, the loader's configuration
+* version 3 (current): version 2 plus ``worker_rng`` (each worker's RNG states after
+  its last consumed batch), ``distributed`` (a ``DistributedSampler``'s settings) and
+  ``elastic`` (where an epoch resumed across world sizes takes its samples from);
+* version 2: everything below, plus ``config``, the loader's configuration
   (:func:`loader_config`), compared field by field with the loading loader;
 * version 1 (aioloader before ``config``): the same fields without ``config``, checked
   the same way; the configuration cannot be compared, so it is taken to be the
