@@ -1,12 +1,28 @@
-"""How the 2-rank gloo scripts (tests/_*_script.py) leave their process group."""
+"""How the 2-rank gloo scripts (tests/_*_script.py) join and leave their process group."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+
+@contextmanager
+def gloo_group(init_method: str, rank: int, world_size: int) -> Iterator[None]:
+    """Join a gloo group for the block; leave it with :func:`leave_group` when the block
+    ends normally, tear it down (and re-raise) when it raises."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank,
+                            world_size=world_size)
+    try:
+        yield
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave_group()
 
 
 def leave_group() -> None:

@@ -12,15 +12,13 @@ import json
 import sys
 
 import torch.distributed as dist
-from _gloo_exit import leave_group
+from _gloo_exit import gloo_group
 
 import aioloader
 
 
 def main(out: str, init_method: str, rank: int, world: int) -> None:
-    dist.init_process_group("gloo", init_method=init_method, rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(init_method, rank, world):
         ds = list(range(43))
         sampler = aioloader.DistributedSampler(ds, seed=9)  # rank and world from the group
         sampler.set_epoch(3)
@@ -36,10 +34,6 @@ def main(out: str, init_method: str, rank: int, world: int) -> None:
             with open(out, "w") as f:
                 json.dump({"merged": aioloader.merge_rank_states(states),
                            "delivered": seen}, f)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()
 
 
 if __name__ == "__main__":

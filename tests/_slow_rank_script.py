@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from _gloo_exit import leave_group
+from _gloo_exit import gloo_group
 
 
 def main(init_method: str, out_dir: str, rank: int, slow_rank: int) -> None:
@@ -35,8 +35,7 @@ def main(init_method: str, out_dir: str, rank: int, slow_rank: int) -> None:
                 time.sleep(self.cost)
             return torch.tensor([float(i)])
 
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
-    try:
+    with gloo_group(init_method, rank, 2):
         loader = DataLoader(Reads(0.004 if rank == slow_rank else 0.0), batch_size=4)
         for batch in loader:
             dist.all_reduce(batch.sum())  # the step: both ranks meet here every batch
@@ -45,10 +44,6 @@ def main(init_method: str, out_dir: str, rank: int, slow_rank: int) -> None:
                "hint": stats.hint, "ranks": [r.rank for r in stats.ranks],
                "batches": [r.batches for r in stats.ranks], "table": str(stats)}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(doc))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_group()
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 import aioloader
 from aioloader import DataLoader, TensorDataset
@@ -150,12 +150,6 @@ def _installed(name: str) -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def framework_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """One 2-rank gloo job (tests/_framework_ddp_script.py) with every installed framework.
@@ -181,7 +175,7 @@ def framework_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         env.pop(key, None)
     ranks = [0] if "trainer" in sections else [0, 1]
     if len(ranks) == 2:
-        env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cmd = [sys.executable, str(HERE / "_framework_ddp_script.py"), str(out), ",".join(sections)]
     procs = []
     try:
