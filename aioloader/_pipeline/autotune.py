@@ -60,31 +60,18 @@ WINDOW_BATCHES = 8
 FAST_WINDOW_BATCHES = 32
 FAST_WINDOW_S = 0.05
 
-#: Reads the CPU seconds used so far by the given pids (``None``: unknown). Swappable
-#: (tests); by default aioloader._stats.proc reads it.
-CpuReader = Callable[[Sequence[int]], "float | None"]
-
-
-def proc_cpu_seconds(pids: Sequence[int]) -> float | None:
-    """User + system CPU seconds of ``pids`` so far (``None`` if one is unknown)."""
+def proc_workers(pids: Sequence[int]) -> tuple[float, int] | None:
+    """The user + system CPU seconds ``pids`` used so far and the largest resident set
+    (bytes) among them, from one ``/proc`` read per pid (``None`` if one is unknown)."""
     total = 0.0
-    for pid in pids:
-        cpu = _proc.sample(pid, pss=False).cpu_s
-        if cpu is None:
-            return None
-        total += cpu
-    return total
-
-
-def proc_rss_bytes(pids: Sequence[int]) -> int | None:
-    """The largest resident set (bytes) among ``pids`` (``None`` if one is unknown)."""
     largest = 0
     for pid in pids:
-        rss = _proc.sample(pid, pss=False).rss_bytes
-        if rss is None:
+        got = _proc.sample(pid, pss=False)
+        if got.cpu_s is None or got.rss_bytes is None:
             return None
-        largest = max(largest, rss)
-    return largest
+        total += got.cpu_s
+        largest = max(largest, got.rss_bytes)
+    return total, largest
 
 
 def batch_nbytes(batch: Any, depth: int = 0) -> tuple[int, int]:
@@ -110,12 +97,10 @@ class EpochTuner:
                  lease: _PoolLease | None, batch_size: int, index_sampler: Any,
                  bound_window: Callable[[int, Any, int], int], iterable: bool,
                  rec: Recorder | None, runner: ThreadRunner,
-                 commands_ready: Callable[[], None],
-                 cpu_reader: CpuReader | None = proc_cpu_seconds) -> None:
+                 commands_ready: Callable[[], None]) -> None:
         self.state = state
         self.system = system
         self.limits: Limits = limits(system)
-        self.rss_reader: Callable[[Sequence[int]], int | None] = proc_rss_bytes
         self.last_batch: Any = None  # the latest batch delivered (its size bounds the window)
         self.dispatch = dispatch
         self.lease = lease
@@ -126,7 +111,6 @@ class EpochTuner:
         self.rec = rec
         self.runner = runner
         self.commands_ready = commands_ready
-        self.cpu_reader = cpu_reader
         self.fetcher: AsyncFetchPool | None = None  # set by the epoch once started
         self.tg: anyio.abc.TaskGroup | None = None  # the background task group
         self.busy = False  # a knob move is under way (a worker starting or draining)
@@ -162,19 +146,23 @@ class EpochTuner:
         self.wait_ns = 0
         rec = self.rec
         self.rec0 = self._rec_totals() if rec is not None else None
-        self.cpu0 = self._cpu()
+        self.cpu0 = self._cpu(self._workers_now())
 
     def _pids(self) -> list[int]:
         if self.lease is None or not self.lease.started:
             return []
         return list(self.lease.pool.pids)
 
-    def _cpu(self) -> tuple[float, int] | None:
+    def _workers_now(self) -> tuple[float, int, int] | None:
+        """The workers' CPU seconds so far, their largest RSS and how many they are (one
+        ``/proc`` read each; ``None``: no local worker processes, or one is unknown)."""
         pids = self._pids()
-        if not pids or self.cpu_reader is None:
-            return None
-        seconds = self.cpu_reader(pids)
-        return None if seconds is None else (seconds, len(pids))
+        got = proc_workers(pids) if pids else None
+        return None if got is None else (got[0], got[1], len(pids))
+
+    @staticmethod
+    def _cpu(procs: tuple[float, int, int] | None) -> tuple[float, int] | None:
+        return None if procs is None else (procs[0], procs[2])
 
     def _rec_totals(self) -> tuple[int, int, int, int]:
         rec = self.rec
@@ -204,10 +192,11 @@ class EpochTuner:
                 self.settling = False
                 self._restart()
                 return
-            self._bound(batch)
-            self._decide(self._measure(t_done))
+            procs = self._workers_now()  # read once: both the bounds and the CPU use it
+            self._bound(batch, procs)
+            self._decide(self._measure(t_done, procs))
 
-    def _measure(self, now: int) -> Measurement:
+    def _measure(self, now: int, procs: tuple[float, int, int] | None) -> Measurement:
         seconds = (now - self.t0) / 1e9
         busy = cpu = ready = None
         if self.rec is not None and self.rec0 is not None:
@@ -217,7 +206,7 @@ class EpochTuner:
                 busy = (b1 - b0) / ((b1 - b0) + (i1 - i0))
             if n1 > n0:
                 ready = (r1 - r0) / (n1 - n0)
-        c1 = self._cpu()
+        c1 = self._cpu(procs)
         if c1 is not None and self.cpu0 is not None and c1[1] == self.cpu0[1] and seconds:
             cpu = (c1[0] - self.cpu0[0]) / seconds / c1[1]
         return Measurement(self.batches, seconds, self.wait_ns / 1e9, worker_busy=busy,
@@ -230,12 +219,11 @@ class EpochTuner:
         return Measurement(self.epoch_batches, (now - self.epoch_start) / 1e9,
                            self.epoch_wait / 1e9)
 
-    def _bound(self, batch: Any) -> None:
+    def _bound(self, batch: Any, procs: tuple[float, int, int] | None) -> None:
         """Update the knobs' upper bounds from what a batch and a worker weigh now."""
         assert self.tuner is not None
         nbytes, tensors = batch_nbytes(batch) if batch is not None else (0, 0)
-        pids = self._pids()
-        rss = self.rss_reader(pids) if pids else None
+        rss = procs[1] if procs is not None else None
         self.limits = lim = limits(self.system, batch_bytes=nbytes, worker_bytes=rss or 0,
                                    fds_per_batch=max(tensors, 1))
         knobs = self.tuner.knobs
