@@ -125,12 +125,18 @@ class PoolSource:
         send, recv = anyio.create_memory_object_stream[tuple[int, Any]](self.window + 1)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._serve_pool, send)
-            async with recv:
+            try:
                 async for worker, msg in recv:
                     await self._intake(worker, msg)
                     # Not kept while waiting: a cancellation's traceback would keep this
                     # frame, and so the batch and its shared memory, until the cyclic GC.
                     del msg
+            finally:
+                # Replies still buffered when the epoch is cancelled: drop them now. The
+                # stream is reachable from the cancelled tasks' frames, which a traceback
+                # cycle can keep (with each reply's shared memory) until the cyclic GC.
+                _drop_buffered(recv)
+                recv.close()
 
     async def _serve_pool(self, send: Any) -> None:
         async with send:
@@ -181,3 +187,12 @@ class PoolSource:
         slot.data = data
         slot.has_data = True
         self.wake()
+
+
+def _drop_buffered(recv: Any) -> None:
+    """Receive and drop what ``recv`` holds (senders waiting on a full buffer included)."""
+    while True:
+        try:
+            recv.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            return
