@@ -59,7 +59,14 @@ def loader_state_dict(config: Any, pending: dict[str, Any] | None,
         return dict(pending)
     if tracker is None:
         return EpochTracker(config, None).state_dict(None, loader_config(config))
-    state: dict[str, Any] = tracker.state_dict(tracker.seed, loader_config(config))
+    cfg = loader_config(config)
+    if not tracker.iterable:
+        # The workers the epoch ran with, which name the state's workers: under
+        # num_workers="auto" not the loader's starting value (a map-style state resumes
+        # with any number, docs/resume.md).
+        cfg["num_workers"] = tracker.num_workers
+        cfg["persistent_workers"] = bool(cfg["persistent_workers"] and tracker.num_workers)
+    state: dict[str, Any] = tracker.state_dict(tracker.seed, cfg)
     return state
 
 
