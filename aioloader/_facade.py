@@ -35,6 +35,7 @@ from ._fetch.report import FailureReport
 from ._loader import DataLoaderCore, _shutdown_persistent_pool, _worker_processes
 from ._park import ParkableThread, forking_here, join_ending_threads, register, track_ending
 from ._pipeline.epoch import PipelineState, _PipelineCore, superseded_error
+from ._pipeline.source_probe import HandOver
 
 __all__ = ["DataLoader", "SyncLoaderIter"]
 
@@ -476,15 +477,27 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
         self._lock = threading.RLock()  # re-entered from the same thread: no deadlock
         self._driver: _PortalDriver | None = None
         self._worker = core.inline_source  # the in-process worker: batches made in this thread
+        self._me = weakref.ref(self)  # for a hand-over to workers (HandOver)
         if self._worker is None:
-            core.start_workers_sync()  # fork from this thread, before the loop thread exists
-            driver = _PortalDriver(core)
-            driver.start_soon()
-            self._driver = driver
-            _open_drivers.add(driver)
-            self._finalizer = weakref.finalize(self, driver.close)
+            self._drive(core)
         else:
             self._finalizer = weakref.finalize(self, core.close_from_gc)
+
+    def _drive(self, core: _PipelineCore) -> None:
+        """Run ``core`` (an epoch with workers or an async source) on a loop thread."""
+        core.start_workers_sync()  # fork from this thread, before the loop thread exists
+        driver = _PortalDriver(core)
+        driver.start_soon()
+        self._driver = driver
+        _open_drivers.add(driver)
+        self._finalizer = weakref.finalize(self, driver.close)
+
+    def _hand_over(self, workers: int) -> None:
+        """The epoch goes on with ``workers`` workers (docs/autotune.md)."""
+        self._finalizer.detach()  # the probing epoch closes in hand_over()
+        self._worker = None
+        core = self._core = self._core.hand_over(workers)
+        self._drive(core)
 
     def __iter__(self) -> SyncLoaderIter[T_co]:
         return self
@@ -495,10 +508,19 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
         # acquire()/release() rather than `with lock`: a third of its cost for an RLock
         # (0.08 us against 0.25 us per batch).
         if worker is not None:  # statistics are kept by the in-process worker itself
+            me = self._me
             del self  # a traceback must not keep the iterator alive
             lock.acquire()
             try:
                 return worker.next_sync()  # type: ignore[no-any-return]
+            except HandOver as handover:  # a probing first epoch under "auto": workers go on
+                workers = handover.workers
+                del handover
+                it = me()
+                assert it is not None  # its caller holds it
+                it._hand_over(workers)
+                del it  # not kept by a traceback of the call below
+                return me().__next__()  # type: ignore[union-attr]  # the lock is re-entrant
             finally:
                 lock.release()
         driver = self._driver

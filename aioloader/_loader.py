@@ -44,6 +44,7 @@ from ._fetch.policy import DEFAULT_RETRY_DELAY
 from ._fetch.report import FailureReport
 from ._pipeline.epoch import _PipelineCore
 from ._pipeline.source_inline import InlineSource
+from ._pipeline.source_probe import HandOver
 from ._pools.lease import PoolKeeper
 from ._resume import state as _state
 from ._resume.tracker import EpochTracker
@@ -342,24 +343,31 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
 
     # -- iteration -----------------------------------------------------------------------
 
-    def _tuned_config(self, config: LoaderConfig) -> tuple[LoaderConfig, TuneState]:
+    def _tuned_config(self, config: LoaderConfig,
+                      resuming: bool) -> tuple[LoaderConfig, TuneState]:
         """The config of the next epoch under autotuning, and the loader's tuning state.
 
         Each epoch starts from the knobs' values the last one ended with (a persistent
         pool keeps its size); ``loader.num_workers`` (and the other tuned attributes)
-        then report those values, as plain ints frameworks can read.
+        then report those values, as plain ints frameworks can read. A sync map-style
+        dataset's first epoch starts in the main process and probes whether workers pay
+        (``_tune/probe.py``), unless it resumes a saved state.
         """
         tune = self._tune
         if tune is None or tune.auto != config.auto:
             tune = self._tune = TuneState(config.auto, config.num_workers,
                                           config.prefetch_factor, config.fetch_concurrency)
+            kind = config.kind
+            tune.probing = ("num_workers" in config.auto and not kind.iterable
+                            and not kind.is_async and not config.persistent_workers
+                            and config.worker_method != "ray")
         live = self._pools.live()
         if live is not None and live.started and config.persistent:
             tune.workers = live.pool.num_workers
         self._switch_inline(config, tune)
         values: dict[str, Any] = {}
         if "num_workers" in config.auto:
-            values["num_workers"] = tune.workers
+            values["num_workers"] = 0 if tune.probing and not resuming else tune.workers
             if tune.workers and config.prefetch_factor is None:
                 values["prefetch_factor"] = tune.prefetch = tune.prefetch or 2
         if "prefetch_factor" in config.auto and tune.workers:
@@ -403,8 +411,9 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         pending, self._resume_pending = self._resume_pending, None
         config, tune = self._config, None
         if config.auto:  # autotuning (docs/autotune.md): start where the last epoch left
-            config, tune = self._tuned_config(config)  # reads the last epoch's stats
-        rec = self._stats_book.new_epoch() if self._config.collect_stats else None
+            # Reads the last epoch's stats.
+            config, tune = self._tuned_config(config, pending is not None)
+        rec = self._stats_book.new_epoch(config.num_workers) if config.collect_stats else None
         core = _PipelineCore(config, keeper=self._pools, resume=pending, rec=rec,
                              len_called=self._IterableDataset_len_called, tune=tune)
         self._failure_report = core.failures
@@ -549,6 +558,7 @@ class AsyncLoaderIter(Generic[T_co]):
         # few attributes are read faster per batch than the core's), else the core.
         self._source: _PipelineCore | InlineSource = (
             core.inline_source if core.inline_source is not None else core)
+        self._me = weakref.ref(self)  # for a hand-over to workers (HandOver)
 
     def __aiter__(self) -> AsyncLoaderIter[T_co]:
         return self
@@ -556,6 +566,7 @@ class AsyncLoaderIter(Generic[T_co]):
     async def __anext__(self) -> T_co:
         core = self._source
         turns = self._turns
+        me = self._me
         del self  # tracebacks must not keep the iterator (and its workers) alive
         if turns.busy:  # another task is in __anext__: wait for its turn to end
             await turns.wait()
@@ -579,8 +590,25 @@ class AsyncLoaderIter(Generic[T_co]):
                 return batch  # type: ignore[no-any-return]
             with rec.waiting():
                 return await core.anext()  # type: ignore[no-any-return]
+        except HandOver as handover:  # a probing first epoch under "auto": workers go on
+            workers = handover.workers
+            del handover
+            it = me()
+            assert it is not None  # its caller holds it
+            source = it._hand_over(workers)
+            del it
+            if source.rec is None:
+                return await source.anext()  # type: ignore[no-any-return]
+            with source.rec.waiting():
+                return await source.anext()  # type: ignore[no-any-return]
         finally:
             turns.release()
+
+    def _hand_over(self, workers: int) -> _PipelineCore:
+        """The epoch goes on with ``workers`` workers (docs/autotune.md)."""
+        core = self._core.hand_over(workers)
+        self._core = self._source = core
+        return core
 
     async def aclose(self) -> None:
         """Stop the epoch and release everything it holds. Idempotent."""

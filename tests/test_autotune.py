@@ -17,7 +17,9 @@ import aioloader
 from aioloader import DataLoader, get_worker_info
 from aioloader._config import AutoArgumentError
 from aioloader._pipeline import autotune
+from aioloader._pipeline import epoch as epoch_mod
 from aioloader._pipeline.dispatch import Dispatcher, ReorderBuffer
+from aioloader._tune import probe as probe_mod
 from aioloader._tune.bounds import MEMORY_ENV, System, limits, memory_budget
 from aioloader._tune.controller import (
     CONCURRENCY,
@@ -29,6 +31,7 @@ from aioloader._tune.controller import (
     Tuner,
     TuneSettings,
 )
+from aioloader._tune.probe import Verdict
 from aioloader._tune.state import EpochSummary, TuneState
 
 # -- the controller, with synthetic measurements --------------------------------------------
@@ -205,7 +208,7 @@ def test_assigning_auto_or_a_number_turns_tuning_on_or_off() -> None:
     loader.num_workers = "auto"
     assert loader._config.auto == {"num_workers"} and loader._config.num_workers == 1
     assert sorted(x for b in loader for x in b.tolist()) == list(range(8))
-    assert loader.num_workers == 1
+    assert loader.num_workers == 0  # the first epoch probed in the main process
     loader.num_workers = 0
     assert not loader._config.auto
     with pytest.raises(ValueError, match="num_workers should be an int or 'auto'"):
@@ -374,9 +377,18 @@ class Scripted:
         return None
 
 
+def hand_over_after_first_batch(monkeypatch: pytest.MonkeyPatch, workers: int = 1) -> None:
+    """A probing first epoch judges after its first batch, and hands over to ``workers``."""
+    monkeypatch.setattr(probe_mod.Probe, "ready", lambda self: True)
+    monkeypatch.setattr(epoch_mod, "judge",
+                        lambda probe, **kw: Verdict(workers, "scripted hand-over"))
+
+
 @pytest.fixture
 def script(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int] | None]:
-    """Every window is 2 batches long and decided by the returned script."""
+    """Every window is 2 batches long and decided by the returned script; a probing
+    first epoch hands over to 1 worker after its first batch."""
+    hand_over_after_first_batch(monkeypatch)
     moves: list[tuple[str, int] | None] = []
     monkeypatch.setattr(autotune, "WINDOW_S", 0.0)
     monkeypatch.setattr(autotune, "WINDOW_BATCHES", 2)
@@ -428,9 +440,9 @@ def test_auto_gives_the_batches_of_a_fixed_configuration(
         child.join(10)
     assert not multiprocessing.active_children()  # retired workers included
     assert len(os.listdir("/proc/self/fd")) <= fds
-    assert workers == {0, 1, 2}  # the added workers fetched batches
+    assert workers == {-1, 0, 1, 2}  # the probe's batch, then the added workers too
     moved = [(d.knob, d.old, d.new) for d in auto.stats().autotune]
-    assert moved[:3] == [(WORKERS, 1, 2), (WINDOW, 2, 4), (WORKERS, 2, 3)]
+    assert moved[:4] == [(WORKERS, 0, 1), (WORKERS, 1, 2), (WINDOW, 2, 4), (WORKERS, 2, 3)]
     assert (WORKERS, 2, 1) in moved
     assert "autotune:" in str(auto.stats())
 
@@ -508,10 +520,11 @@ def test_a_move_to_the_main_process_keeps_the_batches(
     fixed = loader(num_workers=1)
     expected = [batches(fixed)[0] for _ in range(2)]
     auto = loader(num_workers="auto", prefetch_factor="auto")
+    hand_over_after_first_batch(monkeypatch)
     first, seen_first = batches(auto)
     second, seen_second = batches(auto)
     assert [first, second] == expected
-    assert seen_first == {0} and seen_second == {-1}  # the second epoch ran inline
+    assert seen_first == {-1, 0} and seen_second == {-1}  # the second epoch ran inline
     assert auto.num_workers == 0 and auto.prefetch_factor is None
 
 

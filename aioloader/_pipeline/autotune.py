@@ -176,6 +176,12 @@ class EpochTuner:
             self._draw_owed()
         if not self.epoch_start:
             self.epoch_start = t_ask
+            window = self.rec.procs if self.rec is not None else None
+            if window is not None and not window.ids:
+                # The workers' /proc window (loader.stats().workers) starts at their first
+                # batch: after a probing epoch's hand-over the recorder's first batch was
+                # the main process's, which began no window.
+                window.begin()
         self.epoch_batches += 1
         self.epoch_wait += t_done - t_ask
         if self.tuner is None:

@@ -29,10 +29,12 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import multiprocessing
 import os
 import threading
 import time
 import weakref
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -65,7 +67,9 @@ from .._resume.tracker import EpochTracker
 from .._stats.proc import WorkerProcs, worker_ids
 from .._stats.recorder import Recorder, TimedCollate
 from .._threads import ThreadRunner
-from .._tune.bounds import read_system
+from .._tune.bounds import limits, read_system
+from .._tune.controller import Decision
+from .._tune.probe import Probe, Verdict, judge, start_cost
 from .._tune.state import TuneState
 from .autotune import EpochTuner
 from .backend import _LoopHandle
@@ -77,6 +81,7 @@ from .pin import PinPolicy
 from .source_async import AsyncFetchSource
 from .source_inline import InlineSource
 from .source_pool import PoolSource
+from .source_probe import ProbingInlineSource
 
 _LG = logging.getLogger(__name__)
 _ns = time.perf_counter_ns
@@ -92,6 +97,8 @@ PREVIOUS_EPOCH_WAIT_S = 30.0
 MAX_UNSIZED_WINDOW = 1 << 12
 #: Windows up to this size are used as they are (the sampler's length is not read).
 _SMALL_WINDOW = 1 << 10
+#: What a probing first epoch assumes is left of it when its sampler has no length.
+UNSIZED_REMAINING = 1 << 10
 
 
 def bound_window(window: int, index_sampler: Any, num_workers: int) -> int:
@@ -129,6 +136,16 @@ def superseded_error() -> EpochSupersededError:
         "iterator, or give each concurrent consumer a loader of its own")
 
 
+@dataclass(frozen=True)
+class _Carry:
+    """What an epoch handed over to workers mid-way passes on (:meth:`_PipelineCore.hand_over`):
+    the sampler iterator where it stands, the resume tracker and the delivery boundary."""
+
+    sampler_iter: Any
+    track: EpochTracker
+    delivery: Delivery
+
+
 class PipelineState(enum.Enum):
     """Where a pipeline epoch is in its life (the table in docs/pipeline.md, "Shutdown")."""
 
@@ -161,7 +178,8 @@ class _PipelineCore:
 
     def __init__(self, config: LoaderConfig, *, keeper: PoolKeeper,
                  resume: dict[str, Any] | None, rec: Recorder | None,
-                 len_called: int | None, tune: TuneState | None = None) -> None:
+                 len_called: int | None, tune: TuneState | None = None,
+                 carry: _Carry | None = None) -> None:
         """Build the epoch (torch's ``iter()``): draw its seeds, prime the window.
 
         Args:
@@ -171,28 +189,43 @@ class _PipelineCore:
             rec: this epoch's statistics recorder (None: statistics are off).
             len_called: what ``len(loader)`` returned for an iterable dataset, if asked.
             tune: the loader's autotuning state (``"auto"`` arguments; docs/autotune.md).
+            carry: an epoch handed over to workers mid-way: its sampler iterator, tracker
+                and delivery, which this one continues (:meth:`hand_over`).
         """
         kind = config.kind
         num_workers = config.num_workers
         self.dataset = config.dataset
         self.num_workers = num_workers
         self.index_sampler = config.index_sampler
-        check_at_iter(config)
+        # What hand_over() builds the pool epoch from (a probing first epoch under "auto").
+        self.config = config
+        self.keeper = keeper
+        self.len_called = len_called
+        self.tune = tune
         self.inline = num_workers == 0 and not kind.is_async
         self.timeout = config.timeout
         self.pin = PinPolicy(config.pin_memory, config.pin_memory_device)
-        self.failures = FailureReport(config.failure_policy, kind.iterable)
-        self.track = EpochTracker(config, resume)
         self.rec = rec
-        self.delivery = Delivery(self.failures, rec, auto_collation=config.auto_collation,
-                                 dataset=config.dataset, len_called=len_called,
-                                 iterable=kind.iterable, num_workers=num_workers,
-                                 track=self.track)
+        if carry is None:
+            check_at_iter(config)
+            self.failures = FailureReport(config.failure_policy, kind.iterable)
+            self.track = EpochTracker(config, resume)
+            self.delivery = Delivery(self.failures, rec, auto_collation=config.auto_collation,
+                                     dataset=config.dataset, len_called=len_called,
+                                     iterable=kind.iterable, num_workers=num_workers,
+                                     track=self.track)
+            sampler_iter = self.track.sampler_iter(config.index_sampler)
+        else:  # the epoch goes on with workers: the same draws, commits and failures
+            self.track = carry.track
+            self.delivery = carry.delivery
+            self.failures = carry.delivery.failures
+            self.track.num_workers = self.delivery.num_workers = num_workers
+            self.track.last_worker = num_workers - 1  # the round robin starts at worker 0
+            sampler_iter = carry.sampler_iter
         collate_fn = TimedCollate(config.collate_fn, rec) if rec is not None else (
             config.collate_fn)
         self.runner = ThreadRunner("aioloader-fetch" if self.inline else "aioloader-pipeline")
         self.closed = False
-        self.keeper = keeper
         self.lease_released = False
         self.persistent = config.persistent
         self.state = _NEW
@@ -212,7 +245,6 @@ class _PipelineCore:
         # Async datasets keep enough batches in flight to use the fetch limit, plus one
         # (docs/async_datasets.md): with num_workers=0 this is the documented prefetch.
         async_depth = math.ceil(config.fetch_concurrency / bs) + 1
-        sampler_iter = self.track.sampler_iter(config.index_sampler)
         self.lease: _PoolLease | None = None
         self.after: threading.Event | None = None  # the superseded epoch's `stopped`
         self.pid = os.getpid()  # its loop and threads exist in this process only
@@ -234,7 +266,10 @@ class _PipelineCore:
                 # continue: one seed for the epoch, as the reset of a live pool draws.
                 continues = self.track.keeps_base_seed
                 worker_seed = self._shared_seed(generator, group) if iter_dp else None
-                base_seed = self.track.base_seed(lambda: draw_base_seed(generator))
+                if carry is not None and self.track.seed is not None:
+                    base_seed = self.track.seed  # drawn at the epoch's iter(), in the probe
+                else:
+                    base_seed = self.track.base_seed(lambda: draw_base_seed(generator))
                 lease = _PoolLease(start_pool(config, base_seed, self.track.worker_states,
                                               worker_seed, self.track.resume_rngs()),
                                    base_seed)
@@ -302,9 +337,11 @@ class _PipelineCore:
             # Prime the window now, as torch does at iter(): sampler draws happen here.
             self._prime()
         elif self.inline:
-            self.source = InlineSource(config, sampler_iter, delivery=self.delivery,
-                                       track=self.track, rec=rec, runner=self.runner,
-                                       pin=self.pin, owner=self, collate_fn=collate_fn)
+            probing = tune is not None and tune.probing and resume is None
+            source_cls = ProbingInlineSource if probing else InlineSource
+            self.source = source_cls(config, sampler_iter, delivery=self.delivery,
+                                     track=self.track, rec=rec, runner=self.runner,
+                                     pin=self.pin, owner=self, collate_fn=collate_fn)
         else:
             self.source = AsyncFetchSource(
                 self.dataset, kind, self.dispatch, auto_collation=config.auto_collation,
@@ -557,6 +594,51 @@ class _PipelineCore:
         else:  # pragma: no cover - Python 3.10
             error.args = (f"{error.args[0]}\n{note}", *error.args[1:])
         return False
+
+    # -- a probing first epoch under num_workers="auto" (docs/autotune.md) ------------------
+
+    def decide_probe(self, probe: Probe) -> Verdict:
+        """The probe's verdict: workers for the rest of this epoch, or none (recorded)."""
+        config, tune = self.config, self.tune
+        assert tune is not None
+        system = read_system()
+        cap = min(2, limits(system).workers)
+        drawn = self.track.drawn
+        try:
+            remaining = max(len(self.index_sampler) - drawn, 0)
+        except TypeError:  # a batch sampler without __len__
+            remaining = UNSIZED_REMAINING
+        ctx = config.mp_context or multiprocessing.get_context()
+        start_s = start_cost(config.worker_method, ctx.get_start_method(), cap, system.cpus)
+        verdict = judge(probe, remaining=remaining, cpus=system.cpus, start_s=start_s,
+                        max_workers=cap)
+        tune.probing = False
+        tune.workers = verdict.workers
+        tune.record(Decision(tune.batches + drawn, "num_workers", 0, verdict.workers,
+                             verdict.reason))
+        return verdict
+
+    def hand_over(self, workers: int) -> _PipelineCore:
+        """The rest of this probing epoch with ``workers`` workers; this one closes.
+
+        Called by the consumer's iterator between two batches (nothing drawn is
+        outstanding): the new epoch continues this one's sampler iterator, resume
+        tracker, delivery and statistics, with this epoch's base seed, so the batches
+        and their order are those of a fixed configuration.
+        """
+        source = self.inline_source
+        tune = self.tune
+        assert source is not None and tune is not None
+        tune.prefetch = tune.prefetch or 2
+        config = replace(self.config, num_workers=workers, prefetch_factor=tune.prefetch)
+        carry = _Carry(source.sampler_iter, self.track, self.delivery)
+        # First (its teardown ends the recorder's /proc window): never ran on a loop, it
+        # closes its fetcher and thread; what it carries over stays as it is.
+        self._stop(_STOPPING)
+        successor = _PipelineCore(config, keeper=self.keeper, resume=None, rec=self.rec,
+                                  len_called=self.len_called, tune=tune, carry=carry)
+        tune.batches += self.track.drawn  # the workers' tuner counts on from here
+        return successor
 
     # -- consumer side ---------------------------------------------------------------------
 

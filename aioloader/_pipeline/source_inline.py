@@ -61,6 +61,10 @@ class InlineSource:
     :attr:`closed`.
     """
 
+    #: Statistics time 1 plain batch in ``Recorder.time_every`` (False: every batch, as
+    #: the pool epochs do; a probing epoch may hand its recorder over to one).
+    SAMPLED_STATS = True
+
     def __init__(self, config: LoaderConfig, sampler_iter: Iterator[Any], *,
                  delivery: Delivery, track: EpochTracker, rec: Recorder | None,
                  runner: ThreadRunner, pin: PinPolicy, owner: Any,
@@ -84,7 +88,8 @@ class InlineSource:
         # The per-batch fast path of next_sync(): nothing but fetch, collate, count. Its
         # statistics time reading and collating with MapFetcher.fetch_split.
         self.plain = self.kind is DatasetKind.MAP and not (
-            delivery.policy_active or pin.enabled or config.device is not None)
+            delivery.policy_active or pin.enabled or config.device is not None) and (
+            self.SAMPLED_STATS or rec is None)
         self.split = self.plain and rec is not None
         # `async for` times the consumer's waits 1 in Recorder.time_every (AsyncLoaderIter).
         self.sampled_waits = self.split and rec is not None and rec.time_every > 1

@@ -135,10 +135,13 @@ class StatsBook:
     #: dispatch, fetch, collate, transport, pin or device).
     SPANS_PER_BATCH = 8
 
-    def new_epoch(self) -> Recorder:
+    def new_epoch(self, num_workers: int | None = None) -> Recorder:
+        """The next epoch's recorder; ``num_workers``: the epoch's (autotuning moves it
+        between epochs), else the loader's."""
         if self.current is not None:
             self.done.fold(self.current)
-        rec = Recorder(self.num_workers, self.log_every_s, self, self.done.epochs + 1,
+        workers = self.num_workers if num_workers is None else num_workers
+        rec = Recorder(workers, self.log_every_s, self, self.done.epochs + 1,
                        trace=self.trace, hooks=self.hooks)
         self.current = rec
         return rec

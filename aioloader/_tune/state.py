@@ -59,6 +59,9 @@ class TuneState:
     inline_refused: bool = False
     #: The epoch already judged (its resume tracker, compared by identity).
     judged: object = None
+    #: The next epoch starts in the main process and probes whether workers pay
+    #: (a sync map-style dataset's first epoch; :mod:`aioloader._tune.probe`).
+    probing: bool = False
 
     def record(self, decision: Decision) -> None:
         """Keep ``decision`` for ``loader.stats()`` (with its batch index made global)."""

@@ -1,0 +1,96 @@
+"""The inline source of a first epoch under ``num_workers="auto"``: probe, then decide.
+
+A sync map-style dataset's first epoch under ``num_workers="auto"`` starts in the main
+process (:class:`ProbingInlineSource`, an :class:`InlineSource` that times its first
+batches). Once :func:`aioloader._tune.probe.judge` has a verdict the probe either stops
+timing (the epoch goes on in the main process, at an inline epoch's per-batch cost) or
+raises :class:`HandOver` at the start of the next call, before anything is drawn: the
+consumer's iterator then continues the epoch with a worker pool built from this one's
+sampler iterator, tracker and delivery (:meth:`_PipelineCore.hand_over`), so no batch
+is drawn twice or skipped. docs/autotune.md, "The first epoch".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from .._tune.probe import Probe, Verdict
+from .source_inline import InlineSource
+
+__all__ = ["HandOver", "ProbingInlineSource"]
+
+_ns = time.perf_counter_ns
+_cpu_ns = time.process_time_ns
+
+
+class HandOver(Exception):
+    """Raised by a probing source's call once workers should take over the epoch.
+
+    Nothing was drawn for the call that raised it: the iterator asks the epoch for its
+    successor (:meth:`_PipelineCore.hand_over`) and makes the same call on it.
+    """
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self.workers = workers
+
+
+class ProbingInlineSource(InlineSource):
+    """An :class:`InlineSource` that times its first batches and asks for a verdict.
+
+    Its epoch (``owner``) gives the verdict once :meth:`Probe.ready`
+    (``decide_probe``); a verdict for workers makes the next call raise
+    :class:`HandOver`, one for none puts back the plain inline calls (instance
+    attributes over these methods: no probe cost after).
+    """
+
+    SAMPLED_STATS = False  # the workers that may take over time every batch
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.probe = Probe()
+        self.last_return = 0  # perf_counter_ns when the latest batch was returned
+        self.verdict: Verdict | None = None
+
+    def _observe(self, t0: int, c0: int) -> None:
+        t1 = _ns()
+        step = (t0 - self.last_return) if self.last_return else 0
+        self.probe.add((t1 - t0) * 1e-9, (_cpu_ns() - c0) * 1e-9, step * 1e-9)
+        self.last_return = t1
+        if not self.probe.ready():
+            return
+        owner = self.owner()
+        verdict = self.verdict = (owner.decide_probe(self.probe) if owner is not None
+                                  else Verdict(0, "the epoch is gone"))
+        if not verdict.workers:  # no more timing: the plain calls from now on
+            self.next_sync = super().next_sync  # type: ignore[method-assign]
+            self.anext = super().anext  # type: ignore[method-assign]
+
+    def _handing_over(self) -> bool:
+        verdict = self.verdict
+        return verdict is not None and verdict.workers > 0 and not self.closed
+
+    def next_sync(self) -> Any:
+        """:meth:`InlineSource.next_sync`, timed (or :class:`HandOver`)."""
+        if self._handing_over():
+            assert self.verdict is not None
+            raise HandOver(self.verdict.workers)
+        t0, c0 = _ns(), _cpu_ns()
+        data = super().next_sync()
+        self._observe(t0, c0)
+        return data
+
+    def anext(self) -> Coroutine[Any, Any, Any]:
+        """:meth:`InlineSource.anext`, timed (or :class:`HandOver`)."""
+        return self._anext_probed()
+
+    async def _anext_probed(self) -> Any:
+        if self._handing_over():
+            assert self.verdict is not None
+            raise HandOver(self.verdict.workers)
+        t0, c0 = _ns(), _cpu_ns()
+        data = await self._anext_in_process()
+        self._observe(t0, c0)
+        return data
