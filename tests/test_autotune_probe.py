@@ -231,3 +231,21 @@ def test_break_and_errors_after_the_hand_over_leave_nothing(
     bad = loader(Tagged(fail_at=150), num_workers="auto", **FORK)
     with pytest.raises(ValueError, match="sample 150 is bad"):
         consume(bad)
+
+
+@pytest.mark.parametrize("mode", ["for", "async for"])
+def test_statistics_of_a_probed_epoch_add_up(mode: str) -> None:
+    """Regression test for issue 21: an epoch that timed every batch while probing, then
+    sampled 1 in time_every, counts each batch once: waits, fetches and the step add up
+    to the wall time, as a plain inline epoch's do."""
+    dl = loader(Tagged(4 * 600), num_workers="auto")
+    keys, _ = consume(dl) if mode == "for" else asyncio.run(aconsume(dl))
+    stats = dl.stats()
+    assert dl.stats().autotune[0].new == 0  # it stayed in the main process
+    n = len(keys)
+    assert stats.batches == n and stats.samples == 4 * n
+    for stage in ("consumer_wait", "fetch", "collate"):
+        assert stats.stages[stage].count == n, stage
+    wait = stats.stages["consumer_wait"].seconds
+    assert wait + stats.step_s <= stats.wall_s * 1.01 + 1e-3
+    assert wait + stats.step_s >= stats.wall_s * 0.5

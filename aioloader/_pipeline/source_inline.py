@@ -85,24 +85,32 @@ class InlineSource:
         self.sampler_iter = sampler_iter
         wstate = track.worker_states.get(0) if self.kind.iterable else None
         _dstate.load_dataset_state(self.dataset, wstate)
+        self.config = config
+        self.collate_fn = collate_fn
+        self._stats_mode(self.SAMPLED_STATS)
+        _dstate.load_fetcher_state(self.raw_fetcher, wstate)
+        self.device = config.device
+        self.policy = _InlinePolicy()
+        self.last_yield = 0  # perf_counter_ns of the latest checkpoint (async for)
+        self.pending_call: _ThreadCall | None = None  # a drawn batch whose waiter was cancelled
+
+    def _stats_mode(self, sampled: bool) -> None:
+        """Choose the per-batch path and make the fetcher for it (``sampled``: statistics
+        time 1 plain batch in ``Recorder.time_every``; else every batch)."""
+        config, rec = self.config, self.rec
         # The per-batch fast path of next_sync(): nothing but fetch, collate, count. Its
         # statistics time reading and collating with MapFetcher.fetch_split.
         self.plain = self.kind is DatasetKind.MAP and not (
-            delivery.policy_active or pin.enabled or config.device is not None) and (
-            self.SAMPLED_STATS or rec is None)
+            self.delivery.policy_active or self.pin.enabled or config.device is not None
+        ) and (sampled or rec is None)
         self.split = self.plain and rec is not None
         # `async for` times the consumer's waits 1 in Recorder.time_every (AsyncLoaderIter).
         self.sampled_waits = self.split and rec is not None and rec.time_every > 1
         # The resume state is read from the plain fetcher; batches come through its guard.
         self.raw_fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
-                                        config.collate_fn if self.split else collate_fn,
+                                        config.collate_fn if self.split else self.collate_fn,
                                         config.drop_last, config.fetch_threads)
-        _dstate.load_fetcher_state(self.raw_fetcher, wstate)
         self.fetcher = guard_fetcher(self.raw_fetcher, config.failure_policy, None)
-        self.device = config.device
-        self.policy = _InlinePolicy()
-        self.last_yield = 0  # perf_counter_ns of the latest checkpoint (async for)
-        self.pending_call: _ThreadCall | None = None  # a drawn batch whose waiter was cancelled
 
     def _fetch(self, index: Any) -> Any:
         rec = self.rec

@@ -76,12 +76,14 @@ class _Totals:
                 self.count[i] += n
                 self.ns[i] += r.inline_ns[i] * n // r.inline_timed
         if r.wait_timed:
-            n = r.batches + r.inline_untimed  # every batch delivered
+            # Every batch delivered, less those whose waits were all timed (a probing first
+            # epoch's, before it went on sampling: aioloader._pipeline.source_probe).
+            n = r.batches + r.inline_untimed - r.count[WAIT]
             wait = r.inline_ns[WAIT] * n // r.wait_timed
             self.count[WAIT] += n
             self.ns[WAIT] += wait
-            # The training step: the wall time not spent waiting.
-            self.step_ns += max(0, _wall_ns(r) - wait - r.ns[WAIT])
+            # The training step: the wall time not spent waiting (nor counted already).
+            self.step_ns += max(0, _wall_ns(r) - wait - r.ns[WAIT] - r.step_ns)
         self.wall_ns += _wall_ns(r)
         self.startup_ns += max(r.first_wait_ns, 0)
         self.occ[0] += r.occ_n
