@@ -69,7 +69,7 @@ from .._stats.recorder import Recorder, TimedCollate
 from .._threads import ThreadRunner
 from .._tune.bounds import limits, read_system
 from .._tune.controller import Decision
-from .._tune.probe import Probe, Verdict, judge, start_cost
+from .._tune.probe import MAX_FIRST_WORKERS, Probe, Verdict, judge, start_cost
 from .._tune.state import TuneState
 from .autotune import EpochTuner
 from .backend import _LoopHandle
@@ -602,7 +602,9 @@ class _PipelineCore:
         config, tune = self.config, self.tune
         assert tune is not None
         system = read_system()
-        cap = min(2, limits(system).workers)
+        # The tuner's CPU, memory and open-file bound, though 2 where the fetch mostly
+        # waits (judge() keeps CPU-bound fetches within the CPUs).
+        cap = min(MAX_FIRST_WORKERS, max(limits(system).workers, 2))
         drawn = self.track.drawn
         try:
             remaining = max(len(self.index_sampler) - drawn, 0)

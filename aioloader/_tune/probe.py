@@ -21,10 +21,12 @@ docs/autotune.md, "The first epoch".
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
-__all__ = ["MAX_PROBE_BATCHES", "Probe", "Verdict", "judge", "start_cost"]
+__all__ = ["MAX_FIRST_WORKERS", "MAX_PROBE_BATCHES", "Probe", "Verdict", "judge",
+           "start_cost"]
 
 #: The probe judges once it has this many batches and :data:`MIN_PROBE_S` of them, or
 #: :data:`MAX_PROBE_BATCHES` batches whatever they took (the first batch is left out:
@@ -43,6 +45,8 @@ MIN_GAIN = 0.10
 #: A fetch whose thread spent less than this share of its time on a CPU waits (on I/O,
 #: or on threads of its own): more workers than CPUs still overlap those waits.
 CPU_BOUND_SHARE = 0.5
+#: The most workers a hand-over starts (the epoch's tuner adds more while they pay).
+MAX_FIRST_WORKERS = 8
 
 #: Seconds to the first batch of a fresh pool, by how its workers start (a worker
 #: process under ``spawn`` starts an interpreter and imports torch).
@@ -94,19 +98,21 @@ class Verdict:
 
 
 def judge(probe: Probe, *, remaining: int, cpus: int, start_s: float,
-          max_workers: int = 2) -> Verdict:
+          max_workers: int = MAX_FIRST_WORKERS) -> Verdict:
     """Workers for the rest of the epoch, from the probed batches.
 
     In the main process a batch costs the step plus the fetch, one after the other. With
     ``w`` workers it costs the step plus the hand-over, or the fetch shared by the
-    workers, whichever is longer; ``w`` is the CPUs (at most ``max_workers``: the epoch's
-    tuner adds more while they pay), or two on one CPU when the fetch mostly waits.
+    workers, whichever is longer. ``w`` is as many as keep up with the step (the fetch
+    over the step plus the hand-over), within the CPUs (two on one CPU when the fetch
+    mostly waits) and ``max_workers``; the epoch's tuner adds more while they pay.
     """
     fetch = statistics.median(probe.fetch) if probe.fetch else 0.0
     step = statistics.median(probe.step) if probe.step else 0.0
     cpu = statistics.median(probe.cpu) if probe.cpu else 0.0
     cpu_bound = fetch <= 0 or cpu >= CPU_BOUND_SHARE * fetch
-    workers = max(1, min(max_workers, cpus if cpu_bound else max(cpus, 2)))
+    needed = math.ceil(fetch / (step + TRANSPORT_S))
+    workers = max(1, min(max_workers, cpus if cpu_bound else max(cpus, 2), needed))
     inline = step + fetch
     pooled = max(step + TRANSPORT_S, fetch / workers)
     saved = (inline - pooled) * remaining
