@@ -10,6 +10,10 @@ What differs between modes is the choice of source:
 
 * :class:`~aioloader._pipeline.source_inline.InlineSource` (``num_workers=0``, sync
   dataset): each batch is fetched inside the call that drew it; no background task.
+  Under ``num_workers="auto"`` a sync map-style dataset's first epoch has a
+  :class:`~aioloader._pipeline.source_probe.ProbingInlineSource`, which may hand the
+  rest of the epoch to workers: :meth:`_PipelineCore.hand_over` builds the pool epoch
+  that continues it (docs/autotune.md, "The first epoch").
 * :class:`~aioloader._pipeline.source_async.AsyncFetchSource` (``num_workers=0``, async
   dataset) and :class:`~aioloader._pipeline.source_pool.PoolSource` (workers): a
   background task on the consumer's loop (:class:`aioloader._pipeline.backend._LoopHandle`)
