@@ -70,15 +70,15 @@ class ProbingInlineSource(InlineSource):
             self.next_sync = super().next_sync  # type: ignore[method-assign]
             self.anext = super().anext  # type: ignore[method-assign]
 
-    def _handing_over(self) -> bool:
+    def _hand_over_if_due(self) -> None:
+        """Raise :class:`HandOver` when the verdict asked for workers (before a draw)."""
         verdict = self.verdict
-        return verdict is not None and verdict.workers > 0 and not self.closed
+        if verdict is not None and verdict.workers > 0 and not self.closed:
+            raise HandOver(verdict.workers)
 
     def next_sync(self) -> Any:
         """:meth:`InlineSource.next_sync`, timed (or :class:`HandOver`)."""
-        if self._handing_over():
-            assert self.verdict is not None
-            raise HandOver(self.verdict.workers)
+        self._hand_over_if_due()
         t0, c0 = _ns(), _cpu_ns()
         data = super().next_sync()
         self._observe(t0, c0)
@@ -89,9 +89,7 @@ class ProbingInlineSource(InlineSource):
         return self._anext_probed()
 
     async def _anext_probed(self) -> Any:
-        if self._handing_over():
-            assert self.verdict is not None
-            raise HandOver(self.verdict.workers)
+        self._hand_over_if_due()
         t0, c0 = _ns(), _cpu_ns()
         data = await self._anext_in_process()
         self._observe(t0, c0)
