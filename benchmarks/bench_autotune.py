@@ -25,6 +25,7 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -61,6 +62,7 @@ def busy_step(seconds: float) -> None:
 def run(dataset: Any, batches: int, step: float, **kw: Any) -> tuple[float, Any]:
     """Samples/s over the first ``batches`` batches of a fresh loader (iter() included)."""
     loader = DataLoader(dataset, batch_size=kw.pop("batch_size"), **kw)
+    gc.collect()
     t0 = time.perf_counter()
     samples = done = 0
     while done < batches:  # the dataset holds EPOCH_SHARE of them: epochs follow

@@ -124,6 +124,115 @@ def test_bounds_and_order() -> None:
     assert nothing.observe(0, m(100, busy=0.95)) is None
 
 
+def concurrency(value: int = 64, high: int = 512) -> Tuner:
+    return Tuner({CONCURRENCY: Knob(CONCURRENCY, value, 1, high, "double", scales=True)})
+
+
+@pytest.mark.parametrize(("wait", "new"), [(0.3, 128), (0.6, 256), (0.96, 512),
+                                           (1.0, 512)])
+def test_in_flight_fetches_leap_to_what_ends_the_wait(wait: float, new: int) -> None:
+    """Regression test for issue 21: fetch_concurrency (throughput ~ in-flight / latency)
+    moves by as many doublings as would end the consumer's wait (value / (1 - wait)),
+    at least one and at most MAX_LEAP's worth (8x)."""
+    t = concurrency()
+    d = t.observe(8, m(100, wait=wait, busy=0.1))
+    assert d is not None and (d.knob, d.old, d.new) == (CONCURRENCY, 64, new)
+    capped = concurrency(high=300).observe(8, m(100, wait=0.96, busy=0.1))
+    assert capped is not None and capped.new == 300  # never above the knob's bound
+
+
+def test_a_kept_leap_climbs_by_the_wait_left() -> None:
+    """Regression test for issue 21: after a kept leap, the climb is sized by the wait
+    that is left (a small wait left: one doubling), up to the bound."""
+    t = concurrency(8)
+    assert t.observe(0, m(100, wait=0.9, busy=0.1)).new == 64  # type: ignore[union-attr]
+    climb = t.observe(1, m(700, wait=0.4, busy=0.1))  # kept: 1/(1 - 0.4) -> 2x
+    assert climb is not None and (climb.old, climb.new) == (64, 128)
+    assert "kept" in t.decisions[-2].reason
+
+
+def test_a_leap_that_brings_nothing_is_undone_and_the_knob_only_doubles() -> None:
+    """Regression test for issue 21: a leap with no gain is undone as any move is; that
+    knob does not leap again (it does not scale as Little's law said), it doubles."""
+    t = Tuner({CONCURRENCY: Knob(CONCURRENCY, 64, 1, 512, "double", scales=True)},
+              TuneSettings(cooldown=1))
+    assert t.observe(0, m(100, wait=0.95, busy=0.1)).new == 512  # type: ignore[union-attr]
+    undo = t.observe(1, m(101, wait=0.95, busy=0.1))
+    assert undo is not None and (undo.old, undo.new) == (512, 64) and "undone" in undo.reason
+    assert not t.knobs[CONCURRENCY].scales
+    assert t.observe(2, m(100, wait=0.95, busy=0.1)) is None  # cooling down
+    retry = t.observe(3, m(100, wait=0.95, busy=0.1))
+    assert retry is not None and (retry.old, retry.new) == (64, 128)
+
+
+class WindowOnly:
+    """A dispatcher stand-in for EpochTuner: no workers, a window that resizes."""
+
+    num_workers = 0
+    owed = 0
+    draining = None
+
+    def __init__(self) -> None:
+        self.windows: list[int] = []
+
+    def resize(self, window: int) -> int:
+        self.windows.append(window)
+        return 0
+
+
+def epoch_tuner(state: TuneState) -> autotune.EpochTuner:
+    system = System(cpus=2, memory_budget=1 << 30, open_files=4096, open_now=10)
+    return autotune.EpochTuner(
+        state, system, dispatch=WindowOnly(), lease=None,  # type: ignore[arg-type]
+        batch_size=64, index_sampler=None, bound_window=lambda depth, s, w: depth,
+        iterable=False, rec=None, runner=None,  # type: ignore[arg-type]
+        commands_ready=lambda: None)
+
+
+def deliver(tuner: autotune.EpochTuner, batches: int, every_ms: float, now: int) -> int:
+    """``batches`` batches from ``now`` (ns), one per ``every_ms``, the consumer waiting
+    for all of it; returns the time after the last."""
+    ns = int(every_ms * 1e6)
+    for _ in range(batches):
+        tuner.delivered(now, now + ns)
+        now += ns
+    return now
+
+
+def test_the_first_window_before_in_flight_fetches_is_short() -> None:
+    """Regression test for issue 21: with fetch_concurrency="auto" the epoch's first
+    window ends after 8 batches and 50 ms (not 32 batches or 0.25 s): every batch at
+    the starting concurrency is a slow one. Later windows are the usual length, and a
+    failed leap is remembered by the loader for its next epochs."""
+    state = TuneState(frozenset({"fetch_concurrency"}), 0, None, 64)
+    tuner = epoch_tuner(state)
+    now = deliver(tuner, 8, 6.0, 10**9)  # 48 ms: not yet
+    assert state.decisions == []
+    now = deliver(tuner, 1, 6.0, now)
+    assert [(d.old, d.new) for d in state.decisions] == [(64, 512)]
+    assert state.concurrency == 512 and tuner.dispatch.windows == [9]  # type: ignore[attr-defined]
+    now = deliver(tuner, 9, 6.0, now)  # the trial's window: 8 batches, 50 ms: not enough
+    assert len(state.decisions) == 1
+    deliver(tuner, 40, 6.0, now)  # 0.25 s at the same rate: undone, and no leap from now on
+    assert [(d.old, d.new) for d in state.decisions] == [(64, 512), (512, 64)]
+    assert state.concurrency_scales is False
+    later = epoch_tuner(state)
+    assert later.tuner is not None and not later.tuner.knobs[CONCURRENCY].scales
+    assert not later._opening()
+    workers = TuneState(frozenset({"prefetch_factor"}), 0, 2, 64)
+    assert not epoch_tuner(workers)._opening()  # no knob that scales: usual windows
+
+
+def test_other_knobs_never_leap() -> None:
+    """Regression test for issue 21: the window and the worker count move one step
+    (doubling, adding one) whatever the wait."""
+    t = Tuner({WINDOW: Knob(WINDOW, 2, 1, 16, "double"), WORKERS: Knob(WORKERS, 1, 1, 8)})
+    d = t.observe(0, m(100, wait=0.99, busy=0.1))
+    assert d is not None and (d.knob, d.old, d.new) == (WINDOW, 2, 4)
+    busy = Tuner({WORKERS: Knob(WORKERS, 1, 1, 8)}).observe(0, m(100, wait=0.99, busy=0.9))
+    assert busy is not None and busy.new == 2
+
+
 def test_between_epochs_an_iterable_dataset_changes_its_workers() -> None:
     """Regression test for issue 21: TuneState moves an iterable dataset's worker count
     from one epoch to the next, and undoes it when the next epoch is no faster."""

@@ -116,6 +116,7 @@ class EpochTuner:
         self.busy = False  # a knob move is under way (a worker starting or draining)
         self.owed_draws = 0  # batches the window grew by, not drawn yet
         self.settling = False  # the window after a worker joined is not judged
+        self.judged = 0  # windows handed to the controller so far
         if rec is not None:  # an epoch may start with more workers than the loader did
             grow_recorder(rec, dispatch.num_workers)
         knobs: dict[str, Knob] = {}
@@ -130,7 +131,8 @@ class EpochTuner:
             knobs[WORKERS] = Knob(WORKERS, workers, 1, max(lim.workers, workers))
         if not workers and "fetch_concurrency" in auto and not iterable:
             knobs[CONCURRENCY] = Knob(CONCURRENCY, state.concurrency, 1,
-                                      max(lim.concurrency, state.concurrency), "double")
+                                      max(lim.concurrency, state.concurrency), "double",
+                                      scales=state.concurrency_scales)
         self.tuner = Tuner(knobs) if knobs else None
         # The whole epoch, and the current window.
         self.epoch_start = 0
@@ -193,7 +195,8 @@ class EpochTuner:
         took = t_done - self.t0
         if (self.batches >= WINDOW_BATCHES and not self.busy
                 and (took >= WINDOW_S * 1e9
-                     or (self.batches >= FAST_WINDOW_BATCHES and took >= FAST_WINDOW_S * 1e9))):
+                     or (took >= FAST_WINDOW_S * 1e9
+                         and (self.batches >= FAST_WINDOW_BATCHES or self._opening())))):
             if self.settling:  # a worker was just added: its warm-up is not judged
                 self.settling = False
                 self._restart()
@@ -201,6 +204,15 @@ class EpochTuner:
             procs = self._workers_now()  # read once: both the bounds and the CPU use it
             self._bound(batch, procs)
             self._decide(self._measure(t_done, procs))
+
+    def _opening(self) -> bool:
+        """The epoch's first window, before a knob whose throughput scales with it
+        (``fetch_concurrency``): it may end after :data:`WINDOW_BATCHES` batches, since
+        fetches waiting on I/O deliver at a steady in-flight / latency from the first
+        batch, and each batch at the starting value is a slow one."""
+        tuner = self.tuner
+        return (not self.judged and tuner is not None
+                and any(k.scales for k in tuner.knobs.values()))
 
     def _measure(self, now: int, procs: tuple[float, int, int] | None) -> Measurement:
         seconds = (now - self.t0) / 1e9
@@ -244,7 +256,10 @@ class EpochTuner:
         assert self.tuner is not None
         log = getattr(self.tuner, "decisions", None)
         seen = len(log) if log is not None else 0
+        self.judged += 1
         decision = self.tuner.observe(self.state.batches + self.epoch_batches, m)
+        if CONCURRENCY in self.tuner.knobs:  # a failed leap is remembered across epochs
+            self.state.concurrency_scales = self.tuner.knobs[CONCURRENCY].scales
         if log is not None:  # every decision, a "kept" note before its next move included
             for d in log[seen:]:
                 self.state.record(d)

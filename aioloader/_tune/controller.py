@@ -18,6 +18,12 @@ The rules, in the order they are applied:
   workers busy (CPU) first ``num_workers``; workers idle (waiting on I/O or on work)
   first ``fetch_concurrency`` then ``prefetch_factor``. A kept move is followed at once
   by another move of the same knob (climb while it pays).
+* A knob whose throughput grows in proportion to its value (``fetch_concurrency``: by
+  Little's law, fetches that wait on I/O complete at in-flight / latency) may move by
+  more than one doubling: to what would end the consumer's wait if throughput kept
+  scaling (the value over the share of the time the consumer did not wait), as a
+  power of two up to :data:`MAX_LEAP` times. A leap that brings nothing is undone like
+  any move, and that knob only doubles from then on.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ WORKERS = "num_workers"
 WINDOW = "prefetch_factor"
 CONCURRENCY = "fetch_concurrency"
 
+#: The most one move may multiply a scaling knob by (a :attr:`Knob.scales` knob).
+MAX_LEAP = 8
+
 
 @dataclass
 class Knob:
@@ -43,10 +52,22 @@ class Knob:
     #: ``"add"``: a move up is ``value + step``; ``"double"``: ``value * 2``.
     growth: str = "add"
     step: int = 1
+    #: Throughput grows in proportion to the value (a move up may leap, see the module
+    #: docstring); cleared when a leap brought nothing.
+    scales: bool = False
 
-    def up(self) -> int:
-        """The value a move up gives (bounded by ``high``)."""
-        new = self.value * 2 if self.growth == "double" else self.value + self.step
+    def up(self, wait_share: float = 0.0) -> int:
+        """The value a move up gives (bounded by ``high``); a scaling knob leaps by as
+        many doublings as would end a consumer's wait of ``wait_share`` of the time."""
+        if self.growth != "double":
+            new = self.value + self.step
+        else:
+            factor = 2
+            if self.scales:
+                wanted = 1 / max(1.0 - wait_share, 1 / MAX_LEAP)
+                while factor < wanted and factor < MAX_LEAP:
+                    factor *= 2
+            new = self.value * factor
         return max(self.low, min(new, self.high))
 
 
@@ -163,7 +184,7 @@ class Tuner:
             return None
         for name in self._order(m):
             knob = self.knobs[name]
-            new = knob.up()
+            new = knob.up(share)
             if new == knob.value or self.cooling.get(name, 0) >= self.windows:
                 continue
             self.trial = _Trial(name, knob.value, new, m.throughput)
@@ -207,7 +228,7 @@ class Tuner:
             kept = self._record(Decision(
                 batch, trial.knob, trial.new, trial.new,
                 f"kept: {before:.1f} -> {now:.1f} batches/s"))
-            new = knob.up()
+            new = knob.up(m.wait_share)
             if new == knob.value or m.wait_share < self.settings.data_bound:
                 return kept  # at its bound, or the consumer hardly waits any more
             # Climb at once: this window measured the kept value, the next one judges more.
@@ -223,6 +244,8 @@ class Tuner:
                                                       s.max_cooldown)
         if self.last_kept == trial.knob:
             self.last_kept = None
+        if trial.new > 2 * trial.old:  # a leap: this knob does not scale as hoped
+            knob.scales = False
         knob.value = trial.old
         return self._record(Decision(
             batch, trial.knob, trial.new, trial.old,

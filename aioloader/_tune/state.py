@@ -47,6 +47,8 @@ class TuneState:
     workers: int
     prefetch: int | None
     concurrency: int
+    #: ``fetch_concurrency`` may still leap (controller.Knob.scales): no leap failed yet.
+    concurrency_scales: bool = True
     decisions: list[Decision] = field(default_factory=list)
     #: Batches delivered by the finished epochs (decisions count batches across epochs).
     batches: int = 0
