@@ -4,8 +4,11 @@
 from the first batch on, the ratio to torch, and the ratio to two one-core references
 measured in this process: stacking 64 samples into a fresh batch (``torch.stack``:
 ``empty`` + copy, the page faults included) and into a warm, reused buffer. Then the
-peak memory (sum of PSS of the parent and its workers, sampled every 20 ms, in separate
-runs: sampling slows mmaps) against torch's.
+peak memory against torch's, sampled every 20 ms in separate runs (sampling slows mmaps):
+the sum of PSS of the parent and its workers, and the memory held (what PSS shows
+outside shared memory, plus every shared-memory file the processes hold or map, each
+counted once: PSS does not see a batch whose worker unmapped it and that the parent has
+not read yet, as torch's in-flight batches are).
 
 Each case runs in a fresh interpreter, several times, interleaved; medians are printed.
 
@@ -67,7 +70,8 @@ def run_case(lib: str, dtype: str, n: int, monitor: bool, touch: bool) -> dict[s
             count += len(x)
             nbytes += x.numel() * x.element_size()
         dt = time.perf_counter() - t0 - first
-    return {"gbps": nbytes / dt / 1e9, "peak_mb": mem.peak_kb / 1024}
+    return {"gbps": nbytes / dt / 1e9, "peak_mb": mem.peak_kb / 1024,
+            "resident_mb": mem.peak_resident_kb / 1024}
 
 
 def spawn_case(*args: object) -> dict[str, float]:
@@ -111,7 +115,7 @@ def main() -> None:
           f"consumer {'reads' if args.touch else 'does not read'} the batches; "
           f"load {os.getloadavg()}")
     print(f"  {'dtype':<8}{'case':<11}{'GB/s':>7}{'vs torch':>10}{'/ fresh':>9}"
-          f"{'/ warm':>8}{'peak MB':>9}{'vs torch':>10}")
+          f"{'/ warm':>8}{'peak MB':>9}{'vs torch':>10}{'held MB':>9}{'vs torch':>10}")
     for dtype in DTYPES:
         fresh, warm = one_core(dtype)
         runs: dict[str, list[dict[str, float]]] = {lib: [] for lib in libs}
@@ -124,12 +128,18 @@ def main() -> None:
                 mems[lib].append(spawn_case(lib, dtype, n // 2, "mem", touch))
         gbps = {lib: statistics.median(r["gbps"] for r in runs[lib]) for lib in libs}
         peak = {lib: statistics.median(r["peak_mb"] for r in mems[lib]) for lib in libs}
+        held = {lib: statistics.median(r["resident_mb"] for r in mems[lib]) for lib in libs}
         for lib in libs:
             print(f"  {dtype:<8}{lib:<11}{gbps[lib]:>7.2f}{gbps[lib] / gbps['torch']:>10.2f}"
                   f"{gbps[lib] / fresh:>9.2f}{gbps[lib] / warm:>8.2f}{peak[lib]:>9.0f}"
-                  f"{peak[lib] / peak['torch']:>10.2f}")
+                  f"{peak[lib] / peak['torch']:>10.2f}{held[lib]:>9.0f}"
+                  f"{held[lib] / held['torch']:>10.2f}")
         print(f"  {dtype:<8}{'one core':<11} stack into a fresh batch {fresh:.2f} GB/s, "
               f"into a warm buffer {warm:.2f} GB/s")
+    print("  peak MB: the largest sum of PSS of the parent and its workers; held MB: the "
+          "largest sum of their\n  memory outside shared memory plus every shared-memory "
+          "file they hold or map, counted once\n  (PSS misses a batch in shared memory that "
+          "no process maps: torch's in-flight batches)")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs")
 

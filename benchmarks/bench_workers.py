@@ -61,15 +61,45 @@ class Images(tud.Dataset):
         return self.base, i
 
 
-def _pss_kb(pid: int) -> int:
+def _rollup_kb(pid: int) -> tuple[int, int]:
+    """``(Pss, Pss_Shmem)`` of ``pid`` in KiB (0, 0 when it is gone)."""
+    pss = shmem = 0
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
                 if line.startswith("Pss:"):
-                    return int(line.split()[1])
+                    pss = int(line.split()[1])
+                elif line.startswith("Pss_Shmem:"):
+                    shmem = int(line.split()[1])
     except OSError:
         pass
-    return 0
+    return pss, shmem
+
+
+#: What a loader's shared memory is named: aioloader's memfd segments, torch's
+#: /dev/shm/torch_* files (fd sharing) and torch's own memfds.
+_SHARED = ("/memfd:", "/dev/shm/torch_")
+
+
+def _shared_files(pid: int, sizes: dict[int, int]) -> None:
+    """Add to ``sizes`` (inode -> allocated bytes) every shared-memory file ``pid``
+    holds open or maps, whether or not any of its pages are mapped anywhere."""
+    for sub in ("fd", "map_files"):
+        folder = f"/proc/{pid}/{sub}"
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            path = f"{folder}/{name}"
+            try:
+                target = os.readlink(path)
+                if not any(tag in target for tag in _SHARED):
+                    continue
+                st = os.stat(path)
+            except OSError:
+                continue
+            sizes[st.st_ino] = st.st_blocks * 512
 
 
 def _children(pid: int) -> list[int]:
@@ -84,18 +114,35 @@ def _children(pid: int) -> list[int]:
 
 
 class PeakMemory:
-    """Samples the PSS of this process and its children every 20 ms in a thread."""
+    """Samples the PSS of this process and its children every 20 ms in a thread.
+
+    ``peak_kb``: the largest sum of PSS. PSS counts a shared page only where a process
+    maps it: a batch in shared memory that its worker has unmapped and the parent has
+    not read yet (torch's in-flight batches) counts nowhere. ``peak_resident_kb``: the
+    largest sum of what is *not* shared memory in PSS plus every shared-memory file the
+    processes hold or map, each counted once at its allocated size: the memory the
+    loader really holds.
+    """
 
     def __init__(self) -> None:
         self.peak_kb = 0
+        self.peak_resident_kb = 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, name="bench-mem", daemon=True)
 
     def _run(self) -> None:
         me = os.getpid()
         while not self._stop.wait(0.02):
-            total = _pss_kb(me) + sum(_pss_kb(c) for c in _children(me))
+            total = private = 0
+            files: dict[int, int] = {}
+            for pid in (me, *_children(me)):
+                pss, shmem = _rollup_kb(pid)
+                total += pss
+                private += pss - shmem
+                _shared_files(pid, files)
             self.peak_kb = max(self.peak_kb, total)
+            self.peak_resident_kb = max(self.peak_resident_kb,
+                                        private + sum(files.values()) // 1024)
 
     def __enter__(self) -> PeakMemory:
         self._t.start()
