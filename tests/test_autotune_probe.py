@@ -18,8 +18,10 @@ from aioloader._pipeline import epoch as epoch_mod
 from aioloader._tune import probe as probe_mod
 from aioloader._tune.controller import WORKERS
 from aioloader._tune.probe import (
+    CHEAP_PROBE_BATCHES,
     MAX_FIRST_WORKERS,
     MAX_PROBE_BATCHES,
+    MIN_PROBE_BATCHES,
     Probe,
     Verdict,
     judge,
@@ -92,10 +94,24 @@ def test_the_probe_leaves_the_first_batch_out_and_waits_for_enough() -> None:
     for _ in range(3):
         p.add(fetch_s=0.01, cpu_s=0.01, step_s=0.0)
     assert p.ready() and p.fetch == [0.01] * 3
-    quick = probe(MAX_PROBE_BATCHES - 1, 1e-6)
+    quick = probe(MAX_PROBE_BATCHES - 1, 3e-4)  # 23 batches of 0.3 ms: under 20 ms
     assert not quick.ready()
-    quick.add(fetch_s=1e-6, cpu_s=1e-6, step_s=0.0)
+    quick.add(fetch_s=3e-4, cpu_s=3e-4, step_s=0.0)
     assert quick.ready()
+
+
+def test_batches_too_cheap_for_workers_are_judged_after_8() -> None:
+    """Regression test for issue 21: when every probed fetch is under a batch's hand-over
+    cost, workers cannot pay whatever comes next: the verdict (stay) comes after
+    CHEAP_PROBE_BATCHES batches, not MAX_PROBE_BATCHES (each probed batch costs more)."""
+    cheap = probe(CHEAP_PROBE_BATCHES - 1, 5e-5)
+    assert not cheap.ready()
+    cheap.add(fetch_s=5e-5, cpu_s=5e-5, step_s=0.0)
+    assert cheap.ready()
+    assert judge(cheap, remaining=10_000, cpus=64, start_s=0.01).workers == 0
+    one_slow = probe(CHEAP_PROBE_BATCHES - 1, 5e-5)
+    one_slow.add(fetch_s=3e-4, cpu_s=3e-4, step_s=0.0)  # one batch at the hand-over cost
+    assert not one_slow.ready()
 
 
 # -- loaders --------------------------------------------------------------------------------
@@ -160,7 +176,10 @@ def test_cheap_first_epoch_stays_in_the_main_process_without_a_worker() -> None:
     assert multiprocessing.active_children() == []
     (decision,) = dl.stats().autotune
     assert (decision.knob, decision.old, decision.new) == (WORKERS, 0, 0)
-    assert decision.batch == MAX_PROBE_BATCHES and "main process" in decision.reason
+    # judged after 8 batches; on a loaded machine where a fetch took longer than a
+    # hand-over, after 20 ms or 24 batches
+    assert MIN_PROBE_BATCHES <= decision.batch <= MAX_PROBE_BATCHES
+    assert "main process" in decision.reason
     keys, who = consume(dl)  # the next epochs start in the main process, unprobed
     assert keys == second and set(who) == {-1}
     assert dl.num_workers == 0 and len(dl.stats().autotune) == 1

@@ -34,6 +34,10 @@ __all__ = ["MAX_FIRST_WORKERS", "MAX_PROBE_BATCHES", "Probe", "Verdict", "judge"
 MIN_PROBE_BATCHES = 4
 MIN_PROBE_S = 0.02
 MAX_PROBE_BATCHES = 24
+#: Or this many batches, each fetched in less than :data:`TRANSPORT_S`: workers cannot
+#: make such batches faster (a batch from a worker costs at least that), whatever the
+#: rest of the probe would show, and every probed batch costs a few microseconds more.
+CHEAP_PROBE_BATCHES = 8
 #: What a batch costs the consumer when it comes from a worker instead (the hand-over:
 #: a command, a reply, mapping its memory), at the least.
 TRANSPORT_S = 2e-4
@@ -72,6 +76,7 @@ class Probe:
     step: list[float] = field(default_factory=list)
     seen: int = 0
     elapsed: float = 0.0
+    slowest: float = 0.0  # the longest kept fetch
 
     def add(self, fetch_s: float, cpu_s: float, step_s: float) -> None:
         """One batch: its fetch's wall and CPU time, the consumer's step before it."""
@@ -82,11 +87,14 @@ class Probe:
         self.fetch.append(fetch_s)
         self.cpu.append(cpu_s)
         self.step.append(step_s)
+        if fetch_s > self.slowest:
+            self.slowest = fetch_s
 
     def ready(self) -> bool:
-        """Enough batches to judge."""
+        """Enough batches to judge (or enough to know workers cannot pay)."""
         return self.seen >= MAX_PROBE_BATCHES or (
-            self.seen >= MIN_PROBE_BATCHES and self.elapsed >= MIN_PROBE_S)
+            self.seen >= MIN_PROBE_BATCHES and self.elapsed >= MIN_PROBE_S) or (
+            self.seen >= CHEAP_PROBE_BATCHES and self.slowest < TRANSPORT_S)
 
 
 @dataclass(frozen=True)
