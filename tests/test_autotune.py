@@ -472,8 +472,10 @@ class Scripted:
         self.knobs = knobs
         self.script = list(script)
         self.trial = None
+        self.windows = 0
 
     def observe(self, batch: int, m: Measurement) -> Decision | None:
+        self.windows += 1
         while self.script:
             move = self.script.pop(0)
             if move is None:

@@ -116,7 +116,6 @@ class EpochTuner:
         self.busy = False  # a knob move is under way (a worker starting or draining)
         self.owed_draws = 0  # batches the window grew by, not drawn yet
         self.settling = False  # the window after a worker joined is not judged
-        self.judged = 0  # windows handed to the controller so far
         if rec is not None:  # an epoch may start with more workers than the loader did
             grow_recorder(rec, dispatch.num_workers)
         knobs: dict[str, Knob] = {}
@@ -211,7 +210,7 @@ class EpochTuner:
         fetches waiting on I/O deliver at a steady in-flight / latency from the first
         batch, and each batch at the starting value is a slow one."""
         tuner = self.tuner
-        return (not self.judged and tuner is not None
+        return (tuner is not None and not tuner.windows
                 and any(k.scales for k in tuner.knobs.values()))
 
     def _measure(self, now: int, procs: tuple[float, int, int] | None) -> Measurement:
@@ -256,7 +255,6 @@ class EpochTuner:
         assert self.tuner is not None
         log = getattr(self.tuner, "decisions", None)
         seen = len(log) if log is not None else 0
-        self.judged += 1
         decision = self.tuner.observe(self.state.batches + self.epoch_batches, m)
         if CONCURRENCY in self.tuner.knobs:  # a failed leap is remembered across epochs
             self.state.concurrency_scales = self.tuner.knobs[CONCURRENCY].scales

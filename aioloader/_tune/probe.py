@@ -76,7 +76,6 @@ class Probe:
     step: list[float] = field(default_factory=list)
     seen: int = 0
     elapsed: float = 0.0
-    slowest: float = 0.0  # the longest kept fetch
 
     def add(self, fetch_s: float, cpu_s: float, step_s: float) -> None:
         """One batch: its fetch's wall and CPU time, the consumer's step before it."""
@@ -87,14 +86,12 @@ class Probe:
         self.fetch.append(fetch_s)
         self.cpu.append(cpu_s)
         self.step.append(step_s)
-        if fetch_s > self.slowest:
-            self.slowest = fetch_s
 
     def ready(self) -> bool:
         """Enough batches to judge (or enough to know workers cannot pay)."""
         return self.seen >= MAX_PROBE_BATCHES or (
             self.seen >= MIN_PROBE_BATCHES and self.elapsed >= MIN_PROBE_S) or (
-            self.seen >= CHEAP_PROBE_BATCHES and self.slowest < TRANSPORT_S)
+            self.seen >= CHEAP_PROBE_BATCHES and max(self.fetch) < TRANSPORT_S)
 
 
 @dataclass(frozen=True)
