@@ -71,7 +71,7 @@ def run_case(lib: str, dtype: str, n: int, monitor: bool, touch: bool) -> dict[s
             nbytes += x.numel() * x.element_size()
         dt = time.perf_counter() - t0 - first
     return {"gbps": nbytes / dt / 1e9, "peak_mb": mem.peak_kb / 1024,
-            "resident_mb": mem.peak_resident_kb / 1024}
+            "held_mb": mem.peak_held_kb / 1024}
 
 
 def spawn_case(*args: object) -> dict[str, float]:
@@ -128,7 +128,7 @@ def main() -> None:
                 mems[lib].append(spawn_case(lib, dtype, n // 2, "mem", touch))
         gbps = {lib: statistics.median(r["gbps"] for r in runs[lib]) for lib in libs}
         peak = {lib: statistics.median(r["peak_mb"] for r in mems[lib]) for lib in libs}
-        held = {lib: statistics.median(r["resident_mb"] for r in mems[lib]) for lib in libs}
+        held = {lib: statistics.median(r["held_mb"] for r in mems[lib]) for lib in libs}
         for lib in libs:
             print(f"  {dtype:<8}{lib:<11}{gbps[lib]:>7.2f}{gbps[lib] / gbps['torch']:>10.2f}"
                   f"{gbps[lib] / fresh:>9.2f}{gbps[lib] / warm:>8.2f}{peak[lib]:>9.0f}"

@@ -118,7 +118,7 @@ class PeakMemory:
 
     ``peak_kb``: the largest sum of PSS. PSS counts a shared page only where a process
     maps it: a batch in shared memory that its worker has unmapped and the parent has
-    not read yet (torch's in-flight batches) counts nowhere. ``peak_resident_kb``: the
+    not read yet (torch's in-flight batches) counts nowhere. ``peak_held_kb``: the
     largest sum of what is *not* shared memory in PSS plus every shared-memory file the
     processes hold or map, each counted once at its allocated size: the memory the
     loader really holds.
@@ -126,7 +126,7 @@ class PeakMemory:
 
     def __init__(self) -> None:
         self.peak_kb = 0
-        self.peak_resident_kb = 0
+        self.peak_held_kb = 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, name="bench-mem", daemon=True)
 
@@ -141,7 +141,7 @@ class PeakMemory:
                 private += pss - shmem
                 _shared_files(pid, files)
             self.peak_kb = max(self.peak_kb, total)
-            self.peak_resident_kb = max(self.peak_resident_kb,
+            self.peak_held_kb = max(self.peak_held_kb,
                                         private + sum(files.values()) // 1024)
 
     def __enter__(self) -> PeakMemory:
