@@ -93,6 +93,11 @@ def collate(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None)
             if isinstance(elem, key):
                 return fn(batch, collate_fn_map=collate_fn_map)
 
+    if elem_type is tuple or elem_type is list:
+        # The common sample shapes, first: neither a mapping nor a namedtuple (an exact
+        # tuple has no `_fields`), so torch's two checks before sequences cannot match.
+        return _collate_sequence(batch, elem, collate_fn_map)
+
     if elem_type is dict or isinstance(elem, collections.abc.Mapping):
         values = {
             key: collate([sample[key] for sample in batch], collate_fn_map=collate_fn_map)
@@ -100,7 +105,7 @@ def collate(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None)
         }
         return _rebuild_mapping(elem, values)
 
-    if elem_type is not list and _is_namedtuple(elem):
+    if _is_namedtuple(elem):
         return elem_type(
             *(
                 collate(samples, collate_fn_map=collate_fn_map)
@@ -108,24 +113,29 @@ def collate(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None)
             )
         )
 
-    if (
-        elem_type is tuple
-        or elem_type is list
-        or isinstance(elem, collections.abc.Sequence)
-    ):
-        size = len(elem)
-        # A plain loop: half the time of all(map(size.__eq__, ...)), whose method-wrapper
-        # call per sample costs more than the comparison. Stops at the first mismatch.
-        for sample in batch:
-            if len(sample) != size:
-                raise RuntimeError(_UNEQUAL_SIZE_ERROR)
-        items = [
-            collate(samples, collate_fn_map=collate_fn_map)
-            for samples in zip(*batch, strict=False)
-        ]
-        if isinstance(elem, tuple):
-            return items  # tuples become lists, as in torch
-        return _rebuild_sequence(elem, items)
+    if isinstance(elem, collections.abc.Sequence):
+        return _collate_sequence(batch, elem, collate_fn_map)
 
     raise TypeError(default_collate_err_msg_format.format(elem_type))
 
+
+def _collate_sequence(batch: Sequence[Any], elem: Any, collate_fn_map: CollateFnMap | None) -> Any:
+    """Collate a batch of sequences position by position (all of ``len(elem)``)."""
+    size = len(elem)
+    # Every length, counted in C (less than a Python loop). On a mismatch, torch's loop
+    # finds what it finds first: an unequal length, or a sample without one.
+    try:
+        equal = list(map(len, batch)).count(size) == len(batch)
+    except TypeError:
+        equal = False
+    if not equal:
+        for sample in batch:
+            if len(sample) != size:
+                raise RuntimeError(_UNEQUAL_SIZE_ERROR)
+    items = [
+        collate(samples, collate_fn_map=collate_fn_map)
+        for samples in zip(*batch, strict=False)
+    ]
+    if isinstance(elem, tuple):
+        return items  # tuples become lists, as in torch
+    return _rebuild_sequence(elem, items)

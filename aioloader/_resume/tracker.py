@@ -220,14 +220,14 @@ class EpochTracker:
             batches = rank_batches(self.elastic_src, self.dist)
             self.started = True
             self.drawn = self.prefix
-            return _TrackedIter(self, iter(batches[self.prefix:]))
+            return _tracked(self, iter(batches[self.prefix:]))
         if st is None or self.iterable:
             if st is not None:
                 # Only the base seed draws from the loader's generator: as it was then.
                 self._set_gens(st.get("generators") or {})
                 if not self.discard:
                     self.drawn = self.prefix  # batch numbers go on where the epoch stood
-            return _TrackedIter(self, _iter_index_sampler(index_sampler))
+            return _tracked(self, _iter_index_sampler(index_sampler))
         if self.sampler_obj is not None and self.sampler_state is not None:
             # The sampler keeps its own position; the generators are as they were then.
             self._set_gens(st.get("generators") or {})
@@ -239,11 +239,11 @@ class EpochTracker:
             base = _iter_index_sampler(index_sampler)
             self.started = True
             self.drawn = self.prefix
-            return _TrackedIter(self, base)
+            return _tracked(self, base)
         rng = st.get("rng")
         if rng is None:  # the sampler had not drawn yet: it draws as the original would
             self._set_gens(st.get("generators") or {})
-            return _TrackedIter(self, _iter_index_sampler(index_sampler))
+            return _tracked(self, _iter_index_sampler(index_sampler))
         self.rng = rng
         self.started = True
         saved_global = torch.get_rng_state()
@@ -265,7 +265,7 @@ class EpochTracker:
             torch.set_rng_state(saved_global)
         self.drawn = self.prefix
         self._pushback = last
-        return _TrackedIter(self, base)
+        return _tracked(self, base)
 
     # -- tracking ------------------------------------------------------------------------
 
@@ -405,3 +405,25 @@ class _TrackedIter:
             tr.last_drawn = logical
             return item
 
+
+class _PlainTrackedIter(_TrackedIter):
+    """:class:`_TrackedIter` where nothing is pushed back or skipped and no sampler state
+    is kept per draw (most epochs): numbering only, in the fewest steps (once per batch)."""
+
+    __slots__ = ()
+
+    def __next__(self) -> Any:
+        tr = self.tracker
+        if not tr.started:
+            tr.capture_rng()
+        item = next(self.base)
+        tr.last_drawn = logical = tr.drawn
+        tr.drawn = logical + 1
+        return item
+
+
+def _tracked(tracker: EpochTracker, base: Iterator[Any]) -> _TrackedIter:
+    """``base`` tracked for ``tracker``: the plain wrapper when it can be."""
+    if tracker._pushback or tracker.skip or tracker.sampler_obj is not None:
+        return _TrackedIter(tracker, base)
+    return _PlainTrackedIter(tracker, base)
