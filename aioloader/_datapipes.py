@@ -18,12 +18,20 @@ them (``torch/utils/data/dataloader.py`` and ``_utils/worker.py``):
 
 torch's own functions do the work wherever they exist, so that a graph behaves exactly as
 under torch's DataLoader (and ``_get_distributed_settings`` patched in torch applies here).
+
+torch walks a graph by pickling it with hooks set on the DataPipe *classes*
+(``torch/utils/data/graph.py``), and refuses a second hook while one is set: two walks at
+once in one process fail ("Attempt to override existing reduce_ex_hook"), and a graph
+pickled during another's walk is pickled through that walk's hooks. torch's workers are
+processes, each with its own classes; thread workers share them, so every walk and every
+pickle of a graph here holds :data:`GRAPH_LOCK`.
 """
 
 from __future__ import annotations
 
 import functools
 import pickle
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +46,7 @@ from torch.utils.data.datapipes.datapipe import (
 )
 
 __all__ = [
+    "GRAPH_LOCK",
     "apply_shuffle",
     "distributed_settings",
     "is_datapipe",
@@ -50,6 +59,9 @@ __all__ = [
     "thread_copy",
     "wrap",
 ]
+
+GRAPH_LOCK = threading.RLock()
+"""Held by every walk (seed, shard, shuffle settings) and pickle of a DataPipe graph."""
 
 
 def is_iter_datapipe(dataset: object) -> bool:
@@ -79,7 +91,8 @@ def apply_shuffle(dataset: Any, shuffle: bool | None) -> None:
     torch appends in that case is not part of the loader's dataset (torch's behaviour too).
     """
     if shuffle is not None:
-        _graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)
+        with GRAPH_LOCK:
+            _graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)
 
 
 def distributed_settings() -> tuple[int, int]:
@@ -110,13 +123,15 @@ def seed_graph(dataset: Any, shared_seed: int) -> None:
     """Seed every random pipe of the graph from ``shared_seed`` (torch's ``apply_random_seed``)."""
     rng = torch.Generator()
     rng.manual_seed(shared_seed)
-    _graph_settings.apply_random_seed(dataset, rng)
+    with GRAPH_LOCK:
+        _graph_settings.apply_random_seed(dataset, rng)
 
 
 def shard_main(dataset: Any) -> None:
     """``num_workers=0``: shard the graph over the distributed ranks (each ``iter()``)."""
     ws, rank = distributed_settings()
-    _graph_settings.apply_sharding(dataset, ws, rank)
+    with GRAPH_LOCK:
+        _graph_settings.apply_sharding(dataset, ws, rank)
 
 
 def sharding_init_fn(worker_init_fn: Callable[[int], Any] | None) -> Callable[[int], Any]:
@@ -127,7 +142,17 @@ def sharding_init_fn(worker_init_fn: Callable[[int], Any] | None) -> Callable[[i
     ``num_workers * world_size``.
     """
     ws, rank = distributed_settings()
-    return functools.partial(_tdl._sharding_worker_init_fn, worker_init_fn, ws, rank)
+    return functools.partial(_shard_worker, worker_init_fn, ws, rank)
+
+
+def _shard_worker(worker_init_fn: Callable[[int], Any] | None, world_size: int, rank: int,
+                  worker_id: int) -> None:
+    # torch's function shards and then calls worker_init_fn; the user's function runs
+    # outside the lock, so that thread workers' init functions still run side by side.
+    with GRAPH_LOCK:
+        _tdl._sharding_worker_init_fn(None, world_size, rank, worker_id)
+    if worker_init_fn is not None:
+        worker_init_fn(worker_id)
 
 
 def thread_copy(dataset: Any) -> Any:
@@ -137,4 +162,6 @@ def thread_copy(dataset: Any) -> Any:
     thread workers cannot share the loader's: each gets it through the pickle round trip
     torch's serialization wrapper defines (pickle, or dill where pickle fails).
     """
-    return pickle.loads(pickle.dumps(dataset))
+    with GRAPH_LOCK:
+        blob = pickle.dumps(dataset)
+    return pickle.loads(blob)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -117,6 +118,44 @@ def test_thread_workers_match_torch_worker_processes(persistent: bool) -> None:
                         persistent_workers=persistent, worker_method="thread", **FORK)
     assert ours == theirs
     assert flatten(ours[0][1]) == list(range(N))
+
+
+def same(x: int) -> int:
+    return x
+
+
+def deep_pipe(n: int = N) -> Any:
+    pipe = IterableWrapper(range(n)).shuffle()
+    for _ in range(30):  # a long graph: each walk of it takes many bytecodes
+        pipe = pipe.map(same)
+    return pipe.sharding_filter()
+
+
+@pytest.fixture
+def frequent_thread_switches() -> Any:
+    """The GIL handed over every microsecond, so that threads interleave inside a graph walk."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+@pytest.mark.usefixtures("frequent_thread_switches")
+def test_thread_workers_walk_their_graphs_one_at_a_time() -> None:
+    """CI failure of stop 28: torch walks a graph through hooks set on the DataPipe classes
+    and refuses a second walk while one runs ("Attempt to override existing
+    reduce_ex_hook"); thread workers seeding and sharding their copies at once raced."""
+    theirs, ours = both(deep_pipe, epochs=4, batch_size=3, num_workers=2, shuffle=True,
+                        persistent_workers=True, worker_method="thread", **FORK)
+    assert ours == theirs
+    for epoch in ours[0]:
+        assert flatten(epoch) == list(range(N))
+    # A second loader's constructor walks its graph while the first one's workers walk theirs.
+    loaders = [DataLoader(deep_pipe(), batch_size=3, num_workers=2, shuffle=True,
+                          worker_method="thread") for _ in range(2)]
+    iters = [iter(loader) for loader in loaders]
+    for it in iters:
+        assert flatten(as_lists(it)) == list(range(N))
 
 
 def test_persistent_workers_reseed_each_epoch_as_torch() -> None:

@@ -43,6 +43,7 @@ import pickle
 from multiprocessing import reduction
 from typing import Any
 
+from .._datapipes import GRAPH_LOCK
 from .codec import close_fds, decode, encode
 
 __all__ = ["DatasetImage"]
@@ -98,8 +99,9 @@ class DatasetImage:
         if not cls.supported():
             return None
         buffers: list[pickle.PickleBuffer] = []
-        payload, tensor_fds = encode(dataset, buffer_callback=buffers.append,
-                                     dispatch_table=_dispatch_table())
+        with GRAPH_LOCK:  # a DataPipe graph pickles through class-wide hooks (_datapipes)
+            payload, tensor_fds = encode(dataset, buffer_callback=buffers.append,
+                                         dispatch_table=_dispatch_table())
         views: list[memoryview] = []
         try:
             views = [b.raw() for b in buffers]
