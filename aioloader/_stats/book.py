@@ -80,6 +80,9 @@ class _Totals:
             # epoch's, before it went on sampling: aioloader._pipeline.source_probe).
             n = r.batches + r.inline_untimed - r.count[WAIT]
             wait = r.inline_ns[WAIT] * n // r.wait_timed
+            # An estimate: a timed wait that was slow (the process preempted) scales up to
+            # more than the epoch lasted. The waits cannot outlast the wall time.
+            wait = min(wait, max(0, _wall_ns(r) - r.ns[WAIT] - r.step_ns))
             self.count[WAIT] += n
             self.ns[WAIT] += wait
             # The training step: the wall time not spent waiting (nor counted already).
