@@ -7,8 +7,8 @@ times ``iter(loader)`` + ``next()`` with ``multiprocessing_context="spawn"`` (or
 ``--method forkserver``): what a user waits for before training starts. torch's
 DataLoader pickles the dataset for each worker and starts the workers one after
 the other (each start waits for the new interpreter to read its copy); aioloader
-pickles it once into a memory segment every worker maps, and starts them all at
-once. Runs are interleaved (torch, aioloader, for 1, 4, 8 workers, repeated), and
+pickles it once into a memory segment every worker maps, and under ``spawn`` has
+one fresh interpreter of its own (the zygote) import torch once and fork the workers. Runs are interleaved (torch, aioloader, for 1, 4, 8 workers, repeated), and
 the medians are printed with two ratios: aioloader / torch, and the time with N
 workers / the time with 1 (the issue's target: 8 workers <= 1.5x 1 worker).
 
@@ -17,9 +17,9 @@ the base of a change), measured in the same interleaving.
 
     python benchmarks/bench_startup.py [--repeats 3] [--workers 1,4,8] [--kinds numpy,torch]
 
-On a machine with few cores the workers' own start (a fresh interpreter importing
-torch, ~1-2 s of CPU each) dominates and is shared out over the cores: with N
-workers it cannot fall below N x that / cores, whatever the loader does.
+On a machine with few cores a spawned worker's own start (a fresh interpreter importing
+torch, ~1-2 s of CPU each) dominates and is shared out over the cores: torch's N
+workers cannot start in less than N x that / cores; aioloader's zygote pays it once.
 """
 
 from __future__ import annotations

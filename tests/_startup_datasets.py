@@ -72,3 +72,22 @@ class HoldsQueue(aioloader.Dataset[int]):
     def __getitem__(self, i: int) -> int:
         self.queue.put(i)
         return i
+
+
+class Pids(aioloader.Dataset[Any]):
+    """Sample ``i`` is ``(i, pid, parent pid)`` of the worker reading it, and the pid of the
+    process that unpickled this copy of the dataset (-1 for the parent's own)."""
+
+    def __init__(self, n: int = 12) -> None:
+        self.n = n
+        self.loaded_in = -1
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return i, os.getpid(), os.getppid(), self.loaded_in
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.loaded_in = os.getpid()

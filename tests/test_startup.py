@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from _startup_datasets import Arrays, FailsToUnpickle, HoldsQueue
+from _failure_datasets import CrashOnce
+from _startup_datasets import Arrays, FailsToUnpickle, HoldsQueue, Pids
 
-from aioloader import DataLoader, WorkerDiedError
+from aioloader import DataLoader, SkippedSamplesWarning, WorkerDiedError
 from aioloader._pools.process import WorkerPool
 from aioloader._worker.image import DatasetImage
 
@@ -52,7 +55,7 @@ def test_a_dataset_that_pickles_only_while_spawning_is_pickled_per_worker() -> N
     try:
         it = iter(DataLoader(HoldsQueue(queue), batch_size=None, num_workers=2,
                              multiprocessing_context=ctx))
-        assert _image_of(it) is None
+        assert _image_of(it) is None and _zygote_of(it) is None  # spawned one by one
         assert [int(x) for x in it] == [0, 1, 2, 3]
         assert sorted(queue.get(timeout=30) for _ in range(4)) == [0, 1, 2, 3]
     finally:
@@ -111,3 +114,84 @@ def test_the_fork_server_preloads_the_worker_module_once(monkeypatch: pytest.Mon
     before = list(running._preload_modules)  # type: ignore[attr-defined]
     _preload_worker_in_forkserver()
     assert running._preload_modules == before  # type: ignore[attr-defined]
+
+
+def _zygote_of(it: Any) -> Any:
+    pool = it._core.lease.pool
+    assert isinstance(pool, WorkerPool)
+    return pool._zygote
+
+
+@needs_image
+def test_spawn_workers_are_forked_by_one_zygote_and_load_their_own_dataset() -> None:
+    """Regression test for issue 20: under spawn one zygote imports torch and forks every
+    worker; each worker still unpickles its own copy of the dataset (as a spawned one does),
+    the batches are the fork context's, and the zygote leaves with the pool."""
+    expected = [b[0].tolist() for b in DataLoader(Pids(), batch_size=2, num_workers=2,
+                                                  multiprocessing_context="fork")]
+    it = iter(DataLoader(Pids(), batch_size=2, num_workers=2, multiprocessing_context="spawn"))
+    zygote = _zygote_of(it)
+    assert zygote is not None
+    zygote_pid = zygote.proc.pid
+    batches = list(it)
+    assert [b[0].tolist() for b in batches] == expected
+    pids = {int(p) for b in batches for p in b[1]}
+    assert len(pids) == 2 and multiprocessing.current_process().pid not in pids
+    assert {int(p) for b in batches for p in b[2]} == {zygote_pid}
+    assert {int(p) for b in batches for p in b[3]} == pids  # each worker loaded its own
+    with pytest.raises(ProcessLookupError):  # gone with the pool, and reaped
+        os.kill(zygote_pid, 0)
+
+
+@needs_image
+@pytest.mark.parametrize("respawn", [False, True])
+def test_a_worker_killed_under_the_zygote_is_reported_or_respawned(
+        tmp_path: Any, respawn: bool) -> None:
+    """Regression test for issue 20: the zygote's workers die as spawned ones do: SIGKILL is
+    reported with its signal (the zygote reaps the worker and reports its status), and with
+    respawn_workers the zygote forks the replacement and every sample arrives once."""
+    loader = DataLoader(CrashOnce(20, 7, str(tmp_path / "marker")), batch_size=2,
+                        num_workers=2, multiprocessing_context="spawn",
+                        respawn_workers=respawn)
+    if respawn:
+        with pytest.warns(SkippedSamplesWarning, match="respawned 1 dead worker"):
+            assert sorted(int(x) for b in loader for x in b) == list(range(20))
+        assert loader.failures is not None and loader.failures.respawns == 1
+        return
+    with pytest.raises(WorkerDiedError, match="killed by signal: Killed") as info:
+        list(loader)
+    assert info.value.exitcode == -9
+
+
+@needs_image
+def test_workers_outlive_a_killed_zygote_and_later_ones_are_spawned(
+        tmp_path: Any) -> None:
+    """Regression test for issue 20: a zygote that dies mid-epoch takes no worker with it:
+    the epoch delivers every sample once, a respawn falls back to spawn, nothing leaks."""
+    loader = DataLoader(CrashOnce(24, 17, str(tmp_path / "marker")), batch_size=2,
+                        num_workers=2, multiprocessing_context="spawn", respawn_workers=True)
+    it = iter(loader)
+    seen = [int(x) for x in next(it)]
+    zygote = _zygote_of(it)
+    os.kill(zygote.proc.pid, signal.SIGKILL)
+    zygote.proc.join(30)
+    with pytest.warns(SkippedSamplesWarning, match="respawned 1 dead worker"):
+        seen += [int(x) for b in it for x in b]  # sample 17 kills its worker: spawned anew
+    assert sorted(seen) == list(range(24))
+    assert loader.failures is not None and loader.failures.respawns == 1
+
+
+@needs_image
+def test_a_config_the_zygote_cannot_take_is_spawned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression test for issue 20: where the zygote cannot start a worker (a config that
+    pickles only while multiprocessing starts a process), that worker is spawned instead."""
+    from aioloader._pools import zygote as zmod
+
+    def refuse(self: Any, cfg: Any, sock: Any) -> Any:
+        raise zmod.ZygoteError("refused for the test")
+
+    monkeypatch.setattr(zmod.Zygote, "start_worker", refuse)
+    it = iter(DataLoader(Pids(6), batch_size=2, num_workers=2, multiprocessing_context="spawn"))
+    batches = list(it)
+    assert [b[0].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5]]
+    assert multiprocessing.current_process().pid in {int(p) for b in batches for p in b[2]}

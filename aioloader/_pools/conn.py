@@ -19,7 +19,6 @@ import signal
 import socket
 import traceback
 import weakref
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import anyio
@@ -32,9 +31,10 @@ from .._worker.config import WorkerConfig
 from .._worker.main import worker_main
 from .._worker.segments import SegmentMaps
 from .._worker.wire import Frame, FrameReader, FrameWriter
-from .ladder import reap
+from .ladder import Proc, reap
+from .zygote import Zygote, ZygoteChild, ZygoteError
 
-__all__ = ["Conn"]
+__all__ = ["Conn", "register_parent_end"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class Conn:
         "writer",
     )
 
-    def __init__(self, worker_id: int, proc: BaseProcess, sock: socket.socket) -> None:
+    def __init__(self, worker_id: int, proc: Proc,
+                 sock: socket.socket) -> None:
         self.worker_id = worker_id
         self.proc = proc
         self.sock = sock
@@ -77,13 +78,14 @@ class Conn:
 
     @classmethod
     def start(cls, ctx: Any, worker_id: int, cfg: WorkerConfig, method: str, parent_pid: int,
-              inherited: list[int]) -> Conn:
+              inherited: list[int], zygote: Zygote | None = None) -> Conn:
         """Start worker ``worker_id``'s process (daemonic) on a new socket pair.
 
         ``inherited``: the parent-side socket fds a forked child must close
         (so that it sees EOF when the parent goes); this pair's own parent end
         is added. With ``spawn``/``forkserver`` a config that does not pickle
-        raises its own exception type with a note on what to change.
+        raises its own exception type with a note on what to change. ``zygote``
+        (``spawn``): forks the worker, unless it cannot (then it is spawned).
         """
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -93,21 +95,30 @@ class Conn:
                          if method == "fork" else [])
             cfg = dataclasses.replace(cfg, parent_pid=parent_pid, close_fds=close_fds,
                                       start_method=method)
-            proc = ctx.Process(target=worker_main, args=(child_sock, cfg),
-                               name=f"aioloader-worker-{worker_id}", daemon=True)
-            try:
-                proc.start()
-            except (pickle.PicklingError, AttributeError, TypeError) as exc:
-                if method != "fork":
-                    _explain_pickling_failure(exc, method)
-                raise
+            proc: Proc | None = None
+            if zygote is not None:
+                try:
+                    proc = zygote.start_worker(cfg, child_sock)
+                except ZygoteError as exc:
+                    logger.debug("worker %d spawned, not forked by the zygote: %s",
+                                 worker_id, exc)
+            if proc is None:
+                spawned = ctx.Process(target=worker_main, args=(child_sock, cfg),
+                                      name=f"aioloader-worker-{worker_id}", daemon=True)
+                proc = spawned
+                try:
+                    spawned.start()
+                except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                    if method != "fork":
+                        _explain_pickling_failure(exc, method)
+                    raise
         except BaseException:
             parent_sock.close()
             raise
         finally:
             child_sock.close()
         parent_sock.setblocking(False)
-        _register_parent_end(parent_sock)
+        register_parent_end(parent_sock)
         return cls(worker_id, proc, parent_sock)
 
     # ------------------------------------------------------------------ read
@@ -245,6 +256,9 @@ class Conn:
                     anyio.notify_closing(proc.sentinel)
                 except Exception:
                     pass
+            if isinstance(proc, ZygoteChild):
+                proc.close()
+                return
             popen = getattr(proc, "_popen", None)
             if popen is not None and popen.returncode is not None:
                 popen.close()
@@ -257,7 +271,9 @@ class Conn:
 _parent_ends: dict[int, weakref.ref[socket.socket]] = {}
 
 
-def _register_parent_end(sock: socket.socket) -> None:
+def register_parent_end(sock: socket.socket) -> None:
+    """Have every worker forked from now on let go of ``sock`` (a parent-side socket whose
+    peer must see EOF when this process closes it or ends)."""
     key = id(sock)
 
     def forget(ref: weakref.ref[socket.socket]) -> None:  # collected without close_socket()

@@ -31,15 +31,30 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import wait as mp_wait
-from multiprocessing.process import BaseProcess
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 
-__all__ = ["KILL_WAIT", "TERM_WAIT", "climb", "is_alive", "join_threads", "process_steps",
+__all__ = ["KILL_WAIT", "TERM_WAIT", "Proc", "climb", "is_alive", "join_threads", "process_steps",
            "reap", "reap_blocking", "wait_exit", "wait_exit_blocking"]
 
 logger = logging.getLogger(__name__)
+
+
+class Proc(Protocol):
+    """What the ladder uses of a worker process: a ``multiprocessing`` process, or a
+    zygote's child (:class:`aioloader._pools.zygote.ZygoteChild`)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def sentinel(self) -> int: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
 
 TERM_WAIT = 0.5
 """Seconds between SIGTERM and SIGKILL."""
@@ -74,19 +89,19 @@ def climb(workers: Sequence[T], steps: Sequence[Step[T]],
         yield live, limit
 
 
-def process_steps(grace: float) -> list[Step[BaseProcess]]:
+def process_steps(grace: float) -> list[Step[Proc]]:
     """Worker processes: wait ``grace``; SIGTERM, wait; SIGKILL, wait."""
     return [(None, grace),
             (functools.partial(_signal_all, signal.SIGTERM, grace), TERM_WAIT),
             (functools.partial(_signal_all, signal.SIGKILL, grace), KILL_WAIT)]
 
 
-def is_alive(proc: BaseProcess) -> bool:
+def is_alive(proc: Proc) -> bool:
     """True while ``proc`` has no exit status (reading ``exitcode`` reaps it if it ended)."""
     return proc.exitcode is None
 
 
-def _signal_all(sig: int, grace: float, procs: list[BaseProcess]) -> None:
+def _signal_all(sig: int, grace: float, procs: list[Proc]) -> None:
     if sig == signal.SIGTERM:
         logger.debug("terminating workers %s after %.1fs grace", [p.pid for p in procs], grace)
     for proc in procs:
@@ -101,7 +116,7 @@ def _signal_all(sig: int, grace: float, procs: list[BaseProcess]) -> None:
 # --------------------------------------------------------------------------- waiting
 
 
-def wait_exit_blocking(procs: list[BaseProcess], limit: float) -> None:
+def wait_exit_blocking(procs: list[Proc], limit: float) -> None:
     """Block up to ``limit`` s until ``procs`` have ended, reaping each as it ends."""
     waiting = {p.sentinel: p for p in procs if p.exitcode is None}
     end = time.monotonic() + limit
@@ -113,7 +128,7 @@ def wait_exit_blocking(procs: list[BaseProcess], limit: float) -> None:
             reap_blocking(waiting.pop(sentinel), _REAP_WAIT)  # type: ignore[arg-type]
 
 
-async def wait_exit(procs: list[BaseProcess], limit: float) -> None:
+async def wait_exit(procs: list[Proc], limit: float) -> None:
     """Wait on the loop up to ``limit`` s until ``procs`` have ended, reaping each."""
     with anyio.move_on_after(limit):
         for proc in procs:
@@ -125,7 +140,7 @@ async def wait_exit(procs: list[BaseProcess], limit: float) -> None:
                 await reap(proc, _REAP_WAIT)
 
 
-def _reap_pauses(proc: BaseProcess, wait: float) -> Iterator[float]:
+def _reap_pauses(proc: Proc, wait: float) -> Iterator[float]:
     """The pauses between reap attempts (``exitcode`` is a ``waitpid(WNOHANG)``) until
     ``proc`` is reaped or ``wait`` s have passed.
 
@@ -139,13 +154,13 @@ def _reap_pauses(proc: BaseProcess, wait: float) -> Iterator[float]:
         yield _REAP_POLL
 
 
-def reap_blocking(proc: BaseProcess, wait: float) -> None:
+def reap_blocking(proc: Proc, wait: float) -> None:
     """Reap ``proc`` if it ended, blocking up to ``wait`` s for its exit status."""
     for pause in _reap_pauses(proc, wait):
         time.sleep(pause)
 
 
-async def reap(proc: BaseProcess, wait: float) -> None:
+async def reap(proc: Proc, wait: float) -> None:
     """Reap ``proc`` if it ended, waiting on the loop up to ``wait`` s for its exit status."""
     for pause in _reap_pauses(proc, wait):
         await anyio.sleep(pause)

@@ -37,7 +37,6 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterator
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import anyio
@@ -49,8 +48,9 @@ from .._threads import ThreadRunner
 from .._worker.config import WorkerConfig
 from .._worker.image import DatasetImage
 from .base import ConfigSource, PoolBase
-from .conn import Conn
-from .ladder import climb, is_alive, process_steps, wait_exit, wait_exit_blocking
+from .conn import Conn, register_parent_end
+from .ladder import Proc, climb, is_alive, process_steps, wait_exit, wait_exit_blocking
+from .zygote import Zygote
 
 __all__ = ["DEFAULT_GRACE", "WorkerPool"]
 
@@ -115,11 +115,13 @@ class WorkerPool(PoolBase[Conn]):
         # Workers retired by the autotuner (retire_worker): freed with the pool.
         self._retired: list[Conn] = []
         self._segment_limit: int | None = None  # each worker's segment pool bound
+        # spawn with a dataset image: the process that forks the workers (and respawns).
+        self._zygote: Zygote | None = None
 
     # ------------------------------------------------------------------ info
 
     @property
-    def processes(self) -> list[BaseProcess]:
+    def processes(self) -> list[Proc]:
         """The worker process objects, by worker id."""
         return [c.proc for c in self._workers]
 
@@ -160,6 +162,11 @@ class WorkerPool(PoolBase[Conn]):
             configs = self._share_dataset(configs, method)
         if method == "forkserver":
             _preload_worker_in_forkserver()
+        if method == "spawn" and self._image is not None and self._zygote is None:
+            # One interpreter imports torch; it forks the workers (aioloader._worker.zygote).
+            self._zygote = Zygote.start(self._ctx, self._image)
+            if self._zygote is not None:  # a worker forked later (another pool) lets go of it
+                register_parent_end(self._zygote.sock)
         self._configs = configs
         # Never fork while a thread of ours is alive: the loader's threads are parked.
         with quiet_for_fork() if method == "fork" else contextlib.nullcontext():
@@ -200,7 +207,8 @@ class WorkerPool(PoolBase[Conn]):
     def _start_one(self, worker_id: int, cfg: WorkerConfig, method: str, parent_pid: int) -> None:
         # With fork, every parent-side socket so far is inherited (the new one is added).
         inherited = [c.sock.fileno() for c in self._workers] if method == "fork" else []
-        conn = Conn.start(self._ctx, worker_id, cfg, method, parent_pid, inherited)
+        conn = Conn.start(self._ctx, worker_id, cfg, method, parent_pid, inherited,
+                          self._zygote)
         conn.segments.limit = self._segment_limit  # a respawned worker gets it too
         if worker_id < len(self._workers):  # a respawn: the replacement takes the same id
             self._workers[worker_id] = conn
@@ -440,7 +448,7 @@ class WorkerPool(PoolBase[Conn]):
 
     # ------------------------------------------------------------------ stop
 
-    def _ladder(self, grace: float) -> Iterator[tuple[list[BaseProcess], float]]:
+    def _ladder(self, grace: float) -> Iterator[tuple[list[Proc], float]]:
         """Say exit to each live worker and hang up its socket (a worker blocked writing
         to us gets EPIPE); then wait ``grace``; SIGTERM, wait; SIGKILL, wait. Every
         process is reaped and every fd closed by the release that follows."""
@@ -451,10 +459,10 @@ class WorkerPool(PoolBase[Conn]):
                 c.close_socket()
         yield from climb([c.proc for c in self._workers], process_steps(grace), is_alive)
 
-    def _wait_blocking(self, live: list[BaseProcess], limit: float) -> None:
+    def _wait_blocking(self, live: list[Proc], limit: float) -> None:
         wait_exit_blocking(live, limit)
 
-    async def _wait(self, live: list[BaseProcess], limit: float) -> None:
+    async def _wait(self, live: list[Proc], limit: float) -> None:
         await wait_exit(live, limit)
 
     def _reap(self) -> None:
@@ -467,5 +475,7 @@ class WorkerPool(PoolBase[Conn]):
     def _free(self) -> None:
         for c in self._workers + self._retired:
             c.free()
+        if self._zygote is not None:  # after its workers: it leaves once they have
+            self._zygote.close()
         if self._image is not None:  # the workers keep what they mapped
             self._image.close()

@@ -140,6 +140,11 @@ class DatasetImage:
                               [reduction.DupFd(fd) for fd in self.tensor_fds],
                               self._layout, self.nbytes))
 
+    def inert(self) -> _Inert:
+        """This image as a process's argument that arrives as an image, not as the dataset
+        (the zygote's: :mod:`aioloader._worker.zygote`, where each worker loads its own)."""
+        return _Inert(self)
+
     def load(self) -> Any:
         """Unpickle the dataset here (the worker's path, for a parent-side check or test)."""
         fds = [os.dup(fd) for fd in self.tensor_fds]
@@ -154,6 +159,29 @@ class DatasetImage:
     def __repr__(self) -> str:
         return (f"<DatasetImage {self.nbytes} bytes, {len(self._layout[2])} buffers, "
                 f"{len(self.tensor_fds)} tensor storages{'' if self.fd >= 0 else ', closed'}>")
+
+
+class _Inert:
+    """Pickles (only while ``multiprocessing`` starts a process) to a :class:`DatasetImage`
+    over duplicates of the image's descriptors."""
+
+    __slots__ = ("image",)
+
+    def __init__(self, image: DatasetImage) -> None:
+        self.image = image
+
+    def __reduce__(self) -> Any:
+        im = self.image
+        if im.fd < 0:
+            raise ValueError("this DatasetImage is closed")
+        return (_reopen_image, (reduction.DupFd(im.fd),
+                                [reduction.DupFd(fd) for fd in im.tensor_fds],
+                                im._layout, im.nbytes))
+
+
+def _reopen_image(fd: Any, tensor_fds: list[Any], layout: tuple[Any, ...],
+                  nbytes: int) -> DatasetImage:
+    return DatasetImage(fd.detach(), [t.detach() for t in tensor_fds], layout, nbytes)
 
 
 class SpawningOnlyError(TypeError):
