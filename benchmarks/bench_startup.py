@@ -8,7 +8,8 @@ times ``iter(loader)`` + ``next()`` with ``multiprocessing_context="spawn"`` (or
 DataLoader pickles the dataset for each worker and starts the workers one after
 the other (each start waits for the new interpreter to read its copy); aioloader
 pickles it once into a memory segment every worker maps, and under ``spawn`` has
-one fresh interpreter of its own (the zygote) import torch once and fork the workers. Runs are interleaved (torch, aioloader, for 1, 4, 8 workers, repeated), and
+one fresh interpreter of its own (the zygote) import torch once and fork the
+workers. Runs are interleaved (torch, aioloader, for 1, 4, 8 workers, repeated), and
 the medians are printed with two ratios: aioloader / torch, and the time with N
 workers / the time with 1 (the issue's target: 8 workers <= 1.5x 1 worker).
 
