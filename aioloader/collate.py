@@ -18,9 +18,12 @@ Two things differ from torch in *how*, never in *what*:
   not ``None``) the stacked output is allocated directly in shared memory, so
   the batch crosses to the parent without a copy.
 * Common cases take fast paths that give identical results: batches of plain
-  ``int``/``float`` are converted through numpy, and batches of same-shaped,
+  ``int``/``float`` are converted through numpy, batches of same-shaped,
   contiguous, writable numpy arrays are copied once into the output tensor
-  instead of being wrapped one by one and stacked.
+  instead of being wrapped one by one and stacked, and batches of plain tuples
+  or lists skip the ``isinstance`` check of every key of
+  :data:`default_collate_fn_map` (a ``dict`` subclass that knows whether any of
+  its keys could match them).
 
 Example:
     >>> import torch
@@ -40,7 +43,12 @@ import torch
 
 from ._collate.dispatch import CollateFn as CollateFn
 from ._collate.dispatch import CollateFnMap as CollateFnMap
-from ._collate.dispatch import collate, default_collate_err_msg_format, np_str_obj_array_pattern
+from ._collate.dispatch import (
+    WatchedMap,
+    collate,
+    default_collate_err_msg_format,
+    np_str_obj_array_pattern,
+)
 from ._collate.fns import (
     collate_float_fn,
     collate_int_fn,
@@ -127,7 +135,7 @@ def default_convert(data: Any) -> Any:
 
 
 
-default_collate_fn_map: CollateFnMap = {
+default_collate_fn_map: CollateFnMap = WatchedMap({
     torch.Tensor: collate_tensor_fn,
     # ndarray and its subclasses (np.memmap).
     np.ndarray: collate_numpy_array_fn,
@@ -137,7 +145,7 @@ default_collate_fn_map: CollateFnMap = {
     int: collate_int_fn,
     str: collate_str_fn,
     bytes: collate_str_fn,
-}
+})
 """The collate functions :func:`default_collate` uses, by element type.
 
 Mutable: add an entry to teach :func:`default_collate` a new type, or pass an

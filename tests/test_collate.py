@@ -563,6 +563,78 @@ def test_mutating_default_map_extends_default_collate(monkeypatch: pytest.Monkey
     assert ac.default_collate([Base(1), Derived(2)]) == ("base", 3)
 
 
+class _ClaimsTuples(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, tuple) and len(obj) == 2
+
+
+class PairLike(metaclass=_ClaimsTuples):
+    """Matches every 2-tuple through its metaclass's instance check, not by subclassing."""
+
+
+@pytest.mark.parametrize("key", [collections.abc.Sequence, object, (int, list), tuple,
+                                 PairLike], ids=["Sequence", "object", "tuple-of-types",
+                                                 "tuple", "metaclass-check"])
+@pytest.mark.parametrize("sample", [(1, 2), [1, 2]], ids=["tuples", "lists"])
+def test_default_map_keys_that_claim_sequences_win_as_in_torch(
+        monkeypatch: pytest.MonkeyPatch, key: Any, sample: Any) -> None:
+    """Plain tuples and lists skip the map's isinstance checks while no key can match
+    them; a key added later that can (or may) match wins over the sequence path, as in
+    torch, and its removal restores the sequence path."""
+    def claimed(batch: Any, *, collate_fn_map: Any = None) -> Any:
+        return ("claimed", len(batch))
+
+    batch = [sample, sample]
+    before = ac.default_collate(batch)
+    with monkeypatch.context() as m:
+        m.setitem(ac.default_collate_fn_map, key, claimed)
+        m.setitem(torch_collate_mod.default_collate_fn_map, key, claimed)
+        ours, theirs = ac.default_collate(batch), torch_collate_mod.default_collate(batch)
+        assert_same(ours, theirs)
+        if isinstance(sample, key):
+            assert ours == ("claimed", 2)
+    after = ac.default_collate(batch)
+    assert [t.tolist() for t in after] == [t.tolist() for t in before] == [[1, 1], [2, 2]]
+
+
+def test_default_map_updates_through_every_dict_method() -> None:
+    """update/setdefault/|=/pop/popitem/clear on a copy of the map's type keep its
+    knowledge of sequence keys current; pickling and copying keep the type."""
+    import copy
+    import pickle
+
+    fns = dict(ac.default_collate_fn_map)
+    m = type(ac.default_collate_fn_map)(fns)
+
+    def claimed(batch: Any, *, collate_fn_map: Any = None) -> Any:
+        return "claimed"
+
+    def check(claims: bool) -> None:
+        want = "claimed" if claims else [torch.tensor([1, 1]), torch.tensor([2, 2])]
+        got = ac.collate([(1, 2), (1, 2)], collate_fn_map=m)
+        assert got == want if claims else all(map(torch.equal, got, want))
+
+    check(False)
+    m.update({Sequence: claimed})
+    check(True)
+    m.pop(Sequence)
+    check(False)
+    m.setdefault(object, claimed)
+    check(True)
+    m.popitem()
+    check(False)
+    m |= {tuple: claimed}
+    check(True)
+    del m[tuple]
+    for clone in (pickle.loads(pickle.dumps(m)), copy.copy(m), copy.deepcopy(m)):
+        assert type(clone) is type(m) and clone == m
+        clone[object] = claimed
+        assert ac.collate([(1, 2)], collate_fn_map=clone) == "claimed"
+    m.clear()
+    with pytest.raises(TypeError, match="found <class 'int'>"):  # no keys: as torch
+        ac.collate([(1, 2)], collate_fn_map=m)
+
+
 def test_collate_numpy_array_fn_with_no_map_raises_like_torch() -> None:
     batch = [np.zeros(2), np.ones(2)]
     check_same(lambda: ac.collate_numpy_array_fn(batch),

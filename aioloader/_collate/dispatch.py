@@ -40,6 +40,73 @@ _UNEQUAL_SIZE_ERROR = "each element in list of batch should be of equal size"
 _MISSING: Any = object()
 
 
+def _claims_sequences(keys: Any) -> bool:
+    """Whether some key of a collate map may match an exact ``tuple`` or ``list`` instance
+    (unknown instance checks, a metaclass's own ``__instancecheck__``, count as may)."""
+    for key in keys:
+        for cls in key if isinstance(key, tuple) else (key,):
+            if not isinstance(cls, type) or type(cls).__instancecheck__ is not \
+                    type.__instancecheck__:
+                return True
+            if issubclass(tuple, cls) or issubclass(list, cls):
+                return True
+    return False
+
+
+class WatchedMap(dict):  # type: ignore[type-arg]
+    """A collate map that knows whether any key may claim exact tuples and lists.
+
+    ``default_collate_fn_map`` is one: a batch of plain tuples (the commonest sample)
+    then skips the ``isinstance`` check of every key, which it knows none matches, and
+    goes straight to the sequence path. Every mutating method keeps the answer current.
+    """
+
+    __slots__ = ("sequences_claimed",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sequences_claimed = _claims_sequences(self)
+
+    def _changed(self) -> None:
+        self.sequences_claimed = _claims_sequences(self)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self._changed()
+
+    def __ior__(self, other: Any) -> WatchedMap:  # type: ignore[misc]
+        super().__ior__(other)
+        self._changed()
+        return self
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super().update(*args, **kwargs)
+        self._changed()
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        value = super().setdefault(key, default)
+        self._changed()
+        return value
+
+    def pop(self, *args: Any) -> Any:
+        value = super().pop(*args)
+        self._changed()
+        return value
+
+    def popitem(self) -> Any:
+        item = super().popitem()
+        self._changed()
+        return item
+
+    def clear(self) -> None:
+        super().clear()
+        self._changed()
+
+
 def _is_namedtuple(obj: object) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
@@ -89,6 +156,9 @@ def collate(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None)
         fn = collate_fn_map.get(elem_type, _MISSING)
         if fn is not _MISSING:
             return fn(batch, collate_fn_map=collate_fn_map)
+        if ((elem_type is tuple or elem_type is list) and type(collate_fn_map) is WatchedMap
+                and not collate_fn_map.sequences_claimed):
+            return _collate_sequence(batch, elem, collate_fn_map)  # no key can match
         for key, fn in collate_fn_map.items():
             if isinstance(elem, key):
                 return fn(batch, collate_fn_map=collate_fn_map)
@@ -127,10 +197,17 @@ def _collate_sequence(batch: Sequence[Any], elem: Any, collate_fn_map: CollateFn
     for sample in batch:
         if len(sample) != size:
             raise RuntimeError(_UNEQUAL_SIZE_ERROR)
-    items = [
-        collate(samples, collate_fn_map=collate_fn_map)
-        for samples in zip(*batch, strict=False)
-    ]
+    if collate_fn_map is None:
+        items = [collate(samples) for samples in zip(*batch, strict=False)]
+    else:
+        # collate()'s first step written out (a column's exact type in the map): one
+        # call per column less.
+        get = collate_fn_map.get
+        items = []
+        for samples in zip(*batch, strict=False):
+            fn = get(type(samples[0]), _MISSING)
+            items.append(collate(samples, collate_fn_map=collate_fn_map) if fn is _MISSING
+                         else fn(samples, collate_fn_map=collate_fn_map))
     if isinstance(elem, tuple):
         return items  # tuples become lists, as in torch
     return _rebuild_sequence(elem, items)
