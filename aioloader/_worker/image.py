@@ -132,13 +132,18 @@ class DatasetImage:
         return cls(fd, tensor_fds, (0, len(payload), spans), nbytes)
 
     def __reduce__(self) -> Any:
+        return self._handed_to(_open_image)
+
+    def _handed_to(self, opener: Any) -> Any:
+        """``__reduce__``'s value: ``opener`` called, in the new process, on duplicates of
+        the descriptors and the layout."""
         if self.fd < 0:
             raise ValueError("this DatasetImage is closed")
         # DupFd: multiprocessing hands the descriptors to the process it is starting
         # (spawn: inherited across exec; forkserver: passed to the server with the rest).
-        return (_open_image, (reduction.DupFd(self.fd),
-                              [reduction.DupFd(fd) for fd in self.tensor_fds],
-                              self._layout, self.nbytes))
+        return (opener, (reduction.DupFd(self.fd),
+                         [reduction.DupFd(fd) for fd in self.tensor_fds],
+                         self._layout, self.nbytes))
 
     def inert(self) -> _Inert:
         """This image as a process's argument that arrives as an image, not as the dataset
@@ -171,12 +176,7 @@ class _Inert:
         self.image = image
 
     def __reduce__(self) -> Any:
-        im = self.image
-        if im.fd < 0:
-            raise ValueError("this DatasetImage is closed")
-        return (_reopen_image, (reduction.DupFd(im.fd),
-                                [reduction.DupFd(fd) for fd in im.tensor_fds],
-                                im._layout, im.nbytes))
+        return self.image._handed_to(_reopen_image)
 
 
 def _reopen_image(fd: Any, tensor_fds: list[Any], layout: tuple[Any, ...],
