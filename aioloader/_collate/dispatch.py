@@ -65,7 +65,7 @@ class WatchedMap(dict):  # type: ignore[type-arg]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.sequences_claimed = _claims_sequences(self)
+        self._changed()
 
     def _changed(self) -> None:
         self.sequences_claimed = _claims_sequences(self)

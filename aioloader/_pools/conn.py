@@ -59,8 +59,7 @@ class Conn:
         "writer",
     )
 
-    def __init__(self, worker_id: int, proc: Proc,
-                 sock: socket.socket) -> None:
+    def __init__(self, worker_id: int, proc: Proc, sock: socket.socket) -> None:
         self.worker_id = worker_id
         self.proc = proc
         self.sock = sock

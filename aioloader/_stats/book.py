@@ -75,19 +75,20 @@ class _Totals:
             for i in (SAMPLING, FETCH, COLLATE):
                 self.count[i] += n
                 self.ns[i] += r.inline_ns[i] * n // r.inline_timed
+        wall = _wall_ns(r)
         if r.wait_timed:
             # Every batch delivered, less those whose waits were all timed (a probing first
             # epoch's, before it went on sampling: aioloader._pipeline.source_probe).
             n = r.batches + r.inline_untimed - r.count[WAIT]
-            wait = r.inline_ns[WAIT] * n // r.wait_timed
-            # An estimate: a timed wait that was slow (the process preempted) scales up to
-            # more than the epoch lasted. The waits cannot outlast the wall time.
-            wait = min(wait, max(0, _wall_ns(r) - r.ns[WAIT] - r.step_ns))
+            # The wall time not counted already: the estimated waits and the training step
+            # share it. The estimate is capped by it: a timed wait that was slow (the
+            # process preempted) would otherwise scale up to more than the epoch lasted.
+            left = max(0, wall - r.ns[WAIT] - r.step_ns)
+            wait = min(r.inline_ns[WAIT] * n // r.wait_timed, left)
             self.count[WAIT] += n
             self.ns[WAIT] += wait
-            # The training step: the wall time not spent waiting (nor counted already).
-            self.step_ns += max(0, _wall_ns(r) - wait - r.ns[WAIT] - r.step_ns)
-        self.wall_ns += _wall_ns(r)
+            self.step_ns += left - wait
+        self.wall_ns += wall
         self.startup_ns += max(r.first_wait_ns, 0)
         self.occ[0] += r.occ_n
         self.occ[1] += r.occ_flight
