@@ -481,6 +481,38 @@ def test_workers_report_cpu_and_memory(method: str) -> None:
     assert "rss MB" in str(loader.stats())
 
 
+def test_pss_is_read_only_by_stats_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PSS read walks every mapping of a worker (milliseconds each, on the consumer's
+    path at the first batch and at the epoch's end): only stats() reads it, and the
+    epoch's final figures keep the latest such reading."""
+    if not proc.AVAILABLE:
+        pytest.skip("needs /proc")
+    reads: list[int] = []
+    real = proc._pss
+
+    def counted(pid: int) -> int | None:
+        reads.append(pid)
+        return real(pid)
+
+    monkeypatch.setattr(proc, "_pss", counted)
+    loader = DataLoader(Slow(16, 0.001), batch_size=2, num_workers=2)
+    _consume(loader, use_async=False)
+    assert reads == []  # neither the first batch nor the epoch's end read it
+    assert [w.pss_bytes for w in loader.stats().workers] == [None, None]
+    assert reads == []  # a finished epoch's workers are not read again
+
+    it = iter(loader)
+    next(it)
+    during = loader.stats().workers
+    assert len(reads) == 2 and all(w.pss_bytes and w.pss_bytes > 0 for w in during), during
+    for _ in it:
+        pass
+    after = loader.stats().workers
+    assert len(reads) == 2
+    assert [w.pss_bytes for w in after] == [w.pss_bytes for w in during]
+    assert all(w.rss_bytes and w.rss_bytes > 2**20 for w in after), after
+
+
 def _busy_workers(cpu: float | None, runq: float | None, is_async: bool = False) -> str:
     from aioloader._stats.report import bottleneck_hint
 

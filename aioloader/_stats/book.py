@@ -113,7 +113,9 @@ class _Totals:
                 acc2[1] += u.window_s  # type: ignore[operator]
             if u.runq_s is not None:
                 acc2[6] = (acc2[6] or 0.0) + u.runq_s  # type: ignore[operator]
-            acc2[2], acc2[3], acc2[4], acc2[5] = u.rss_bytes, u.pss_bytes, u.pid, u.tid
+            acc2[2], acc2[4], acc2[5] = u.rss_bytes, u.pid, u.tid
+            if u.pss_bytes is not None:  # an epoch where stats() was not called read none
+                acc2[3] = u.pss_bytes
 
 
 def _wall_ns(r: Recorder) -> int:

@@ -152,6 +152,11 @@ class WorkerProcs:
     delivered batch (:meth:`begin`), and at its end (:meth:`end`) or when asked
     (:meth:`read`, while the epoch runs). ``locate`` lists the workers' ``(pid, tid)``
     (:func:`worker_ids`); it is dropped at :meth:`end`, so nothing of the pool is kept.
+
+    The PSS is read only when asked (:meth:`read`, from ``loader.stats()``): its read
+    walks every mapping of a worker, milliseconds each (a worker's warm segments and
+    torch's libraries), and :meth:`begin` and :meth:`end` run on the consumer's path,
+    at the first batch and at the epoch's end. :meth:`end` keeps the latest PSS read.
     """
 
     def __init__(self, locate: Callable[[], list[tuple[int | None, int | None]]]) -> None:
@@ -161,6 +166,7 @@ class WorkerProcs:
         self.base_runq: list[float | None] = []
         self.t0 = 0.0
         self.final: list[WorkerUsage] | None = None
+        self.pss: dict[int, int | None] = {}  # worker index -> the latest PSS read
 
     def begin(self) -> None:
         """The epoch's first batch was delivered: the window starts."""
@@ -171,12 +177,15 @@ class WorkerProcs:
         except Exception:  # statistics never break loading
             ids = []
         self.t0 = time.monotonic()
-        self.base = [sample(pid, tid).cpu_s for pid, tid in ids]
+        # CPU only: the PSS read walks a worker's mappings (and waits for its mmap lock
+        # while it faults in a batch's pages), and this runs on the consumer's path.
+        self.base = [sample(pid, tid, pss=False).cpu_s for pid, tid in ids]
         self.base_runq = [run_delay(pid, tid) for pid, tid in ids]
         self.ids = ids  # last: read() (any thread) sees the bases once it sees the ids
 
-    def read(self) -> list[WorkerUsage]:
-        """Usage from :meth:`begin` to now (or to :meth:`end`, once ended)."""
+    def read(self, pss: bool = True) -> list[WorkerUsage]:
+        """Usage from :meth:`begin` to now (or to :meth:`end`, once ended); ``pss=False``
+        gives the latest PSS read instead of reading it again."""
         if self.final is not None:
             return self.final
         ids = self.ids
@@ -184,17 +193,21 @@ class WorkerProcs:
             return []
         window = time.monotonic() - self.t0
         out = []
-        for (pid, tid), base, base_q in zip(ids, self.base, self.base_runq, strict=False):
-            now = sample(pid, tid)
+        for w, ((pid, tid), base, base_q) in enumerate(
+                zip(ids, self.base, self.base_runq, strict=False)):
+            now = sample(pid, tid, pss=pss)
             cpu = None if now.cpu_s is None or base is None else max(0.0, now.cpu_s - base)
             q = run_delay(pid, tid)
             runq = None if q is None or base_q is None else max(0.0, q - base_q)
+            if pss:
+                self.pss[w] = now.pss_bytes
             out.append(WorkerUsage(pid, tid, cpu, runq, window, now.rss_bytes,
-                                   now.pss_bytes))
+                                   self.pss.get(w)))
         return out
 
     def end(self) -> None:
-        """The epoch ends (before its workers stop): keep the last reading."""
+        """The epoch ends (before its workers stop): keep the last reading (CPU and RSS
+        read now, the PSS of the latest :meth:`read`)."""
         if self.final is None:
-            self.final = self.read()
+            self.final = self.read(pss=False)
         self.locate = None
