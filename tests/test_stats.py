@@ -513,6 +513,32 @@ def test_pss_is_read_only_by_stats_calls(monkeypatch: pytest.MonkeyPatch) -> Non
     assert all(w.rss_bytes and w.rss_bytes > 2**20 for w in after), after
 
 
+def test_a_stats_hook_at_every_batch_reads_pss_at_most_once_a_period(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hook called at every batch gets the latest PSS, read again only every
+    WorkerProcs.PSS_EVERY_S (here longer than the test), not at every batch."""
+    if not proc.AVAILABLE:
+        pytest.skip("needs /proc")
+    reads: list[int] = []
+    real = proc._pss
+
+    def counted(pid: int) -> int | None:
+        reads.append(pid)
+        return real(pid)
+
+    monkeypatch.setattr(proc, "_pss", counted)
+    monkeypatch.setattr(proc.WorkerProcs, "PSS_EVERY_S", 3600.0)
+    seen: list[list[int | None]] = []
+    loader = DataLoader(Slow(16, 0.001), batch_size=2, num_workers=2)
+    loader.register_stats_hook(lambda s: seen.append([w.pss_bytes for w in s.workers]),
+                               every_n_batches=1)
+    _consume(loader, use_async=False)
+    assert len(seen) == 8 and len(reads) == 2, (seen, reads)
+    assert all(p == seen[0] and p[0] and p[1] for p in seen), seen
+    _consume(loader, use_async=False)  # a new epoch: its own window, read once again
+    assert len(seen) == 16 and len(reads) == 4, (seen, reads)
+
+
 def _busy_workers(cpu: float | None, runq: float | None, is_async: bool = False) -> str:
     from aioloader._stats.report import bottleneck_hint
 

@@ -146,8 +146,9 @@ class StatsBook:
     def new_epoch(self, num_workers: int | None = None) -> Recorder:
         """The next epoch's recorder; ``num_workers``: the epoch's (autotuning moves it
         between epochs), else the loader's."""
-        if self.current is not None:
-            self.done.fold(self.current)
+        if self.current is not None:  # no PSS read here: iter() is the consumer's path
+            procs = self.current.procs
+            self.done.fold(self.current, procs.read(pss=False) if procs is not None else [])
         workers = self.num_workers if num_workers is None else num_workers
         rec = Recorder(workers, self.log_every_s, self, self.done.epochs + 1,
                        trace=self.trace, hooks=self.hooks)

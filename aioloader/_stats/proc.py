@@ -24,6 +24,7 @@ process has exited, the values are ``None`` (each one independently: a kernel wi
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -157,7 +158,11 @@ class WorkerProcs:
     walks every mapping of a worker, milliseconds each (a worker's warm segments and
     torch's libraries), and :meth:`begin` and :meth:`end` run on the consumer's path,
     at the first batch and at the epoch's end. :meth:`end` keeps the latest PSS read.
+    It is read again at most every :attr:`PSS_EVERY_S` (a stats hook called at every
+    batch would otherwise walk the mappings at every batch).
     """
+
+    PSS_EVERY_S = 1.0
 
     def __init__(self, locate: Callable[[], list[tuple[int | None, int | None]]]) -> None:
         self.locate: Callable[[], list[tuple[int | None, int | None]]] | None = locate
@@ -167,6 +172,7 @@ class WorkerProcs:
         self.t0 = 0.0
         self.final: list[WorkerUsage] | None = None
         self.pss: dict[int, int | None] = {}  # worker index -> the latest PSS read
+        self.pss_at = -math.inf  # time.monotonic() of that read
 
     def begin(self) -> None:
         """The epoch's first batch was delivered: the window starts."""
@@ -185,13 +191,19 @@ class WorkerProcs:
 
     def read(self, pss: bool = True) -> list[WorkerUsage]:
         """Usage from :meth:`begin` to now (or to :meth:`end`, once ended); ``pss=False``
-        gives the latest PSS read instead of reading it again."""
+        (or a PSS read less than :attr:`PSS_EVERY_S` ago) gives the latest PSS read
+        instead of reading it again."""
         if self.final is not None:
             return self.final
         ids = self.ids
         if not ids:
             return []
-        window = time.monotonic() - self.t0
+        now_s = time.monotonic()
+        window = now_s - self.t0
+        if pss and now_s - self.pss_at < self.PSS_EVERY_S:
+            pss = False
+        elif pss:
+            self.pss_at = now_s
         out = []
         for w, ((pid, tid), base, base_q) in enumerate(
                 zip(ids, self.base, self.base_runq, strict=False)):
