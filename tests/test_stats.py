@@ -481,10 +481,8 @@ def test_workers_report_cpu_and_memory(method: str) -> None:
     assert "rss MB" in str(loader.stats())
 
 
-def test_pss_is_read_only_by_stats_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The PSS read walks every mapping of a worker (milliseconds each, on the consumer's
-    path at the first batch and at the epoch's end): only stats() reads it, and the
-    epoch's final figures keep the latest such reading."""
+def _count_pss_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The pids whose PSS is read from now on (skips where there is no /proc)."""
     if not proc.AVAILABLE:
         pytest.skip("needs /proc")
     reads: list[int] = []
@@ -495,6 +493,14 @@ def test_pss_is_read_only_by_stats_calls(monkeypatch: pytest.MonkeyPatch) -> Non
         return real(pid)
 
     monkeypatch.setattr(proc, "_pss", counted)
+    return reads
+
+
+def test_pss_is_read_only_by_stats_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PSS read walks every mapping of a worker (milliseconds each, on the consumer's
+    path at the first batch and at the epoch's end): only stats() reads it, and the
+    epoch's final figures keep the latest such reading."""
+    reads = _count_pss_reads(monkeypatch)
     loader = DataLoader(Slow(16, 0.001), batch_size=2, num_workers=2)
     _consume(loader, use_async=False)
     assert reads == []  # neither the first batch nor the epoch's end read it
@@ -517,16 +523,7 @@ def test_a_stats_hook_at_every_batch_reads_pss_at_most_once_a_period(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A hook called at every batch gets the latest PSS, read again only every
     WorkerProcs.PSS_EVERY_S (here longer than the test), not at every batch."""
-    if not proc.AVAILABLE:
-        pytest.skip("needs /proc")
-    reads: list[int] = []
-    real = proc._pss
-
-    def counted(pid: int) -> int | None:
-        reads.append(pid)
-        return real(pid)
-
-    monkeypatch.setattr(proc, "_pss", counted)
+    reads = _count_pss_reads(monkeypatch)
     monkeypatch.setattr(proc.WorkerProcs, "PSS_EVERY_S", 3600.0)
     seen: list[list[int | None]] = []
     loader = DataLoader(Slow(16, 0.001), batch_size=2, num_workers=2)
