@@ -19,7 +19,6 @@ from collections import deque
 from collections.abc import Callable
 
 from . import hist as _hist
-from .proc import WorkerUsage
 from .recorder import COLLATE, DEVICE, FETCH, SAMPLING, STAGES, WAIT, Recorder, StatsHook
 from .report import LoaderStats, StageStats, WorkerStats, bottleneck_hint
 from .trace import Trace
@@ -54,9 +53,9 @@ class _Totals:
                     if isinstance(v, list) else v)
         return t
 
-    def fold(self, r: Recorder, usage: list[WorkerUsage] | None = None) -> None:
-        """Add an epoch's counters; ``usage``: its workers' /proc figures (read now if
-        ``None``)."""
+    def fold(self, r: Recorder, pss: bool = True) -> None:
+        """Add an epoch's counters and its workers' /proc figures, read now (``pss``:
+        the PSS too, see :meth:`WorkerProcs.read`)."""
         self.epochs += 1
         for i in range(len(STAGES)):
             self.count[i] += r.count[i]
@@ -102,8 +101,7 @@ class _Totals:
             acc[1] += r.w_fetch[w]
             acc[2] += r.w_collate[w]
             acc[3] += r.w_idle[w]
-        if usage is None:
-            usage = r.procs.read() if r.procs is not None else []
+        usage = r.procs.read(pss) if r.procs is not None else []
         while len(self.usage) < len(usage):
             self.usage.append([None, 0.0, None, None, None, None, None])
         for w, u in enumerate(usage):
@@ -147,8 +145,7 @@ class StatsBook:
         """The next epoch's recorder; ``num_workers``: the epoch's (autotuning moves it
         between epochs), else the loader's."""
         if self.current is not None:  # no PSS read here: iter() is the consumer's path
-            procs = self.current.procs
-            self.done.fold(self.current, procs.read(pss=False) if procs is not None else [])
+            self.done.fold(self.current, pss=False)
         workers = self.num_workers if num_workers is None else num_workers
         rec = Recorder(workers, self.log_every_s, self, self.done.epochs + 1,
                        trace=self.trace, hooks=self.hooks)

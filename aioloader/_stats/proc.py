@@ -200,9 +200,8 @@ class WorkerProcs:
             return []
         now_s = time.monotonic()
         window = now_s - self.t0
-        if pss and now_s - self.pss_at < self.PSS_EVERY_S:
-            pss = False
-        elif pss:
+        pss = pss and now_s - self.pss_at >= self.PSS_EVERY_S
+        if pss:
             self.pss_at = now_s
         out = []
         for w, ((pid, tid), base, base_q) in enumerate(
