@@ -1,9 +1,11 @@
 """Big batches through worker processes: aioloader vs torch, side by side (issue 20).
 
-3x224x224 samples (float32 and uint8), batch 64, num_workers=2, fork: GB/s delivered
-from the first batch on, the ratio to torch, and the ratio to two one-core references
-measured in this process: stacking 64 samples into a fresh batch (``torch.stack``:
-``empty`` + copy, the page faults included) and into a warm, reused buffer. Then the
+3x224x224 samples (float32 and uint8), batch 64, num_workers=2, fork (and aioloader's
+``worker_method="thread"``, whose workers stack big batches into recycled buffers of
+their own): GB/s delivered from the first batch on, the ratio to torch, and the ratio
+to two one-core references measured in this process: stacking 64 samples into a fresh
+batch (``torch.stack``: ``empty`` + copy, the page faults included) and into a warm,
+reused buffer. Then the
 peak memory against torch's, sampled every 20 ms in separate runs (sampling slows mmaps):
 the sum of PSS of the parent and its workers, and the memory held (what PSS shows
 outside shared memory, plus every shared-memory file the processes hold or map, each
@@ -54,8 +56,12 @@ class Images(tud.Dataset):  # type: ignore[type-arg]
 
 
 def run_case(lib: str, dtype: str, n: int, monitor: bool, touch: bool) -> dict[str, float]:
-    loader = make_loader(lib, Images(n, dtype), batch_size=BATCH, num_workers=2,
-                         multiprocessing_context="fork")
+    if lib == "threads":  # aioloader's thread workers
+        loader = make_loader("aioloader", Images(n, dtype), batch_size=BATCH, num_workers=2,
+                             worker_method="thread")
+    else:
+        loader = make_loader(lib, Images(n, dtype), batch_size=BATCH, num_workers=2,
+                             multiprocessing_context="fork")
     count = nbytes = 0
     first = 0.0
     mem = PeakMemory() if monitor else contextlib.nullcontext(PeakMemory())
@@ -110,7 +116,7 @@ def main() -> None:
     reps = 1 if args.quick else args.repeats
     n = 640 if args.quick else 2048
     touch = "touch" if args.touch else "no"
-    libs = ["torch", "aioloader"]
+    libs = ["torch", "aioloader", "threads"]
     print(f"3x224x224, batch {BATCH}, num_workers=2 (fork), {n} samples, median of {reps}, "
           f"consumer {'reads' if args.touch else 'does not read'} the batches; "
           f"load {os.getloadavg()}")
@@ -136,6 +142,7 @@ def main() -> None:
                   f"{held[lib] / held['torch']:>10.2f}")
         print(f"  {dtype:<8}{'one core':<11} stack into a fresh batch {fresh:.2f} GB/s, "
               f"into a warm buffer {warm:.2f} GB/s")
+    print("  threads: aioloader with worker_method=\"thread\" (2 worker threads)")
     print("  peak MB: the largest sum of PSS of the parent and its workers; held MB: the "
           "largest sum of their\n  memory outside shared memory plus every shared-memory "
           "file they hold or map, counted once\n  (PSS misses a batch in shared memory that "

@@ -638,3 +638,136 @@ def test_thread_worker_batches_are_not_put_in_shared_memory() -> None:
     assert not any(t.is_shared() for b in batches for t in b)
     procs = [b[0].tolist() for b in DataLoader(pairs, batch_size=4, num_workers=1)]
     assert procs == [b[0].tolist() for b in batches]
+
+
+# ---------------------------------------------------------------- recycled buffers (issue 20)
+
+
+class _Big(aioloader.Dataset[Any]):
+    """Sample ``i``: a 64x64x16 float32 tensor filled with ``i`` (64 KiB: a batch of 4
+    is 256 KiB, what a thread worker stacks into its recycled buffers), and ``i``."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((64, 64, 16), float(i)), i
+
+
+def _thread_pools(it: Any) -> list[Any]:
+    return [w.segments for w in it._core.lease.pool._workers]
+
+
+def test_thread_workers_stack_big_batches_into_recycled_buffers() -> None:
+    """Regression test for issue 20: a thread worker stacks a big batch into warm buffers
+    of its own pool, reused once the consumer drops the batch: over four persistent epochs
+    each worker makes no more buffers than its bound, batches reuse the same addresses,
+    and every batch holds its own samples."""
+    loader = DataLoader(_Big(), batch_size=4, num_workers=2, worker_method="thread",
+                        persistent_workers=True)
+    addresses = set()
+    for _ in range(4):
+        it = iter(loader)
+        for k, (x, i) in enumerate(it):
+            assert i.tolist() == list(range(4 * k, 4 * k + 4))
+            assert (x[:, 0, 0, 0] == i.float()).all() and (x == x[:, :1, :1, :1]).all()
+            addresses.add(x.untyped_storage().data_ptr())
+        del x, i
+        pools = _thread_pools(it)
+        assert all(p.stats()["created"] <= p.limit for p in pools)
+        del it
+    assert len(addresses) <= sum(p.limit for p in pools)  # 24 batches, a few buffers
+    del loader
+    gc.collect()
+    assert_threads_gone()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_thread_workers_never_overwrite_a_kept_batch(persistent: bool) -> None:
+    """Regression test for issue 20: a user keeping every batch of three epochs (or only a
+    view or a numpy array of it) finds every value intact: a buffer is reused only once
+    nothing the user can reach views it."""
+    loader = DataLoader(_Big(), batch_size=4, num_workers=2, worker_method="thread",
+                        persistent_workers=persistent)
+    kept: list[tuple[Any, list[int]]] = []
+    for epoch in range(3):
+        for x, i in loader:
+            ids = i.tolist()
+            kept.append((x if epoch == 0 else x[1:] if epoch == 1 else x.numpy(), ids))
+        del x, i
+    for held, ids in kept:
+        values = np.asarray(held)[:, 0, 0, 0].tolist()
+        assert values == [float(v) for v in ids[len(ids) - len(values):]]
+        assert (np.asarray(held) == np.asarray(held)[:, :1, :1, :1]).all()
+    del loader
+    gc.collect()
+    assert_threads_gone()
+
+
+class _Mixed(aioloader.Dataset[Any]):
+    """Samples whose stack is not a plain copy into one contiguous buffer of one dtype."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        t = torch.full((16, 32, 32), float(i))  # 64 KiB: batches of 4 are big enough
+        if self.kind == "promote" and i % 2:
+            return t.double()  # the batch is float64 (type promotion), not float32
+        if self.kind == "channels_last":
+            return t.expand(2, 16, 32, 32).contiguous(memory_format=torch.channels_last)
+        if self.kind == "grad":
+            return t.requires_grad_(i % 2 == 1)
+        if self.kind == "subclass":
+            return torch.nn.Parameter(t, requires_grad=False)
+        if self.kind == "transposed":
+            return t.transpose(1, 2)
+        return t
+
+
+@pytest.mark.parametrize("kind", ["plain", "promote", "channels_last", "grad", "subclass",
+                                  "transposed"])
+def test_thread_worker_batches_are_exactly_torch_stack(kind: str) -> None:
+    """Regression test for issue 20: whether or not a batch goes to the recycled buffers,
+    it is what ``torch.stack`` gives in the main process: type, dtype, strides, grad and
+    values (only plain, contiguous, same-dtype, grad-free samples take the buffers)."""
+    def batches(**kw: Any) -> list[torch.Tensor]:
+        return list(DataLoader(_Mixed(kind), batch_size=4, **kw))
+
+    for ours, ref in zip(batches(num_workers=2, worker_method="thread"), batches(),
+                         strict=True):
+        assert type(ours) is type(ref) and ours.dtype == ref.dtype
+        assert ours.shape == ref.shape and ours.stride() == ref.stride()
+        assert ours.requires_grad == ref.requires_grad
+        assert torch.equal(ours.detach(), ref.detach())
+    assert_threads_gone()
+
+
+def test_thread_worker_buffers_lowered_bound_and_clean_up() -> None:
+    """Regression test for issue 20: lowering a worker thread's bound frees its idle
+    buffers at once (and a private pool announces nothing to a parent); when the pool
+    closes, each thread lets go of every buffer while batches still held stay valid."""
+    from aioloader._worker.segments import WorkerSegments
+
+    pool = WorkerSegments(limit=4, private=True)
+    held = []
+    for _ in range(3):
+        held.append(pool.alloc(1 << 20))
+        pool.seal()
+    del held[1:]
+    pool.released([], limit=1)
+    assert pool.stats()["live"] == 1 and pool.take_retired() == []
+    pool.close()
+
+    loader = DataLoader(_Big(), batch_size=4, num_workers=2, worker_method="thread")
+    it = iter(loader)
+    x, i = next(it)
+    pools = _thread_pools(it)
+    assert any(p.stats()["live"] for p in pools)
+    it.close()
+    assert_threads_gone()
+    assert all(p.stats()["live"] == 0 for p in pools)
+    assert (x[:, 0, 0, 0] == i.float()).all()  # the kept batch keeps its memory

@@ -73,7 +73,7 @@ class PoolSource:
         if not lease.started:
             return
         pool = lease.pool
-        set_limit = getattr(pool, "set_segment_limit", None)  # worker processes only
+        set_limit = getattr(pool, "set_segment_limit", None)  # processes and threads, not Ray
         if set_limit is not None:
             set_limit(limit_for(self.window, self.num_workers))
         if self.fresh_epoch:

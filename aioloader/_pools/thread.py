@@ -8,7 +8,10 @@ pinning are the same code for both kinds of workers. What differs:
 
 * commands go through one :class:`queue.SimpleQueue` per thread, replies
   through one shared deque (per-worker order is kept); batches are handed
-  over as objects (no pickling, no shared memory). The deque is bounded by
+  over as objects (no pickling, no shared memory). Each thread stacks its big
+  batches into a private pool of recycled buffers
+  (:class:`~aioloader._worker.segments.WorkerSegments`), bounded like a worker
+  process's segments (:meth:`ThreadWorkerPool.set_segment_limit`). The deque is bounded by
   the commands in flight: the pool counts them (:attr:`ThreadWorkerPool.in_flight`)
   and the deque never holds more than that plus one end per worker thread;
 * the event loop is woken by a byte on a socket pair (the doorbell) and waits
@@ -48,6 +51,7 @@ from anyio.abc import ObjectSendStream
 from .._errors import IteratorClosedError, WorkerDiedError
 from .._threads import ThreadRunner
 from .._worker.config import WorkerConfig
+from .._worker.segments import POOL_LIMIT, WorkerSegments
 from .._worker.thread import Channel, thread_worker_main, torch_thread_local
 from .base import ConfigSource, PoolBase
 from .ladder import climb, join_threads
@@ -61,12 +65,14 @@ DEFAULT_GRACE = PoolBase.DEFAULT_GRACE
 
 
 class _Worker:
-    __slots__ = ("commands", "ended", "retiring", "thread", "unanswered", "worker_id")
+    __slots__ = ("commands", "ended", "retiring", "segments", "thread", "unanswered",
+                 "worker_id")
 
     def __init__(self, worker_id: int, unanswered: int = 0) -> None:
         self.worker_id = worker_id
         self.commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
+        self.segments: WorkerSegments | None = None  # the thread's recycled buffers
         self.retiring = False  # asked to exit: its end is not a death
         self.ended = False  # its end was handed over
         # Messages this worker owes or that wait in the inbox, not yet handed over: +1 per
@@ -97,6 +103,7 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
         self._channel = Channel(bell_w)
         # Retired worker ids (retire_worker) whose thread's end is still to be read.
         self._retired: dict[int, int] = {}
+        self._segment_limit = POOL_LIMIT  # each thread's bound on its recycled buffers
 
     # ------------------------------------------------------------------ info
 
@@ -145,13 +152,23 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
     def _start_thread(self, worker_id: int) -> None:
         """Start worker ``worker_id``'s thread (its ``_Worker`` slot is fresh)."""
         worker = self._workers[worker_id]
+        worker.segments = WorkerSegments(self._segment_limit, private=True)
         worker.thread = threading.Thread(
             target=thread_worker_main,
-            args=(self._configs[worker_id], worker.commands, self._channel, self._torch_local),
+            args=(self._configs[worker_id], worker.commands, self._channel, self._torch_local,
+                  worker.segments),
             name=f"aioloader-thread-worker-{worker_id}", daemon=True)
         worker.thread.start()
 
     # ------------------------------------------------------------------ talk
+
+    def set_segment_limit(self, limit: int) -> None:
+        """Bound each worker thread's pool of recycled buffers (idle ones above it go now,
+        busy ones as they come free)."""
+        self._segment_limit = limit
+        for w in self._workers:
+            if w.segments is not None:
+                w.segments.released([], limit)
 
     def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
         """Queue ``command`` for worker ``worker_id``; never blocks.

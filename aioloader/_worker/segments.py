@@ -34,6 +34,16 @@ the next command (:meth:`SegmentMaps.attach`, the :class:`Freed` envelope). Segm
 worker destroys are announced on its next reply (the :class:`Retired` envelope) and the
 parent drops its mapping.
 
+Thread workers (``worker_method="thread"``) keep a *private* pool of the same kind, one per
+worker thread (``WorkerSegments(private=True)``, made by
+:class:`aioloader._pools.thread.ThreadWorkerPool` and installed as the thread's collate
+allocator by :func:`aioloader._collate.fns.set_thread_allocator`): anonymous private
+mappings instead of memfd files, since their batches never leave the process. A big
+batch is stacked into warm pages instead of a fresh ``malloc``/``mmap`` per batch (a
+38.5 MB float32 batch is above glibc's largest mmap threshold, so every batch paid a
+page fault per 4 KiB page); a segment is reused once every view of it is gone, exactly
+as in a worker process (the worker thread seals its arena with each reply).
+
 Everything here is released with its process: memfd segments have no name, so nothing is
 ever left in ``/dev/shm``, whatever way a worker ends.
 """
@@ -120,21 +130,25 @@ class _Segment:
     __slots__ = ("addr", "fd", "filling", "id", "local", "mm", "outstanding", "pooled",
                  "size", "used")
 
-    def __init__(self, seg_id: int, size: int, pooled: bool) -> None:
-        fd = os.memfd_create(f"aioloader-{os.getpid()}-{seg_id}", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-            # Reserve the pages now: memory that runs out is an error here (the caller
-            # falls back to torch's allocation and its error), not a SIGBUS while writing.
-            os.posix_fallocate(fd, 0, size)
-            self.mm = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            raise
+    def __init__(self, seg_id: int, size: int, pooled: bool, private: bool = False) -> None:
+        fd: int | None = None
+        if private:  # a thread worker's: ordinary anonymous memory, no file, no fd
+            self.mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+        else:
+            fd = os.memfd_create(f"aioloader-{os.getpid()}-{seg_id}", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)
+                # Reserve the pages now: memory that runs out is an error here (the caller
+                # falls back to torch's allocation and its error), not a SIGBUS while writing.
+                os.posix_fallocate(fd, 0, size)
+                self.mm = mmap.mmap(fd, size)
+            except BaseException:
+                os.close(fd)
+                raise
         probe = ctypes.c_char.from_buffer(self.mm)
         self.addr = ctypes.addressof(probe)
         del probe
-        self.fd: int | None = fd  # ours until the parent has it (the mmap keeps its own)
+        self.fd = fd  # ours until the parent has it (the mmap keeps its own)
         self.id = seg_id
         self.size = size
         self.pooled = pooled
@@ -160,14 +174,27 @@ class _Segment:
 
 
 class WorkerSegments:
-    """One worker process's segment pool (see the module docstring).
+    """One worker's segment pool (see the module docstring).
 
     Args:
         limit: most pooled segments kept (:data:`POOL_LIMIT`; the parent may change it).
+        private: a thread worker's pool: anonymous private memory (nothing is sent to
+            another process, so no segment is announced as retired).
+
+    Example:
+        >>> pool = WorkerSegments(limit=2, private=True)
+        >>> first = pool.alloc(1 << 20)  # a batch's output storage
+        >>> pool.seal()  # the batch is handed over
+        >>> del first  # ...and dropped: its segment is free again
+        >>> second = pool.alloc(1 << 20)
+        >>> pool.stats()["created"]  # the same warm segment, reused
+        1
+        >>> pool.close()
     """
 
-    def __init__(self, limit: int = POOL_LIMIT) -> None:
+    def __init__(self, limit: int = POOL_LIMIT, private: bool = False) -> None:
         self.limit = limit
+        self.private = private
         self.lock = threading.RLock()  # held by the codec for a whole reply
         self._segments: dict[int, _Segment] = {}  # live: pooled and orphans
         self._free: list[_Segment] = []
@@ -234,7 +261,7 @@ class WorkerSegments:
             small = self._free.pop(0)
             self._drop(small)
             pooled -= 1
-        seg = _Segment(self._next_id, _round_size(want), pooled < self.limit)
+        seg = _Segment(self._next_id, _round_size(want), pooled < self.limit, self.private)
         self._next_id += 1
         self.created += 1
         self._segments[seg.id] = seg
@@ -320,7 +347,7 @@ class WorkerSegments:
 
     def _drop(self, seg: _Segment, announce: bool = True) -> None:
         del self._segments[seg.id]
-        if announce and seg.pooled:
+        if announce and seg.pooled and not self.private:
             self._retired.append(seg.id)
         seg.destroy()
 

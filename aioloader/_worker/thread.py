@@ -1,7 +1,8 @@
 """The thread side of thread workers: a worker thread's body, its generators, its info.
 
 A worker thread (:func:`thread_worker_main`) seeds its own generators, sets its
-``get_worker_info()`` (aioloader's and torch's, per thread), runs
+``get_worker_info()`` (aioloader's and torch's, per thread), routes its big collate
+outputs to its pool of recycled buffers (:mod:`aioloader._worker.segments`), runs
 ``worker_init_fn`` and then the worker's own command loop
 (:func:`aioloader._worker.loop.serve_commands`), reading commands from its queue and
 posting replies to the :class:`Channel` it shares with its pool
@@ -21,10 +22,12 @@ from typing import Any
 
 import torch
 
+from .._collate.fns import set_thread_allocator
 from .._errors import RemoteError
 from .._worker_info import WorkerInfo, _set_thread_worker_info
 from .config import WorkerConfig, _where, generate_numpy_seed, reseed_datapipe
 from .loop import serve_commands
+from .segments import WorkerSegments
 
 __all__ = ["Channel", "thread_worker_main", "torch_thread_local"]
 
@@ -85,14 +88,20 @@ class Channel:
 
 
 def thread_worker_main(cfg: WorkerConfig, commands: queue.SimpleQueue[tuple[Any, ...]],
-                       channel: Channel, torch_local: threading.local | None) -> None:
+                       channel: Channel, torch_local: threading.local | None,
+                       segments: WorkerSegments | None = None) -> None:
     """Body of a worker thread: own generators and worker info, then the command loop.
 
-    Its last act is :meth:`Channel.post_end` (with the reason if its machinery failed).
+    ``segments``: the thread's pool of recycled buffers for big collate outputs (a
+    private :class:`~aioloader._worker.segments.WorkerSegments`; its arena is sealed with
+    every reply, and it is closed when the thread leaves). Its last act is
+    :meth:`Channel.post_end` (with the reason if its machinery failed).
     """
     worker_id = cfg.worker_id
     reason: str | None = None
     try:
+        if segments is not None:
+            set_thread_allocator(segments.alloc)
         one_intraop_thread()
         rng = _seed_thread(cfg)
         seed = cfg.base_seed + worker_id
@@ -116,6 +125,8 @@ def thread_worker_main(cfg: WorkerConfig, commands: queue.SimpleQueue[tuple[Any,
             return None if channel.stop.is_set() else cmd
 
         def send_reply(reply: tuple[Any, ...]) -> None:
+            if segments is not None:
+                segments.seal()  # what follows goes to other buffers
             channel.post(worker_id, reply)
 
         serve_commands(cfg, init_error, next_command, send_reply)
@@ -126,6 +137,9 @@ def thread_worker_main(cfg: WorkerConfig, commands: queue.SimpleQueue[tuple[Any,
         _set_thread_worker_info(None)
         if torch_local is not None:
             torch_local.worker_info = None
+        if segments is not None:
+            set_thread_allocator(None)
+            segments.close()  # buffers of batches still held stay with their views
         channel.post_end(worker_id, reason)
 
 
