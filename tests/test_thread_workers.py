@@ -644,8 +644,8 @@ def test_thread_worker_batches_are_not_put_in_shared_memory() -> None:
 
 
 class _Big(aioloader.Dataset[Any]):
-    """Sample ``i``: a 64x64x16 float32 tensor filled with ``i`` (64 KiB: a batch of 4
-    is 256 KiB, what a thread worker stacks into its recycled buffers), and ``i``."""
+    """Sample ``i``: a 64x64x16 float32 tensor filled with ``i`` (256 KiB: a batch of 4
+    is 1 MiB, which a thread worker stacks into its recycled buffers), and ``i``."""
 
     def __len__(self) -> int:
         return 24
