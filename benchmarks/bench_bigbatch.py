@@ -5,12 +5,11 @@
 their own): GB/s delivered from the first batch on, the ratio to torch, and the ratio
 to two one-core references measured in this process: stacking 64 samples into a fresh
 batch (``torch.stack``: ``empty`` + copy, the page faults included) and into a warm,
-reused buffer. Then the
-peak memory against torch's, sampled every 20 ms in separate runs (sampling slows mmaps):
-the sum of PSS of the parent and its workers, and the memory held (what PSS shows
-outside shared memory, plus every shared-memory file the processes hold or map, each
-counted once: PSS does not see a batch whose worker unmapped it and that the parent has
-not read yet, as torch's in-flight batches are).
+reused buffer. Then the peak memory against torch's, sampled every 20 ms in separate
+runs (sampling slows mmaps): the sum of PSS of the parent and its workers, and the
+memory held (what PSS shows outside shared memory, plus every shared-memory file the
+processes hold or map, each counted once: PSS does not see a batch whose worker
+unmapped it and that the parent has not read yet, as torch's in-flight batches are).
 
 Each case runs in a fresh interpreter, several times, interleaved; medians are printed.
 
@@ -56,12 +55,10 @@ class Images(tud.Dataset):  # type: ignore[type-arg]
 
 
 def run_case(lib: str, dtype: str, n: int, monitor: bool, touch: bool) -> dict[str, float]:
-    if lib == "threads":  # aioloader's thread workers
-        loader = make_loader("aioloader", Images(n, dtype), batch_size=BATCH, num_workers=2,
-                             worker_method="thread")
-    else:
-        loader = make_loader(lib, Images(n, dtype), batch_size=BATCH, num_workers=2,
-                             multiprocessing_context="fork")
+    threads = lib == "threads"  # aioloader's thread workers
+    how = {"worker_method": "thread"} if threads else {"multiprocessing_context": "fork"}
+    loader = make_loader("aioloader" if threads else lib, Images(n, dtype),
+                         batch_size=BATCH, num_workers=2, **how)
     count = nbytes = 0
     first = 0.0
     mem = PeakMemory() if monitor else contextlib.nullcontext(PeakMemory())

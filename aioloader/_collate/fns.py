@@ -98,21 +98,26 @@ def _crosses_processes(info: Any) -> bool:
     return getattr(info, "worker_method", "multiprocessing") != "thread"
 
 
-def _thread_pool_empty(template: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """An uninitialised ``shape`` tensor of ``template``'s dtype in this worker thread's
-    recycled buffers (``None``: no pool here, or too small to be worth it)."""
-    alloc = getattr(_thread_local, "alloc", None)
-    if alloc is None:
-        return None
-    nbytes = math.prod(shape) * template.element_size()
-    if nbytes < THREAD_POOL_MIN_BYTES:
-        return None
+def _pool_empty(alloc: SegmentAllocator, template: torch.Tensor, shape: tuple[int, ...],
+                nbytes: int) -> torch.Tensor | None:
+    """An uninitialised ``shape`` tensor of ``template``'s dtype and type over a storage of
+    ``nbytes`` from a worker's pool ``alloc`` (``None``: the pool had none)."""
     storage = alloc(nbytes)
     if storage is None:
         return None
     out: torch.Tensor = template.new_empty((0,)).set_(  # type: ignore[call-overload]
         storage, 0, shape)
     return out
+
+
+def _thread_pool_empty(template: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """An uninitialised ``shape`` tensor of ``template``'s dtype in this worker thread's
+    recycled buffers (``None``: no pool here, or too small to be worth it)."""
+    alloc = getattr(_thread_local, "alloc", None)
+    nbytes = math.prod(shape) * template.element_size()
+    if alloc is None or nbytes < THREAD_POOL_MIN_BYTES:
+        return None
+    return _pool_empty(alloc, template, shape, nbytes)
 
 
 def _thread_pool_stack(batch: Sequence[torch.Tensor], elem: torch.Tensor) -> torch.Tensor | None:
@@ -122,16 +127,18 @@ def _thread_pool_stack(batch: Sequence[torch.Tensor], elem: torch.Tensor) -> tor
     subclass), all of ``elem``'s dtype (no type promotion), C-contiguous (the output's
     strides), none needing grad (``out=`` refuses autograd), and big enough to matter.
     """
-    if (getattr(_thread_local, "alloc", None) is None or type(elem) is not torch.Tensor
-            or elem.device.type != "cpu"
-            or elem.numel() * elem.element_size() * len(batch) < THREAD_POOL_MIN_BYTES):
+    alloc = getattr(_thread_local, "alloc", None)
+    if alloc is None or type(elem) is not torch.Tensor or elem.device.type != "cpu":
+        return None
+    nbytes = elem.numel() * elem.element_size() * len(batch)
+    if nbytes < THREAD_POOL_MIN_BYTES:
         return None
     dtype = elem.dtype
     for t in batch:
         if (type(t) is not torch.Tensor or t.dtype != dtype or t.requires_grad
                 or not t.is_contiguous()):
             return None
-    out = _thread_pool_empty(elem, (len(batch), *elem.shape))
+    out = _pool_empty(alloc, elem, (len(batch), *elem.shape), nbytes)
     if out is None:
         return None
     return torch.stack(batch, 0, out=out)  # type: ignore[arg-type]
@@ -146,10 +153,8 @@ def _shared_empty(template: torch.Tensor, shape: tuple[int, ...]) -> torch.Tenso
     """
     alloc = _segment_alloc
     if alloc is not None and template.device.type == "cpu":
-        storage = alloc(math.prod(shape) * template.element_size())
-        if storage is not None:
-            out: torch.Tensor = template.new_empty((0,)).set_(
-                storage, 0, shape)  # type: ignore[call-overload]
+        out = _pool_empty(alloc, template, shape, math.prod(shape) * template.element_size())
+        if out is not None:
             return out
     storage = template._typed_storage()._new_shared(  # type: ignore[no-untyped-call]
         math.prod(shape), device=template.device
