@@ -98,7 +98,7 @@ class Movable:
 
 
 class Opaque:
-    """No pin_memory, no to: must come back untouched."""
+    """No pin_memory, no to: pinning leaves it untouched; a device move refuses it."""
 
     def __init__(self) -> None:
         self.t = torch.zeros(1)
@@ -342,14 +342,15 @@ def test_move_to_meta_moves_every_tensor() -> None:
 @pytest.mark.parametrize("non_blocking", [True, False])
 def test_move_to_device_custom_objects(non_blocking: bool) -> None:
     movable = Movable()
-    opaque = Opaque()
-    out = _pin.move_to_device({"m": movable, "o": opaque, "t": torch.zeros(1)},
+    out = _pin.move_to_device({"m": movable, "t": torch.zeros(1)},
                               torch.device("meta"), non_blocking=non_blocking)
     assert out["m"] is movable
     assert movable.calls == [(torch.device("meta"), {"non_blocking": non_blocking})]
-    assert out["o"] is opaque
-    assert opaque.t.device.type == "cpu"
     assert out["t"].device.type == "meta"
+    # An object holding a tensor it cannot move is refused, not left on the CPU
+    # (tests/test_device_walk.py has the protocol in full).
+    with pytest.raises(TypeError, match="Opaque object"):
+        _pin.move_to_device({"o": Opaque()}, torch.device("meta"), non_blocking=non_blocking)
 
 
 def test_move_to_cpu_keeps_cpu_tensors() -> None:

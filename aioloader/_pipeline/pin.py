@@ -1,20 +1,21 @@
 """Walk a batch and pin, move or stream-tag every tensor in it (sync helpers).
 
 The pipeline's pin and device stages call these functions in a thread, never
-on the event loop. All three share one structure walk, :func:`_walk`, which
-handles what torch's ``_utils.pin_memory.pin_memory`` handles:
+on the event loop. All three share one structure walk (:mod:`.walk`): tensors,
+containers, namedtuples and dataclasses are handled alike; they differ in what
+they ask of other objects.
 
-* tensors go to the per-tensor function;
-* objects with the relevant method (``pin_memory()`` / ``to()``) are asked to
-  handle themselves (torch's documented custom-batch protocol);
-* ``str``/``bytes`` are left alone;
-* mappings, namedtuples, tuples and sequences are rebuilt with their own type
-  where possible (falling back to ``dict``/``list`` like torch);
-* dataclass instances get each field walked (an addition: torch passes them
-  through untouched);
-* anything else is returned untouched.
-
-A container whose items all come back unchanged is returned as it is.
+* :func:`pin_memory` is torch's ``pin_memory`` walk: an object with a
+  ``pin_memory()`` method is asked to pin itself (torch's custom-batch protocol),
+  any other object is returned untouched. Dataclasses are walked field by field
+  (an addition: torch passes them through untouched).
+* :func:`move_to_device` (``device=``) keeps the loader's promise that batches
+  arrive on the device: an object with a ``to`` method is asked to move itself
+  (``obj.to(device, non_blocking=...)``); an object it cannot move that holds
+  tensors off the device is refused with a ``TypeError`` naming its type and the
+  method to add, instead of arriving on the CPU.
+* :func:`record_stream` tags every CUDA tensor, those inside objects moved by
+  their own ``to`` included.
 
 The warning texts torch 2.13 emits when ``pin_memory=True`` cannot be honoured
 are kept here so that the loader warns with exactly torch's words.
@@ -22,17 +23,15 @@ are kept here so that the loader warns with exactly torch's words.
 
 from __future__ import annotations
 
-import collections.abc
-import copy
-import dataclasses
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from aioloader.collate import _rebuild_mapping, _rebuild_sequence
+from . import walk as _walk
 
 __all__ = [
     "PIN_MEMORY_DEVICE_DEPRECATED_WARNING",
@@ -64,14 +63,6 @@ PIN_ON_MPS_WARNING = (
 )
 """torch's warning when the current accelerator is MPS (pinning is then disabled)."""
 
-TensorFn = Callable[[torch.Tensor], Any]
-"""What happens to each tensor of a batch."""
-
-ObjectHook = Callable[[Any], Any]
-"""Handles a non-tensor object itself, or returns :data:`_UNHANDLED`."""
-
-_UNHANDLED: Any = object()
-
 _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2] if part.isdigit())
 # torch < 2.6 forwarded pin_memory_device to Tensor.pin_memory(device); newer
 # versions use the current accelerator (the argument is deprecated there).
@@ -95,83 +86,6 @@ def pin_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _walk(data: Any, on_tensor: TensorFn, on_object: ObjectHook | None) -> Any:
-    """Rebuild ``data`` with ``on_tensor`` applied to every tensor in it.
-
-    Args:
-        data: a batch: tensors nested in mappings, sequences, namedtuples and
-            dataclasses, plus anything else (returned untouched).
-        on_tensor: applied to each tensor; its result takes the tensor's place.
-        on_object: asked first about every non-tensor object; whatever it
-            returns (other than :data:`_UNHANDLED`) takes the object's place.
-
-    Returns:
-        ``data`` rebuilt; containers with no changed item are returned as they are.
-    """
-    if isinstance(data, torch.Tensor):
-        return on_tensor(data)
-    if on_object is not None:
-        handled = on_object(data)
-        if handled is not _UNHANDLED:
-            return handled
-    if isinstance(data, (str, bytes)):
-        return data
-    if isinstance(data, collections.abc.Mapping):
-        values = {key: _walk(value, on_tensor, on_object) for key, value in data.items()}
-        if all(values[key] is value for key, value in data.items()):
-            return data
-        return _rebuild_mapping(data, values)
-    if isinstance(data, tuple):
-        items = [_walk(item, on_tensor, on_object) for item in data]
-        if all(new is old for new, old in zip(items, data, strict=False)):
-            return data
-        if hasattr(data, "_fields"):  # namedtuple
-            return type(data)(*items)
-        return type(data)(items)
-    if isinstance(data, collections.abc.Sequence):
-        items = [_walk(item, on_tensor, on_object) for item in data]
-        if all(new is old for new, old in zip(items, data, strict=False)):
-            return data
-        return _rebuild_sequence(data, items)
-    if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        return _walk_dataclass(data, on_tensor, on_object)
-    return data
-
-
-def _walk_dataclass(data: Any, on_tensor: TensorFn, on_object: ObjectHook | None) -> Any:
-    """Walk each field of a dataclass instance; return a shallow copy with the changes.
-
-    The copy is made with :func:`copy.copy` and the changed fields are set with
-    ``object.__setattr__``, so frozen dataclasses, ``init=False`` fields and
-    slots work, and ``__init__``/``__post_init__`` are not run a second time.
-    """
-    changes: dict[str, Any] = {}
-    for field in dataclasses.fields(data):
-        value = getattr(data, field.name, _UNHANDLED)
-        if value is _UNHANDLED:
-            continue
-        new = _walk(value, on_tensor, on_object)
-        if new is not value:
-            changes[field.name] = new
-    if not changes:
-        return data
-    clone = copy.copy(data)
-    for name, value in changes.items():
-        object.__setattr__(clone, name, value)
-    return clone
-
-
-def _method_hook(name: str, call: Callable[[Any], Any]) -> ObjectHook:
-    """Build a hook that hands objects with a callable ``name`` attribute to ``call``."""
-
-    def hook(obj: Any) -> Any:
-        if isinstance(obj, type) or not callable(getattr(obj, name, None)):
-            return _UNHANDLED
-        return call(obj)
-
-    return hook
-
-
 def _pin_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.pin_memory()
 
@@ -180,7 +94,17 @@ def _pin_tensor_on(tensor: torch.Tensor, *, device: str) -> torch.Tensor:
     return tensor.pin_memory(device)  # torch < 2.6 only
 
 
-_PIN_HOOK = _method_hook("pin_memory", lambda obj: obj.pin_memory())
+def _call_pin_memory(obj: Any) -> Any:
+    return obj.pin_memory()
+
+
+def _untouched(obj: Any) -> Any:
+    return obj
+
+
+_PIN_KINDS = _walk.Kinds("pin_memory")
+_TO_KINDS = _walk.Kinds("to")
+_PLAIN_KINDS = _walk.Kinds(None)
 
 
 def pin_memory(
@@ -223,18 +147,30 @@ def pin_memory(
         pin_fn = _pin_tensor
         if _PIN_TAKES_DEVICE and device:
             pin_fn = functools.partial(_pin_tensor_on, device=device)
-    return _walk(data, pin_fn, _PIN_HOOK)
+    return _walk.walk(data, _walk.Walker(_PIN_KINDS, pin_fn, _call_pin_memory, _untouched))
 
 
 def move_to_device(
     data: Any, device: torch.device | str, *, non_blocking: bool = True
 ) -> Any:
-    """Copy every tensor of ``data`` to ``device``.
+    """Copy every tensor of ``data`` to ``device``, or refuse what cannot be moved.
 
-    Tensors get ``tensor.to(device, non_blocking=non_blocking)``; objects with a
-    ``to`` method get ``obj.to(device, non_blocking=non_blocking)``; containers
-    and dataclasses are rebuilt as in :func:`pin_memory`; anything else is
-    returned untouched.
+    The protocol (docs/migration.md, "Custom batches and ``device=``"):
+
+    * tensors get ``tensor.to(device, non_blocking=non_blocking)``;
+    * mappings, tuples, namedtuples, sequences and dataclasses (frozen ones too)
+      are rebuilt, with their type, around their moved contents;
+    * an object with a ``to`` method moves itself: ``obj.to(device,
+      non_blocking=non_blocking)``, or ``obj.to(device)`` when its ``to`` has
+      neither a ``non_blocking`` parameter nor ``**kwargs`` (decided once per
+      method); what it returns takes its place;
+    * strings, bytes, numbers, ``None`` and classes pass through;
+    * any other object passes through unless it holds a tensor that is not on
+      ``device`` (found through its ``__dict__``/``__slots__`` and the containers
+      in them, :func:`~aioloader._pipeline.walk.tensors_inside`), or it has a
+      ``pin_memory()`` method (torch's custom batch), no tensor found and
+      ``device`` is not the CPU: then a ``TypeError`` names its type and the
+      method to add.
 
     Args:
         data: the batch.
@@ -244,18 +180,92 @@ def move_to_device(
     Returns:
         ``data`` with its tensors on ``device``.
 
+    Raises:
+        TypeError: an object of the batch holds tensors this walk cannot move.
+
     Example:
         >>> import torch
         >>> moved = move_to_device((torch.zeros(1, dtype=torch.float64), 3), "cpu")
         >>> moved
         (tensor([0.], dtype=torch.float64), 3)
     """
+    target = torch.device(device)
 
     def on_tensor(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device, non_blocking=non_blocking)
 
-    hook = _method_hook("to", lambda obj: obj.to(device, non_blocking=non_blocking))
-    return _walk(data, on_tensor, hook)
+    def on_method(obj: Any) -> Any:
+        to = obj.to
+        if _takes_non_blocking(to):
+            return to(device, non_blocking=non_blocking)
+        return to(device)
+
+    def on_other(obj: Any) -> Any:
+        _refuse_unmovable(obj, target)
+        return obj
+
+    return _walk.walk(data, _walk.Walker(_TO_KINDS, on_tensor, on_method, on_other))
+
+
+_non_blocking_takers: dict[Any, bool] = {}
+
+
+def _takes_non_blocking(to: Any) -> bool:
+    """Whether ``to`` (a bound ``to`` method) accepts ``non_blocking=`` (decided once per method).
+
+    True when its signature has a ``non_blocking`` keyword or ``**kwargs``, or
+    cannot be read (a C method: torch's convention is assumed).
+    """
+    func = getattr(to, "__func__", to)
+    try:
+        known = _non_blocking_takers.get(func)
+    except TypeError:  # an unhashable callable
+        known, func = None, None
+    if known is not None:
+        return known
+    try:
+        params = inspect.signature(to).parameters.values()
+    except (TypeError, ValueError):
+        takes = True
+    else:
+        takes = any(p.kind is p.VAR_KEYWORD
+                    or (p.name == "non_blocking" and p.kind is not p.POSITIONAL_ONLY)
+                    for p in params)
+    if func is not None:
+        if len(_non_blocking_takers) >= 1024:
+            _non_blocking_takers.clear()
+        _non_blocking_takers[func] = takes
+    return takes
+
+
+def _on_device(tensor: torch.Tensor, target: torch.device) -> bool:
+    if tensor.device.type != target.type:
+        return False
+    return target.index is None or tensor.device.index == target.index
+
+
+def _refuse_unmovable(obj: Any, target: torch.device) -> None:
+    """Raise a ``TypeError`` if ``obj`` (no ``to`` method) holds tensors off ``target``."""
+    seen_any, stray = False, None
+    for tensor in _walk.tensors_inside(obj):
+        seen_any = True
+        if not _on_device(tensor, target):
+            stray = tensor
+            break
+    if stray is None and (seen_any or target.type == "cpu"
+                          or not callable(getattr(obj, "pin_memory", None))):
+        return  # nothing to move, or its tensors are already there
+    cls = type(obj)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    why = (f"holds a tensor on {stray.device}" if stray is not None
+           else "has a pin_memory() method (a custom batch)")
+    raise TypeError(
+        f"device={str(target)!r}: the batch contains a {name} object, which {why} but no "
+        f"to() method, so its tensors cannot be moved to {target}. aioloader moves tensors, "
+        f"dicts, lists, tuples, namedtuples, dataclasses and objects with a to() method: add "
+        f"`def to(self, device, non_blocking=False)` to {cls.__qualname__} (returning it with "
+        f"its tensors moved), make it a dataclass, or move it in your training loop and "
+        f"leave device= unset.")
 
 
 def record_stream(data: Any, stream: Any) -> None:
@@ -263,8 +273,9 @@ def record_stream(data: Any, stream: Any) -> None:
 
     A device-prefetch stage copies batches on a side stream; recording the
     consumer's stream on each tensor keeps the caching allocator from reusing
-    their memory before the consumer's queued work is done. CPU tensors and
-    other objects are ignored.
+    their memory before the consumer's queued work is done. CPU tensors are
+    ignored; tensors inside objects (those moved by their own ``to``) are found
+    through their attributes (:func:`~aioloader._pipeline.walk.tensors_inside`).
 
     Args:
         data: the batch (as returned by :func:`move_to_device`).
@@ -280,7 +291,12 @@ def record_stream(data: Any, stream: Any) -> None:
             tensor.record_stream(stream)
         return tensor
 
-    _walk(data, on_tensor, None)
+    def on_other(obj: Any) -> Any:
+        for tensor in _walk.tensors_inside(obj):
+            on_tensor(tensor)
+        return obj
+
+    _walk.walk(data, _walk.Walker(_PLAIN_KINDS, on_tensor, on_other, on_other))
 
 
 class PinPolicy:
