@@ -12,7 +12,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Set
 from typing import Any
 
 import pytest
@@ -95,8 +95,71 @@ def run_processes(argvs: list[list[str]], env: Mapping[str, str], timeout: float
     return results
 
 
+# ------------------------------------------------------------------------------ fd tables
+
+_DRIVER_NODE = re.compile(
+    r"/dev/(nvidia(ctl|\d+|-uvm|-uvm-tools|-modeset|-nvlink|-nvswitchctl|-nvswitch\d+)"
+    r"|nvidia-caps[\w-]*/[\w-]+|kfd|dri/renderD\d+)")
+"""The device nodes an accelerator runtime opens on its first use in a process.
+
+CUDA's first use (``torch.cuda.is_available()`` included) opens ``/dev/nvidiactl``,
+``/dev/nvidiaN``, ``/dev/nvidia-uvm`` (``-tools``) and ``/dev/nvidia-caps/*`` and keeps
+them for the life of the process (ROCm: ``/dev/kfd``, ``/dev/dri/renderD*``). They are
+the driver's, not a test's: the leak checks leave them out. The loader opens no device
+node, so nothing it leaks can hide among them."""
+
+_DELETED = " (deleted)"
+
+
+def fd_table() -> dict[int, str]:
+    """Every open fd of this process and what it points to (``readlink`` of /proc/self/fd/N).
+
+    An fd that closes while the table is read (the directory's own fd among them) is
+    left out.
+    """
+    table: dict[int, str] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            table[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+    return table
+
+
+def is_driver_fd(target: str) -> bool:
+    """Whether an fd pointing at ``target`` is an accelerator driver's (:data:`_DRIVER_NODE`).
+
+    >>> is_driver_fd("/dev/nvidiactl"), is_driver_fd("socket:[123]")
+    (True, False)
+    """
+    return _DRIVER_NODE.fullmatch(target) is not None
+
+
+def new_fds(before: Mapping[int, str], after: Mapping[int, str],
+            ignore: Set[int] = frozenset()) -> dict[int, str]:
+    """The fds of ``after`` that are not ``before``'s: a leak, unless the driver's.
+
+    An fd counts as new when its number was not open before, or was open on another
+    target (closed and reused: a socket where a file was). A file deleted while open
+    (`` (deleted)`` added to its target) is the same fd. Left out: the numbers in
+    ``ignore`` (the session's helpers) and accelerator driver nodes
+    (:func:`is_driver_fd`); sockets, pipes, memfds, /dev/shm files and every other
+    target are reported.
+    """
+    return {fd: target for fd, target in after.items()
+            if fd not in ignore and not is_driver_fd(target)
+            and before.get(fd, "").removesuffix(_DELETED) != target.removesuffix(_DELETED)}
+
+
+def count_fds(table: Mapping[int, str]) -> int:
+    """How many fds of ``table`` are not an accelerator driver's."""
+    return sum(1 for target in table.values() if not is_driver_fd(target))
+
+
 def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+    """This process's open fds, the accelerator driver's left out (CUDA's first use opens
+    some in whichever test makes it)."""
+    return count_fds(fd_table())
 
 
 _TORCH_SHM = re.compile(r"torch_(\d+)_")
@@ -155,10 +218,6 @@ def _record_started_pids() -> None:
 _record_started_pids()
 
 
-def _fd_set() -> set[int]:
-    return {int(fd) for fd in os.listdir("/proc/self/fd")}
-
-
 def _session_fds() -> set[int]:
     """Fds of process-wide helpers started once per session (not owned by any test)."""
     fds: set[int] = set()
@@ -187,13 +246,13 @@ _warm_up()
 class _Snapshot:
     def __init__(self) -> None:
         self.threads = set(threading.enumerate())
-        self.fds = _fd_set()
+        self.fds = fd_table()
         self.shm = shm_entries()
 
     def leaks(self, allowed_threads: Callable[[threading.Thread], bool]) -> dict[str, Any]:
         threads = [t for t in threading.enumerate()
                    if t not in self.threads and t.is_alive() and not allowed_threads(t)]
-        fds = _fd_set() - self.fds - _session_fds()
+        fds = new_fds(self.fds, fd_table(), _session_fds())
         shm = shm_entries() - self.shm
         found: dict[str, Any] = {}
         if multiprocessing.active_children():
@@ -201,17 +260,10 @@ class _Snapshot:
         if threads:
             found["threads"] = threads
         if fds:
-            found["fds"] = {fd: _fd_target(fd) for fd in sorted(fds)}
+            found["fds"] = dict(sorted(fds.items()))
         if shm:
             found["shm"] = sorted(shm)
         return found
-
-
-def _fd_target(fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return "?"
 
 
 def _wait_for_leaks(snap: _Snapshot, allowed: Callable[[threading.Thread], bool],
@@ -241,8 +293,10 @@ def pytest_configure(config: Any) -> None:
 def _no_leaks(request: Any) -> Iterator[None]:
     """Every test must leave no process, thread, fd or /dev/shm entry of its own behind.
 
-    Snapshots every thread, open fd and this process tree's /dev/shm entries
-    before the test and compares after, waiting at most :data:`LEAK_GRACE_S`.
+    Snapshots every thread, open fd (with its target) and this process tree's /dev/shm
+    entries before the test and compares after, waiting at most :data:`LEAK_GRACE_S`.
+    An accelerator driver's device nodes, opened by the runtime's first use in the
+    process (whichever test that is), are not a leak (:func:`new_fds`).
     Tests marked ``gc_off`` run with the cyclic GC off and are checked
     without a collection; the others get one collection before a failure is
     reported (a half-consumed iterator in a reference cycle).
