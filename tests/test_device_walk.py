@@ -186,6 +186,12 @@ def test_objects_with_tensors_it_cannot_move_are_refused(make: Any) -> None:
     assert "dataclass" in message and "device='meta'" in message
 
 
+def test_a_set_of_tensors_is_refused_with_its_own_fix() -> None:
+    with pytest.raises(TypeError, match=r"builtins\.set object.*put its tensors in a list or "
+                                        r"tuple instead of a set"):
+        _pin.move_to_device([{torch.zeros(1)}], META)
+
+
 def test_pin_only_batch_without_visible_tensors_is_refused_off_cpu() -> None:
     class Hidden:
         def pin_memory(self) -> Hidden:
@@ -267,6 +273,15 @@ def test_loader_refuses_a_pin_only_batch_at_the_first_batch(mode: dict[str, Any]
             got.append(b)
     assert got == []
     assert "def to(self, device, non_blocking=False)" in str(info.value)
+    # The batch's own error, as any: the iterator goes on with the next batch.
+    it = iter(loader)
+    outcomes = []
+    for _ in range(3):
+        try:
+            outcomes.append(type(next(it)).__name__)
+        except (TypeError, StopIteration) as exc:
+            outcomes.append(type(exc).__name__)
+    assert outcomes == ["TypeError", "TypeError", "StopIteration"]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -259,13 +259,15 @@ def _refuse_unmovable(obj: Any, target: torch.device) -> None:
     name = f"{cls.__module__}.{cls.__qualname__}"
     why = (f"holds a tensor on {stray.device}" if stray is not None
            else "has a pin_memory() method (a custom batch)")
+    fix = (f"put its tensors in a list or tuple instead of a {cls.__qualname__}"
+           if cls.__module__ == "builtins" else
+           f"add `def to(self, device, non_blocking=False)` to {cls.__qualname__} (returning "
+           f"it with its tensors moved), make it a dataclass")
     raise TypeError(
         f"device={str(target)!r}: the batch contains a {name} object, which {why} but no "
         f"to() method, so its tensors cannot be moved to {target}. aioloader moves tensors, "
-        f"dicts, lists, tuples, namedtuples, dataclasses and objects with a to() method: add "
-        f"`def to(self, device, non_blocking=False)` to {cls.__qualname__} (returning it with "
-        f"its tensors moved), make it a dataclass, or move it in your training loop and "
-        f"leave device= unset.")
+        f"dicts, lists, tuples, namedtuples, dataclasses and objects with a to() method: "
+        f"{fix}, or move it in your training loop and leave device= unset.")
 
 
 def record_stream(data: Any, stream: Any) -> None:

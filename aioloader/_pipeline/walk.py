@@ -135,7 +135,9 @@ def walk(data: Any, w: Walker) -> Any:
         >>> walk({"x": torch.zeros(1), "names": ("a",)}, w)
         {'x': tensor([1.]), 'names': ('a',)}
     """
-    kind = w.kinds.of(type(data))
+    kind = w.kinds.table.get(type(data))
+    if kind is None:
+        kind = w.kinds.of(type(data))
     if kind == _TENSOR:
         return w.on_tensor(data)
     if kind & _DYNAMIC:
