@@ -73,13 +73,9 @@ class DataLoader(DataLoaderCore[T_co]):
         fetch_threads: read the samples of a batch of a *sync* map-style
             dataset with a pool of this many threads (I/O-bound datasets);
             0 (default) reads them one after another, as torch.
-        device: opt-in device stage: deliver batches already copied to this
-            device (``"cuda"``), copied on a side stream; a few batches ahead
-            with workers or an async dataset, inside each ``next()`` otherwise.
-            Tensors in containers and dataclasses are moved, objects with a
-            ``to(device, non_blocking=...)`` method move themselves; an object
-            holding tensors it cannot move raises ``TypeError`` at its batch
-            (``docs/migration.md``, "Custom batches and ``device=``").
+        device: opt-in: batches copied to this device (``"cuda"``) on a side stream,
+            ahead with workers (docs/pipeline.md); an object with tensors and no ``to()``
+            raises TypeError (docs/migration.md, "Custom batches and ``device=``").
         device_prefetch: how many batches the device stage keeps in flight
             (with workers or an async dataset).
         on_error, max_failures, retries, retry_delay, respawn_workers: the
