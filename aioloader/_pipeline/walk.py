@@ -85,7 +85,7 @@ class Kinds:
         if method is not None and callable(getattr(cls, method, None)):
             return _METHOD
         dynamic = 0
-        if method is not None and (cls.__dictoffset__ != 0
+        if method is not None and (cls.__dictoffset__ != 0 or hasattr(cls, method)
                                    or getattr(cls, "__getattr__", None) is not None):
             dynamic = _DYNAMIC  # the instance may have the method (torch asks hasattr)
         return _container_kind(cls) | dynamic
