@@ -151,9 +151,29 @@ def test_to_method_gets_non_blocking_when_it_takes_it(non_blocking: bool) -> Non
     assert out[0] is kw and kw.calls == [((META,), {"non_blocking": non_blocking})]
     assert out[1] is plain and plain.calls == [(META,)] and plain.x.device == META
     assert out[2].inp.device == META and out[2].tgt.device == META
-    # Decided once per method.
-    assert _pin._non_blocking_takers[ToNoNonBlocking.to] is False
-    assert _pin._non_blocking_takers[ToKwargs.to] is True
+    # Decided once per method: (device by keyword, non_blocking passed).
+    assert _pin._to_styles[ToNoNonBlocking.to] == (False, False)
+    assert _pin._to_styles[ToKwargs.to] == (False, True)
+
+
+class KeywordDevice:
+    """A to() taking the device by keyword only, like torch's storages."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def to(self, *, device: Any, non_blocking: bool = False) -> KeywordDevice:
+        self.calls.append({"device": device, "non_blocking": non_blocking})
+        return self
+
+
+def test_keyword_only_device_like_torch_storages() -> None:
+    obj = KeywordDevice()
+    assert _pin.move_to_device(obj, META, non_blocking=True) is obj
+    assert obj.calls == [{"device": META, "non_blocking": True}]
+    storage = torch.UntypedStorage(8)  # storages cannot go to meta: the CPU shows the call
+    out = _pin.move_to_device({"s": storage}, "cpu", non_blocking=False)
+    assert isinstance(out["s"], torch.UntypedStorage) and out["s"].device.type == "cpu"
 
 
 def test_instance_level_to_is_used() -> None:
@@ -338,3 +358,19 @@ def test_cuda_custom_batches_arrive_on_the_gpu(mode: dict[str, Any], pin: bool) 
     for b in DataLoader(dataset(), batch_size=4, collate_fn=frozen_collate, device="cuda",
                         pin_memory=pin, **mode):
         assert type(b) is FrozenBatch and b.inp.is_cuda and b.parts["point"].x.is_cuda
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_walk_moves_storages_and_to_objects_and_tags_their_tensors() -> None:
+    movable = MovableBatch([(torch.zeros(2), torch.zeros(1))])
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = _pin.move_to_device({"s": torch.UntypedStorage(8), "m": movable,
+                                   "f": FrozenBatch(torch.ones(2), ["a"], {})}, "cuda")
+    torch.cuda.current_stream().wait_stream(stream)
+    _pin.record_stream(out, torch.cuda.current_stream())
+    assert out["s"].device.type == "cuda"
+    assert out["m"].inp.is_cuda and out["m"].tgt.is_cuda and out["f"].inp.is_cuda
+    with pytest.raises(TypeError, match="PinOnlyBatch object"):
+        _pin.move_to_device(PinOnlyBatch([(torch.zeros(2), torch.zeros(1))]), "cuda")

@@ -162,8 +162,9 @@ def move_to_device(
       are rebuilt, with their type, around their moved contents;
     * an object with a ``to`` method moves itself: ``obj.to(device,
       non_blocking=non_blocking)``, or ``obj.to(device)`` when its ``to`` has
-      neither a ``non_blocking`` parameter nor ``**kwargs`` (decided once per
-      method); what it returns takes its place;
+      neither a ``non_blocking`` parameter nor ``**kwargs``, the device by
+      keyword when ``device`` is keyword-only (torch's storages); decided once
+      per method; what it returns takes its place;
     * strings, bytes, numbers, ``None`` and classes pass through;
     * any other object passes through unless it holds a tensor that is not on
       ``device`` (found through its ``__dict__``/``__slots__`` and the containers
@@ -196,9 +197,9 @@ def move_to_device(
 
     def on_method(obj: Any) -> Any:
         to = obj.to
-        if _takes_non_blocking(to):
-            return to(device, non_blocking=non_blocking)
-        return to(device)
+        by_keyword, takes_nb = _to_style(to)
+        kwargs = {"non_blocking": non_blocking} if takes_nb else {}
+        return to(device=device, **kwargs) if by_keyword else to(device, **kwargs)
 
     def on_other(obj: Any) -> Any:
         _refuse_unmovable(obj, target)
@@ -207,35 +208,43 @@ def move_to_device(
     return _walk.walk(data, _walk.Walker(_TO_KINDS, on_tensor, on_method, on_other))
 
 
-_non_blocking_takers: dict[Any, bool] = {}
+_to_styles: dict[Any, tuple[bool, bool]] = {}
 
 
-def _takes_non_blocking(to: Any) -> bool:
-    """Whether ``to`` (a bound ``to`` method) accepts ``non_blocking=`` (decided once per method).
+def _to_style(to: Any) -> tuple[bool, bool]:
+    """How to call ``to`` (a bound ``to`` method), decided once per method.
 
-    True when its signature has a ``non_blocking`` keyword or ``**kwargs``, or
-    cannot be read (a C method: torch's convention is assumed).
+    Returns ``(by_keyword, takes_non_blocking)``: the device goes by keyword
+    (``to(device=...)``) when ``device`` is a keyword-only parameter (torch's
+    storages); ``non_blocking=`` is passed when the signature has it or
+    ``**kwargs``. A signature that cannot be read (a C method) is taken to be
+    torch's: ``to(device, non_blocking=...)``.
     """
     func = getattr(to, "__func__", to)
     try:
-        known = _non_blocking_takers.get(func)
+        known = _to_styles.get(func)
     except TypeError:  # an unhashable callable
         known, func = None, None
     if known is not None:
         return known
     try:
-        params = inspect.signature(to).parameters.values()
+        params = list(inspect.signature(to).parameters.values())
     except (TypeError, ValueError):
-        takes = True
+        style = (False, True)
     else:
+        positional = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+                         for p in params)
+        by_keyword = not positional and any(p.name == "device" and p.kind is p.KEYWORD_ONLY
+                                            for p in params)
         takes = any(p.kind is p.VAR_KEYWORD
                     or (p.name == "non_blocking" and p.kind is not p.POSITIONAL_ONLY)
                     for p in params)
+        style = (by_keyword, takes)
     if func is not None:
-        if len(_non_blocking_takers) >= 1024:
-            _non_blocking_takers.clear()
-        _non_blocking_takers[func] = takes
-    return takes
+        if len(_to_styles) >= 1024:
+            _to_styles.clear()
+        _to_styles[func] = style
+    return style
 
 
 def _on_device(tensor: torch.Tensor, target: torch.device) -> bool:
