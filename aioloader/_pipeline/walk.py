@@ -129,6 +129,13 @@ class Walker:
 def walk(data: Any, w: Walker) -> Any:
     """Rebuild ``data`` with the walker's functions applied (see the module's docstring).
 
+    Args:
+        data: a batch, or any value inside one.
+        w: what becomes of tensors, of objects with the method and of other objects.
+
+    Returns:
+        ``data`` rebuilt; a container none of whose items changed is ``data`` itself.
+
     Example:
         >>> import torch
         >>> w = Walker(Kinds(None), lambda t: t + 1, lambda o: o, lambda o: o)
