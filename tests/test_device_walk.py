@@ -329,6 +329,26 @@ def test_loader_moves_to_method_batches_and_dataclasses(mode: dict[str, Any]) ->
                and all(t.device == META for t in b.parts["point"].y) for b in frozen)
 
 
+class AsyncPairs(aioloader.Dataset[Any]):
+    """An async map-style dataset (num_workers=0: the device stage's lookahead path)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    async def __getitem__(self, i: int) -> Any:
+        return torch.full((3,), float(i)), torch.tensor(i)
+
+
+async def test_async_dataset_refuses_pin_only_and_moves_movable() -> None:
+    loader = DataLoader(AsyncPairs(), batch_size=4, collate_fn=pin_only_collate, device="meta")
+    with pytest.raises(TypeError, match="PinOnlyBatch object"):
+        async for _ in loader:
+            pass
+    got = [b async for b in DataLoader(AsyncPairs(), batch_size=4, collate_fn=movable_collate,
+                                       device="meta")]
+    assert len(got) == 2 and all(b.inp.device == META and b.tgt.device == META for b in got)
+
+
 # ---------------------------------------------------------------------------
 # real CUDA
 # ---------------------------------------------------------------------------

@@ -107,3 +107,25 @@ def test_real_socket_pipe_and_memfd_are_seen() -> None:
         for fd in (r, w, m):
             os.close(fd)
     assert new_fds(before, fd_table()) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_first_use_opens_only_driver_fds() -> None:
+    """In a fresh process, CUDA's first use opens driver nodes and nothing the check reports."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import torch; "
+        "from conftest import fd_table, new_fds, is_driver_fd; before = fd_table(); "
+        "x = torch.ones(4).pin_memory(); "
+        "y = x.to('cuda', non_blocking=True); torch.cuda.synchronize(); after = fd_table(); "
+        "print(json.dumps({'new': new_fds(before, after), "
+        "'driver': sorted(t for f, t in after.items() if is_driver_fd(t) and f not in before)}))")
+    out = subprocess.run([sys.executable, "-c", script, os.path.dirname(conftest.__file__)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["driver"], "CUDA opened no driver node: is this the driver the check knows?"
+    assert result["new"] == {}, f"CUDA's first use opened fds the leak check reports: {result}"
