@@ -245,6 +245,13 @@ def test_tensors_inside_searches_attributes_slots_and_containers() -> None:
     assert list(_walk.tensors_inside(deep, depth=25)) == [c]
 
 
+def test_tensors_inside_is_bounded_by_a_budget_of_values() -> None:
+    t = torch.zeros(1)
+    big = Holder([*range(100), t])
+    assert list(_walk.tensors_inside(big, budget=50)) == []
+    assert list(_walk.tensors_inside(big)) == [t]
+
+
 def test_pinning_keeps_torchs_behaviour_for_objects() -> None:
     """pin_memory: objects with pin_memory() are asked (instance attributes too, as torch's
     hasattr); other objects are left alone even when they hold tensors."""

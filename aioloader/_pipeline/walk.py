@@ -30,6 +30,7 @@ import collections
 import collections.abc
 import copy
 import dataclasses
+import itertools
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -206,6 +207,11 @@ def _walk_dataclass(data: Any, w: Walker) -> Any:
 TENSOR_SEARCH_DEPTH = 8
 """How many attribute or container levels below an object :func:`tensors_inside` looks."""
 
+TENSOR_SEARCH_VALUES = 10_000
+"""How many values :func:`tensors_inside` looks at, at most, per object it searches: an
+object that references a big structure (a vocabulary, a dataset's file list) costs a
+bounded time per batch."""
+
 _OPAQUE = (str, bytes, bytearray, memoryview, int, float, complex, type(None), type,
            types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 _slot_names: dict[type, tuple[str, ...]] = {}
@@ -231,15 +237,16 @@ def _slots_of(cls: type) -> tuple[str, ...]:
     return names
 
 
-def _children(obj: Any) -> list[Any]:
+def _children(obj: Any, limit: int) -> list[Any]:
+    """At most ``limit`` of the values ``obj`` holds (container items or attributes)."""
     if isinstance(obj, (dict, types.MappingProxyType)):
-        return list(obj.values())
+        return list(itertools.islice(obj.values(), limit))
     if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
-        return list(obj)
+        return list(itertools.islice(obj, limit))
     out: list[Any] = []
     attrs = getattr(obj, "__dict__", None)
     if isinstance(attrs, dict):
-        out.extend(attrs.values())
+        out.extend(itertools.islice(attrs.values(), limit))
     for name in _slots_of(type(obj)):
         value = getattr(obj, name, _MISSING)
         if value is not _MISSING:
@@ -247,14 +254,16 @@ def _children(obj: Any) -> list[Any]:
     return out
 
 
-def tensors_inside(obj: Any, depth: int = TENSOR_SEARCH_DEPTH) -> Iterator[torch.Tensor]:
+def tensors_inside(obj: Any, depth: int = TENSOR_SEARCH_DEPTH,
+                   budget: int = TENSOR_SEARCH_VALUES) -> Iterator[torch.Tensor]:
     """Every tensor ``obj`` holds, found through attributes and built-in containers.
 
     Looks in ``obj``'s instance ``__dict__`` and ``__slots__``, and from there into
     dicts, lists, tuples, sets, deques and the attributes of the objects found, at
-    most ``depth`` levels down; each object is visited once (cycles end). Classes,
-    modules and functions are not looked into. Tensors an object keeps elsewhere (a
-    C extension's fields, properties computed on access) are not seen.
+    most ``depth`` levels down and at ``budget`` values in all; each object is
+    visited once (cycles end). Classes, modules and functions are not looked into.
+    Tensors an object keeps elsewhere (a C extension's fields, properties computed
+    on access) or past those bounds are not seen.
 
     Example:
         >>> import torch
@@ -268,13 +277,17 @@ def tensors_inside(obj: Any, depth: int = TENSOR_SEARCH_DEPTH) -> Iterator[torch
         yield obj
         return
     seen = {id(obj)}
-    stack = [(child, 1) for child in _children(obj)]
+    stack = [(child, 1) for child in _children(obj, budget)]
+    budget -= len(stack)
     while stack:
         value, level = stack.pop()
         if isinstance(value, torch.Tensor):
             yield value
             continue
-        if level >= depth or isinstance(value, _OPAQUE) or id(value) in seen:
+        if (level >= depth or budget <= 0 or isinstance(value, _OPAQUE)
+                or id(value) in seen):
             continue
         seen.add(id(value))
-        stack.extend((child, level + 1) for child in _children(value))
+        children = _children(value, budget)
+        budget -= len(children)
+        stack.extend((child, level + 1) for child in children)
