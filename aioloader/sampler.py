@@ -158,7 +158,7 @@ class RandomSampler(Sampler[int], _tud.RandomSampler):
 
     Raises:
         TypeError: ``replacement`` is not a bool, or ``data_source`` has no length
-            (without ``num_samples``).
+            (torch: at construction without ``num_samples``, else at ``iter()``).
         ValueError: ``num_samples`` (or the length) is not a positive int (a bool
             is refused too; torch takes ``num_samples=True`` as 1).
 
@@ -191,14 +191,16 @@ class RandomSampler(Sampler[int], _tud.RandomSampler):
                 "replacement should be a boolean value, but got "
                 f"replacement={replacement!r}; pass True or False."
             )
+        what = "the sampler draws from 0 to len - 1"
         if num_samples is None:  # torch: TypeError from len() here, without the name
-            require_sized("data_source", data_source, "the sampler draws from 0 to len - 1")
+            require_sized("data_source", data_source, what)
         # torch accepts num_samples=True (one sample); bool is refused as by the other
         # samplers (WeightedRandomSampler, BatchSampler), with the same ValueError.
         if (not isinstance(self.num_samples, int) or isinstance(self.num_samples, bool)
                 or self.num_samples <= 0):
             raise _not_positive_int("num_samples", self.num_samples, "pass num_samples >= 1 "
                                     "(or leave it None with a non-empty data_source)")
+        require_sized("data_source", data_source, what)  # torch: at iter(), which reads len()
 
     @property
     def num_samples(self) -> int:
@@ -239,6 +241,9 @@ class SubsetRandomSampler(Sampler[int], _tud.SubsetRandomSampler):
         indices: the indices to shuffle.
         generator: a ``torch.Generator``; torch's global RNG when ``None``.
 
+    Raises:
+        TypeError: ``indices`` has no length (torch: at ``iter()`` or ``len()``).
+
     Example:
         >>> g = torch.Generator().manual_seed(0)
         >>> sorted(SubsetRandomSampler([10, 20, 30], generator=g))
@@ -250,6 +255,8 @@ class SubsetRandomSampler(Sampler[int], _tud.SubsetRandomSampler):
     indices: Sequence[int]
 
     def __init__(self, indices: Sequence[int], generator: torch.Generator | None = None) -> None:
+        # torch: TypeError at iter() or len().
+        require_sized("indices", indices, "the sampler shuffles them")
         self.indices = indices
         self.generator = generator
 

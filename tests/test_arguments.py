@@ -209,6 +209,12 @@ CASES = [
          "SequentialSampler", (5,)),
     Case("RandomSampler data_source=None", {}, TypeError, "data_source", SAME,
          "RandomSampler", (None,)),
+    Case("RandomSampler data_source=None num_samples=3", {"num_samples": 3}, TypeError,
+         "data_source", SAME, "RandomSampler", (None,)),
+    Case("RandomSampler data_source=None num_samples=0", {"num_samples": 0}, ValueError,
+         "num_samples", SAME, "RandomSampler", (None,)),
+    Case("SubsetRandomSampler indices=None", {}, TypeError, "indices", SAME,
+         "SubsetRandomSampler", (None,)),
 ]
 
 
