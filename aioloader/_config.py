@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from . import _torch_data as _tud
+from ._checks import check_batch_list, check_timeout_range, iterable_or_none, not_a_str
 from ._datapipes import apply_shuffle, is_iter_datapipe
 from ._datapipes import wrap as wrap_datapipe
 from ._errors import PrefetchFactorError
@@ -30,7 +31,7 @@ from ._fetch.policy import FailurePolicy, make_policy
 from ._fetch.sync import DatasetKind, dataset_kind
 from ._worker.ray_actor import check_ray_options
 from .collate import default_collate, default_convert
-from .sampler import BatchSampler, RandomSampler, Sampler, SequentialSampler
+from .sampler import BatchSampler, RandomSampler, Sampler
 
 #: The values of ``worker_method``: where the ``num_workers`` workers run. Local
 #: processes and threads use torch's spelling (its thread workers, PR #161044).
@@ -166,14 +167,6 @@ def _callable_or_none(name: str, value: Any, what: str) -> None:
                         f"{type(value).__name__} {name}={value!r}")
 
 
-def _iterable_or_none(name: str, value: Any, what: str) -> None:
-    # Objects iterable through __getitem__ alone are valid samplers too (see BatchSampler).
-    if value is not None and not (hasattr(value, "__iter__") or hasattr(value, "__getitem__")):
-        raise TypeError(f"{name} should be an iterable ({what}), but got "
-                        f"{type(value).__name__} {name}={value!r}: an instance of a Sampler "
-                        f"subclass, or any object with __iter__")
-
-
 def _no_prefetch() -> PrefetchFactorError:
     """``prefetch_factor=0`` with workers: at construction, or assigned before ``iter()``."""
     return PrefetchFactorError(
@@ -206,10 +199,8 @@ def check_worker_options(
     if timeout < 0:
         raise ValueError(f"timeout option should be non-negative (0 waits forever), but got "
                          f"timeout={timeout}")
-    if timeout == math.inf:
-        # torch accepts it and fails at the first batch (OverflowError in its queue).
-        raise ValueError("timeout should be a finite number of seconds, but got timeout=inf; "
-                         "pass timeout=0 to wait for batches without a time limit")
+    if num_workers > 0:  # without workers, check_at_iter: torch's AssertionError first
+        check_timeout_range(timeout)
     if prefetch_factor is not None:
         prefetch_factor = as_int("prefetch_factor", prefetch_factor, "batches requested "
                                  "ahead per worker", allow_bool=True)
@@ -242,8 +233,10 @@ def check_loader_options(
     Called after torch's own checks, so that a call torch refuses at construction is
     refused for the same argument. Returns ``(pin_memory, in_order)`` as bools.
     """
-    _iterable_or_none("sampler", sampler, "of dataset keys")
-    _iterable_or_none("batch_sampler", batch_sampler, "of lists of dataset keys")
+    for name, value, what in (("sampler", sampler, "of dataset keys"),
+                              ("batch_sampler", batch_sampler, "of lists of dataset keys")):
+        iterable_or_none(name, value, what)
+        not_a_str(name, value, what)
     _callable_or_none("collate_fn", collate_fn, "it turns a list of samples into a batch")
     _callable_or_none("worker_init_fn", worker_init_fn, "called with the worker id in "
                       "each worker")
@@ -259,30 +252,8 @@ def check_loader_options(
                         f"(the current accelerator is used): leave it out")
     order = as_flag("in_order", in_order)
     if isinstance(batch_sampler, (list, tuple)):
-        _check_batch_list(batch_sampler, collate_fn)
+        check_batch_list(batch_sampler, collate_fn is None or collate_fn is default_collate)
     return bool(pin), bool(order)
-
-
-def _check_batch_list(batches: list[Any] | tuple[Any, ...], collate_fn: Any) -> None:
-    """A ``batch_sampler`` given as a list: each batch is a non-empty list of keys.
-
-    torch finds out at that batch (``TypeError`` from iterating an int, ``IndexError``
-    from ``default_collate([])``); a list can be checked now. An empty batch is refused
-    only for the default ``collate_fn``: a custom one may handle ``[]``.
-    """
-    default = collate_fn is None or collate_fn is default_collate
-    for position, batch in enumerate(batches):
-        if isinstance(batch, (str, bytes)) or not (
-                hasattr(batch, "__iter__") or hasattr(batch, "__getitem__")):
-            raise TypeError(
-                f"batch_sampler should yield lists of dataset keys, but its batch "
-                f"{position} is {type(batch).__name__} {batch!r}; for one key per batch "
-                f"use batch_sampler=[[k] for k in keys], or sampler=keys with batch_size")
-        if default and hasattr(batch, "__len__") and len(batch) == 0:
-            raise ValueError(
-                f"batch_sampler should yield non-empty lists of dataset keys, but its batch "
-                f"{position} is empty ({batch!r}) and default_collate cannot collate no "
-                f"samples; drop the empty batches, or pass a collate_fn that handles []")
 
 
 def check_extra_options(
@@ -471,13 +442,15 @@ def resolve_sampling(
         if iterable:
             sampler = _InfiniteConstantSampler()
         elif shuffle:
-            sampler = RandomSampler(dataset, generator=generator)
+            RandomSampler(dataset, generator=generator)  # aioloader's checks, as below
+            sampler = _tud.RandomSampler(dataset, generator=generator)
         else:
-            sampler = SequentialSampler(dataset)
+            sampler = _tud.SequentialSampler(dataset)
     if batch_size is not None and batch_sampler is None:
         # Checked with aioloader's messages (they say what to pass), kept as exactly torch's
-        # class (same batches): Lightning and Fabric re-create a loader whose batch sampler
-        # is not `type(x) is BatchSampler` around a rebuilt batch sampler, which leaves
+        # class, as the samplers above (same batches; isinstance(x, aioloader.BatchSampler)
+        # holds too): Lightning and Fabric re-create a loader whose batch sampler is not
+        # `type(x) is BatchSampler` around a rebuilt batch sampler, which leaves
         # batch_size=None and a default SequentialSampler as loader.sampler.
         BatchSampler(sampler, batch_size, drop_last)
         batch_sampler = _tud.BatchSampler(sampler, batch_size, drop_last)
@@ -606,6 +579,7 @@ def check_at_iter(config: LoaderConfig) -> None:
         AssertionError: ``timeout`` without workers with a sync dataset (torch's
             single-process iterator asserts it), or ``prefetch_factor=0`` with workers
             (:class:`PrefetchFactorError`, an AssertionError).
+        TimeoutOverflowError: (an ``OverflowError``) ``timeout`` longer than a wait can be.
     """
     if config.num_workers == 0 and not config.kind.is_async and config.timeout != 0:
         raise AssertionError(
@@ -614,6 +588,7 @@ def check_at_iter(config: LoaderConfig) -> None:
         )
     if config.num_workers > 0 and config.prefetch_factor == 0:
         raise _no_prefetch()
+    check_timeout_range(config.timeout)
 
 
 def make_config(

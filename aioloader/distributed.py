@@ -100,7 +100,9 @@ class DistributedSampler(Sampler[T_co], _tud_distributed.DistributedSampler[T_co
 
     A subclass of :class:`torch.utils.data.distributed.DistributedSampler`, so frameworks
     that look for torch's class (Lightning's and Fabric's sampler injection, ``set_epoch``
-    calls) treat it as one and do not wrap it in a second distributed sampler.
+    calls) treat it as one and do not wrap it in a second distributed sampler. The other
+    way round, ``isinstance(x, aioloader.DistributedSampler)`` holds for torch's (the one
+    Lightning injects).
 
     All replicas build the same order (a permutation seeded with
     ``seed + epoch`` when ``shuffle``), make its length divisible by
@@ -136,6 +138,9 @@ class DistributedSampler(Sampler[T_co], _tud_distributed.DistributedSampler[T_co
         >>> len(DistributedSampler(range(10), num_replicas=3, rank=1, drop_last=True))
         3
     """
+
+    # isinstance(x, aioloader.DistributedSampler) holds for torch's (what Lightning injects).
+    _torch_twin = _tud_distributed.DistributedSampler
 
     def __init__(
         self,

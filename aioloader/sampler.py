@@ -5,18 +5,25 @@ from the random number generators in the same calls at the same moments
 (``__iter__`` methods are generators, so nothing is drawn until the first
 ``next()``). :class:`Sampler` subclasses torch's, so torch's ``DataLoader``
 accepts these samplers and aioloader accepts torch's.
+
+Each public class also stands for torch's class of the same name in ``isinstance`` and
+``issubclass`` (:class:`_TorchTwin`): the loader builds torch's own ``BatchSampler``,
+``SequentialSampler`` and ``RandomSampler`` (Lightning needs ``type(x) is BatchSampler``),
+and code written against ``aioloader.BatchSampler`` still recognises them.
 """
 
 from __future__ import annotations
 
+import abc
 import itertools
 import sys
 from collections.abc import Iterable, Iterator, Sequence, Sized
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from . import _torch_data as _tud
+from ._checks import require_iterable, require_sized
 
 __all__ = [
     "BatchSampler",
@@ -56,7 +63,31 @@ def _not_positive_int(name: str, value: object, hint: str) -> ValueError:
                       f"{name}={value!r}; {hint}.")
 
 
-class Sampler(_tud.Sampler[T_co]):
+class _TorchTwin(abc.ABCMeta):
+    """The metaclass of aioloader's samplers: each public class is its torch twin's alias
+    in ``isinstance``/``issubclass``.
+
+    A class that sets ``_torch_twin`` in its own body (aioloader's public samplers) accepts
+    every instance and subclass of that torch class: ``isinstance(x, aioloader.X)`` is
+    ``isinstance(x, torch.utils.data.X)``. A user's subclass of an aioloader sampler keeps
+    the ordinary checks (the attribute is read from the class's own ``__dict__``). An
+    ``abc.ABCMeta`` so that a user's sampler may also derive from ``abc.ABC``.
+    """
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        twin = cls.__dict__.get("_torch_twin")
+        if twin is not None:
+            return isinstance(instance, twin)
+        return super().__instancecheck__(instance)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        twin = cls.__dict__.get("_torch_twin")
+        if twin is not None:
+            return issubclass(subclass, twin)
+        return super().__subclasscheck__(subclass)
+
+
+class Sampler(_tud.Sampler[T_co], metaclass=_TorchTwin):
     """Base class of samplers: iterables over dataset keys or batches of keys.
 
     Subclasses implement ``__iter__`` and, when the length is known,
@@ -74,6 +105,9 @@ class Sampler(_tud.Sampler[T_co]):
         ([0, 2, 4], 3)
     """
 
+    #: The torch class this one stands for in isinstance/issubclass (:class:`_TorchTwin`).
+    _torch_twin: ClassVar[type] = _tud.Sampler
+
     def __iter__(self) -> Iterator[T_co]:
         raise NotImplementedError(f"{type(self).__name__} must implement __iter__().")
 
@@ -84,14 +118,21 @@ class SequentialSampler(Sampler[int], _tud.SequentialSampler):
     Args:
         data_source: anything with ``__len__``.
 
+    Raises:
+        TypeError: ``data_source`` has no length (torch: at ``iter()`` or ``len()``).
+
     Example:
         >>> list(SequentialSampler("abc"))
         [0, 1, 2]
     """
 
+    _torch_twin = _tud.SequentialSampler
+
     data_source: Sized
 
     def __init__(self, data_source: Sized) -> None:
+        # torch finds out at iter() or len() (TypeError: no len()).
+        require_sized("data_source", data_source, "the sampler yields 0 to len - 1")
         self.data_source = data_source
 
     def __iter__(self) -> Iterator[int]:
@@ -116,7 +157,8 @@ class RandomSampler(Sampler[int], _tud.RandomSampler):
         generator: a ``torch.Generator`` to draw from.
 
     Raises:
-        TypeError: ``replacement`` is not a bool.
+        TypeError: ``replacement`` is not a bool, or ``data_source`` has no length
+            (torch: at construction without ``num_samples``, else at ``iter()``).
         ValueError: ``num_samples`` (or the length) is not a positive int (a bool
             is refused too; torch takes ``num_samples=True`` as 1).
 
@@ -127,6 +169,8 @@ class RandomSampler(Sampler[int], _tud.RandomSampler):
         >>> len(RandomSampler(range(5), replacement=True, num_samples=8))
         8
     """
+
+    _torch_twin = _tud.RandomSampler
 
     data_source: Sized
     replacement: bool
@@ -147,12 +191,16 @@ class RandomSampler(Sampler[int], _tud.RandomSampler):
                 "replacement should be a boolean value, but got "
                 f"replacement={replacement!r}; pass True or False."
             )
+        what = "the sampler draws from 0 to len - 1"
+        if num_samples is None:  # torch: TypeError from len() here, without the name
+            require_sized("data_source", data_source, what)
         # torch accepts num_samples=True (one sample); bool is refused as by the other
         # samplers (WeightedRandomSampler, BatchSampler), with the same ValueError.
         if (not isinstance(self.num_samples, int) or isinstance(self.num_samples, bool)
                 or self.num_samples <= 0):
             raise _not_positive_int("num_samples", self.num_samples, "pass num_samples >= 1 "
                                     "(or leave it None with a non-empty data_source)")
+        require_sized("data_source", data_source, what)  # torch: at iter(), which reads len()
 
     @property
     def num_samples(self) -> int:
@@ -193,15 +241,22 @@ class SubsetRandomSampler(Sampler[int], _tud.SubsetRandomSampler):
         indices: the indices to shuffle.
         generator: a ``torch.Generator``; torch's global RNG when ``None``.
 
+    Raises:
+        TypeError: ``indices`` has no length (torch: at ``iter()`` or ``len()``).
+
     Example:
         >>> g = torch.Generator().manual_seed(0)
         >>> sorted(SubsetRandomSampler([10, 20, 30], generator=g))
         [10, 20, 30]
     """
 
+    _torch_twin = _tud.SubsetRandomSampler
+
     indices: Sequence[int]
 
     def __init__(self, indices: Sequence[int], generator: torch.Generator | None = None) -> None:
+        # torch: TypeError at iter() or len().
+        require_sized("indices", indices, "the sampler shuffles them")
         self.indices = indices
         self.generator = generator
 
@@ -239,6 +294,8 @@ class WeightedRandomSampler(Sampler[int], _tud.WeightedRandomSampler):
         >>> list(WeightedRandomSampler([0.0, 1.0, 0.0], 3, generator=g))
         [1, 1, 1]
     """
+
+    _torch_twin = _tud.WeightedRandomSampler
 
     weights: torch.Tensor
     num_samples: int
@@ -310,6 +367,9 @@ class BatchSampler(Sampler[list[int]], _tud.BatchSampler):
     Raises:
         ValueError: ``batch_size`` is not a positive int (at most
             ``sys.maxsize``) or ``drop_last`` is not a bool.
+        TypeError: ``sampler`` cannot be iterated (``None``, a number, a sampler class
+            rather than an instance, a function, a 0-d tensor; torch raises this
+            ``TypeError`` at ``iter()``), checked after the two above as torch does.
 
     Example:
         >>> list(BatchSampler(range(7), batch_size=3, drop_last=False))
@@ -318,6 +378,8 @@ class BatchSampler(Sampler[list[int]], _tud.BatchSampler):
         2
     """
 
+    _torch_twin = _tud.BatchSampler
+
     def __init__(
         self,
         sampler: _tud.Sampler[int] | Iterable[int],
@@ -325,7 +387,7 @@ class BatchSampler(Sampler[list[int]], _tud.BatchSampler):
         drop_last: bool,
     ) -> None:
         # No isinstance(sampler, Iterable) check: objects iterable through
-        # __getitem__ alone are valid samplers too.
+        # __getitem__ alone are valid samplers too (require_iterable takes them).
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
             raise _not_positive_int("batch_size", batch_size, "pass batch_size >= 1")
         if batch_size > sys.maxsize:
@@ -339,6 +401,7 @@ class BatchSampler(Sampler[list[int]], _tud.BatchSampler):
                 "drop_last should be a boolean value, but got "
                 f"drop_last={drop_last!r}; pass True or False."
             )
+        require_iterable("sampler", sampler, "of dataset keys")
         self.sampler = sampler
         self.batch_size = batch_size
         self.drop_last = drop_last

@@ -66,7 +66,11 @@ CASES = [
     Case("timeout='1'", {**W1, "timeout": "1"}, TypeError, "timeout"),
     Case("timeout=None", {**W1, "timeout": None}, TypeError, "timeout"),
     Case("timeout=nan", {**W1, "timeout": NAN}, ValueError, "timeout", ACCEPTS),
-    Case("timeout=inf", {**W1, "timeout": INF}, ValueError, "timeout", OverflowError),
+    # Regression test for issue 31: torch's OverflowError (from its queue's poll()), not
+    # a ValueError; a finite timeout past poll()'s range fails there too.
+    Case("timeout=inf", {**W1, "timeout": INF}, OverflowError, "timeout=0 to wait"),
+    Case("timeout=2147483.648", {**W1, "timeout": 2147483.648}, OverflowError, "timeout"),
+    Case("timeout=1e10", {**W1, "timeout": 1e10}, OverflowError, "timeout"),
     Case("prefetch_factor=-1", {**W1, "prefetch_factor": -1}, ValueError, "prefetch_factor"),
     Case("prefetch_factor=0", {**W1, "prefetch_factor": 0}, PrefetchFactorError,
          "prefetch_factor"),
@@ -87,12 +91,20 @@ CASES = [
     Case("drop_last='no'", {"drop_last": "no"}, ValueError, "drop_last"),
     Case("shuffle='no'", {"shuffle": "no"}, TypeError, "shuffle", ACCEPTS),
     Case("sampler=3", {"sampler": 3}, TypeError, "sampler"),
+    # Regression test for issue 31: torch fails at the first batch, not naming sampler.
+    Case("sampler='abc'", {"sampler": "abc"}, TypeError, r"sampler=list\('abc'\)"),
+    Case("sampler=a sampler class", {"sampler": aioloader.SequentialSampler}, TypeError,
+         r"sampler=SequentialSampler\(dataset\)"),
+    Case("sampler=a function", {"sampler": lambda: iter(range(3))}, TypeError,
+         r"sampler=<lambda>\(\)"),
+    Case("sampler=0-d tensor", {"sampler": torch.tensor(3)}, TypeError, "sampler"),
+    Case("batch_sampler='abc'", {"batch_sampler": "abc"}, TypeError, "batch_sampler"),
     Case("batch_sampler=3", {"batch_size": 1, "batch_sampler": 3}, TypeError, "batch_sampler"),
     Case("batch_sampler=[1, 2]", {"batch_sampler": [1, 2]}, TypeError, "batch_sampler"),
-    Case("batch_sampler=[[]]", {"batch_sampler": [[]]}, ValueError, "batch_sampler",
-         IndexError),
-    Case("batch_sampler=[[0], []]", {"batch_sampler": [[0], []]}, ValueError,
-         "batch_sampler", IndexError),
+    # Regression test for issue 31: torch's IndexError (default_collate([])), not ValueError.
+    Case("batch_sampler=[[]]", {"batch_sampler": [[]]}, IndexError, "batch_sampler"),
+    Case("batch_sampler=[[0], []]", {"batch_sampler": [[0], []]}, IndexError,
+         "batch_sampler"),
     Case("generator='x'", {"generator": "x"}, TypeError, "generator"),
     Case("generator='x' shuffle", {"generator": "x", "shuffle": True}, TypeError, "generator"),
     Case("collate_fn=3", {"collate_fn": 3}, TypeError, "collate_fn"),
@@ -179,6 +191,30 @@ CASES = [
          "BatchSampler", (range(3), np.int64(2), False)),
     Case("BatchSampler drop_last='no'", {}, ValueError, "drop_last", SAME, "BatchSampler",
          (range(3), 2, "no")),
+    # Regression test for issue 31: a sampler that cannot be iterated; torch raises the
+    # TypeError at iter(), without naming the argument. Its own checks come first.
+    *(Case(f"BatchSampler sampler={label}", {}, TypeError, "^sampler should", SAME,
+           "BatchSampler", (value, 4, drop_last))
+      for label, value, drop_last in (
+          ("None", None, False), ("None drop_last", None, True), ("5", 5, False),
+          ("5.0", 5.0, False), ("a class", samplers.SequentialSampler, False),
+          ("a function", lambda: iter(range(5)), False), ("object()", object(), False),
+          ("0-d tensor", torch.tensor(5), False), ("0-d array", np.array(5), False),
+          ("__iter__=None", type("NoIter", (), {"__iter__": None})(), False))),
+    Case("BatchSampler sampler=None batch_size=0", {}, ValueError, "batch_size", SAME,
+         "BatchSampler", (None, 0, False)),
+    Case("SequentialSampler data_source=None", {}, TypeError, "data_source", SAME,
+         "SequentialSampler", (None,)),
+    Case("SequentialSampler data_source=5", {}, TypeError, r"data_source=range\(n\)", SAME,
+         "SequentialSampler", (5,)),
+    Case("RandomSampler data_source=None", {}, TypeError, "data_source", SAME,
+         "RandomSampler", (None,)),
+    Case("RandomSampler data_source=None num_samples=3", {"num_samples": 3}, TypeError,
+         "data_source", SAME, "RandomSampler", (None,)),
+    Case("RandomSampler data_source=None num_samples=0", {"num_samples": 0}, ValueError,
+         "num_samples", SAME, "RandomSampler", (None,)),
+    Case("SubsetRandomSampler indices=None", {}, TypeError, "indices", SAME,
+         "SubsetRandomSampler", (None,)),
 ]
 
 
@@ -378,6 +414,18 @@ def test_batch_sampler_list_with_empty_batch_and_custom_collate_is_accepted() ->
 
 
 # --------------------------------------------------------------------------- many workers
+
+
+def test_timeout_past_polls_range_assigned_later_is_refused_at_iter() -> None:
+    """Regression test for issue 31: ``loader.timeout = inf`` after construction raises
+    torch's OverflowError at ``iter()``, before any worker starts; the longest timeout
+    torch's queue can wait is accepted."""
+    loader = DataLoader(list(range(4)), num_workers=1)
+    loader.timeout = INF
+    with pytest.raises(OverflowError, match="timeout"):
+        iter(loader)
+    assert not multiprocessing.active_children()
+    assert DataLoader(list(range(4)), num_workers=1, timeout=2147483.647).timeout == 2147483.647
 
 
 def test_too_many_workers_warns_as_torch() -> None:

@@ -89,6 +89,48 @@ def test_async_service_script() -> None:
                      r"loader threads left: 0$", out, re.M), out
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ray_workers_script_checks_its_epoch_against_torch(workers: int) -> None:
+    """Regression test for issue 31: the script's check could not fail (every sample
+    collapsed to zeros, checksum 0.000000); now the epoch is compared with torch's
+    DataLoader (and, with --ray-address, with Ray actors) and the checksum moves."""
+    outs = [run_example("ray_workers.py", "--workers", str(workers), "--n", "96",
+                        "--work", work, "--batch-size", "8", "--epochs", "1", timeout=120)
+            for work in ("20", "1")]
+    checksums = []
+    for out in outs:
+        found = re.search(rf"^local processes: num_workers={workers}, checksum of epoch 0: "
+                          rf"(-?[\d.]+), [\d,]+ samples/s", out, re.M)
+        assert found is not None, out
+        checksums.append(float(found.group(1)))
+        assert "same 96 samples, order and worker RNG draws as torch's DataLoader" in out
+    assert checksums[0] != 0.0 and checksums[0] != checksums[1]
+
+
+def test_ray_workers_comparison_fails_on_a_wrong_epoch() -> None:
+    """The example's comparison can fail: a lost, repeated, reordered or wrongly seeded
+    sample is named, with its position."""
+    spec = importlib.util.spec_from_file_location("ray_workers", EXAMPLES / "ray_workers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    dataset = module.Augmented(6, 20)
+    good = module.Epoch.of([{"index": torch.arange(6),
+                             "features": torch.stack([dataset.features(i) for i in range(6)]),
+                             "noise": torch.rand(6)}])
+    assert module.differences(good, good, "same") == []
+    swapped = module.Epoch(good.index[[0, 2, 1, 3, 4, 5]], good.features[[0, 2, 1, 3, 4, 5]],
+                           good.noise)
+    assert [m.split(" differ")[0] for m in module.differences(swapped, good, "x")] == [
+        "x: indices (order)", "x: features"]
+    assert "from position 1 on" in module.differences(swapped, good, "x")[0]
+    reseeded = module.Epoch(good.index, good.features, good.noise + 1)
+    assert module.differences(reseeded, good, "x")[0].startswith("x: worker RNG draws")
+    lost = module.Epoch(good.index[:5], good.features[:5], good.noise[:5])
+    assert module.differences(lost, good, "x") == ["x: 5 samples, expected 6"]
+    assert good.checksum() != swapped.checksum()
+
+
 # ----------------------------------------------------------------------------------------
 # HTTPSamples in-process
 # ----------------------------------------------------------------------------------------

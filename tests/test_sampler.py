@@ -307,3 +307,110 @@ def test_torch_dataloader_uses_our_batch_sampler(drop_last):
     assert ours == theirs
     assert len(ours) == (7 if drop_last else 8)
     assert torch.equal(state_ours, state_theirs)
+
+
+# -- each public sampler class stands for torch's in isinstance/issubclass (issue 31) ------
+
+TWINS = [(name, getattr(ours_module, name), getattr(tud, name)) for name in (
+    "Sampler", "SequentialSampler", "RandomSampler", "SubsetRandomSampler",
+    "WeightedRandomSampler", "BatchSampler")]
+
+
+def test_loader_batch_sampler_is_torchs_class_and_an_aioloader_batch_sampler():
+    """Regression test for issue 31: the loader's batch sampler is exactly torch's class
+    (Lightning checks ``type(x) is BatchSampler``) and also an ``aioloader.BatchSampler``
+    (it was not: aioloader's was another class)."""
+    import aioloader
+
+    loader = aioloader.DataLoader(list(range(10)), batch_size=3)
+    assert type(loader.batch_sampler) is tud.BatchSampler
+    assert isinstance(loader.batch_sampler, aioloader.BatchSampler)
+    assert isinstance(loader.batch_sampler, aioloader.Sampler)
+    assert isinstance(loader.batch_sampler, tud.BatchSampler)
+    assert issubclass(tud.BatchSampler, aioloader.BatchSampler)
+    # torch's own loader gives the same answers with aioloader's names.
+    theirs = tud.DataLoader(list(range(10)), batch_size=3)
+    assert isinstance(theirs.batch_sampler, aioloader.BatchSampler)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_loader_sampler_is_torchs_class_and_an_aioloader_sampler(shuffle):
+    """Regression test for issue 31: the default sampler is exactly torch's class, as with
+    torch's loader, and an instance of aioloader's class of the same name."""
+    import aioloader
+
+    name = "RandomSampler" if shuffle else "SequentialSampler"
+    for batch_size in (None, 4):
+        loader = aioloader.DataLoader(list(range(10)), batch_size=batch_size, shuffle=shuffle)
+        theirs = tud.DataLoader(list(range(10)), batch_size=batch_size, shuffle=shuffle)
+        assert type(loader.sampler) is type(theirs.sampler) is getattr(tud, name)
+        assert isinstance(loader.sampler, getattr(aioloader, name))
+        assert isinstance(loader.sampler, aioloader.Sampler)
+        other = "SequentialSampler" if shuffle else "RandomSampler"
+        assert not isinstance(loader.sampler, getattr(aioloader, other))
+        if batch_size is not None:
+            assert loader.batch_sampler.sampler is loader.sampler
+
+
+def test_each_sampler_class_accepts_torchs_instances_and_subclasses():
+    """isinstance/issubclass with aioloader's class answer as with torch's, both ways."""
+    ds = list(range(6))
+    made = {
+        "Sampler": lambda m: m.SequentialSampler(ds),
+        "SequentialSampler": lambda m: m.SequentialSampler(ds),
+        "RandomSampler": lambda m: m.RandomSampler(ds),
+        "SubsetRandomSampler": lambda m: m.SubsetRandomSampler([1, 2]),
+        "WeightedRandomSampler": lambda m: m.WeightedRandomSampler([1.0, 2.0], 2),
+        "BatchSampler": lambda m: m.BatchSampler(ds, 2, False),
+    }
+    for name, ours, theirs in TWINS:
+        for module in (tud, ours_module):
+            sampler = made[name](module)
+            assert isinstance(sampler, ours), (name, module)
+            assert isinstance(sampler, theirs), (name, module)
+        assert issubclass(theirs, ours) and issubclass(ours, theirs), name
+
+        class Custom(theirs):  # a user's subclass of torch's class
+            pass
+
+        assert issubclass(Custom, ours), name
+    # Different classes stay different: torch's SequentialSampler is no RandomSampler.
+    assert not isinstance(tud.SequentialSampler(ds), RandomSampler)
+    assert not issubclass(tud.RandomSampler, BatchSampler)
+    assert not isinstance([0, 1], Sampler)
+
+
+def test_distributed_sampler_accepts_torchs():
+    """Regression test for issue 31: what Lightning injects (torch's DistributedSampler)
+    is an aioloader.DistributedSampler; aioloader's stays a torch one."""
+    from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
+
+    import aioloader
+
+    theirs = TorchDistributedSampler(list(range(8)), num_replicas=2, rank=0)
+    ours = aioloader.DistributedSampler(list(range(8)), num_replicas=2, rank=0)
+    assert isinstance(theirs, aioloader.DistributedSampler)
+    assert isinstance(theirs, aioloader.Sampler)
+    assert isinstance(ours, TorchDistributedSampler)
+    assert not isinstance(tud.SequentialSampler(range(3)), aioloader.DistributedSampler)
+
+
+def test_a_users_subclass_keeps_ordinary_isinstance():
+    """A subclass of an aioloader sampler is not widened to torch's class, and it may
+    also derive from abc.ABC (the samplers' metaclass is an ABCMeta)."""
+    import abc
+
+    class Evens(SequentialSampler):
+        def __iter__(self):
+            return iter(range(0, len(self.data_source), 2))
+
+    class Abstract(Sampler[int], abc.ABC):
+        @abc.abstractmethod
+        def size(self) -> int: ...
+
+    assert isinstance(Evens(range(4)), SequentialSampler)
+    assert not isinstance(tud.SequentialSampler(range(4)), Evens)
+    assert not issubclass(tud.SequentialSampler, Evens)
+    assert list(Evens(range(5))) == [0, 2, 4]
+    with pytest.raises(TypeError):
+        Abstract()  # type: ignore[abstract]
