@@ -18,6 +18,9 @@ trusts. Four layouts are read:
   loader's (with a warning), except ``num_workers`` which version 1 records;
 * torchdata's ``StatefulDataLoader`` states (:func:`read_torchdata`).
 
+Last, the keys are checked against each other (:mod:`aioloader._resume.consistency`:
+a state whose keys contradict each other describes no epoch).
+
 Errors name the key path (``state['config']['batch_size']``): :class:`TypeError` for a
 value of the wrong type, :class:`ValueError` for a missing or unknown key, a value out
 of range, or a state that does not match this loader. Nothing in a state is ever
@@ -43,6 +46,10 @@ from typing import Any
 import torch
 
 from .. import _torch_data as _tud
+from .consistency import CORRUPT as _CORRUPT
+from .consistency import WHAT_TO_DO as _WHAT_TO_DO
+from .consistency import check_positions
+from .consistency import length as _length
 from .dataset_state import (
     _DATASET_ITER_STATE,
     _DATASET_STATE,
@@ -63,9 +70,6 @@ __all__ = [
 ]
 
 _MAX_SEED = (1 << 64) - 1  # torch's base seed is a non-negative int64; torchdata's too
-_WHAT_TO_DO = ("resume into a DataLoader built with the same dataset and arguments as the "
-               "one whose state_dict() this is")
-_CORRUPT = "the state is corrupt or was not written by DataLoader.state_dict()"
 
 
 # ------------------------------------------------------------------------------ key paths
@@ -265,13 +269,6 @@ def _type_name(obj: Any) -> str | None:
     ``__main__`` has another module name when a second script loads the state). Compared
     as a string, never imported."""
     return None if obj is None else type(obj).__qualname__
-
-
-def _length(obj: Any) -> int | None:
-    try:
-        return len(obj)
-    except (TypeError, NotImplementedError):
-        return None
 
 
 def loader_config(config: Any) -> dict[str, Any]:
@@ -504,28 +501,6 @@ def _check_against_loader(st: dict[str, Any], config: Any, exact_generators: boo
             check_torch_rng_state(rng["global"], "state['rng']['global']")
         _check_generators(rng["generators"], "state['rng']['generators']", gens,
                           exact_generators)
-    prefix, extra = st["prefix"], st["extra"]
-    if extra and extra[0] <= prefix:
-        raise ValueError(f"state['extra'][0] must be above state['prefix']={prefix} (batches "
-                         f"below it are consumed already), got {extra[0]}: {_CORRUPT}")
-    if iterable:
-        return
-    consumed = prefix + len(extra)
-    if st.get("elastic") is not None:
-        return  # its batches are its share of what other ranks left (_resume.elastic)
-    if st["yielded"] > consumed:
-        raise ValueError(f"state['yielded']={st['yielded']} is more than the batches the "
-                         f"state consumed (state['prefix'] + len(state['extra']) = "
-                         f"{consumed}): {_CORRUPT}")
-    batches = _length(config.index_sampler)
-    last = extra[-1] + 1 if extra else prefix
-    if batches is not None and last > batches:
-        key = f"state['extra'][{len(extra) - 1}]" if extra else "state['prefix']"
-        raise ValueError(f"{key}: the state consumed batch {last - 1} of an epoch of "
-                         f"{batches} batches: {_WHAT_TO_DO}")
-    if (rng is None and sampler_obj is None and not st["finished"] and consumed):
-        raise TypeError(f"state['rng'] must be a dict of RNG states once batches were "
-                        f"consumed (state['prefix']={prefix}), got None: {_CORRUPT}")
 
 
 def _check_world(state: dict[str, Any], config: Any) -> None:
@@ -562,17 +537,21 @@ def _read_v3(state: dict[str, Any], config: Any) -> dict[str, Any]:
         state["distributed"] is None and distributed_info(config) is not None)
     _compare_config(state["config"], "state['config']", config, elastic=merged)
     _check_against_loader(state, config, exact_generators=True)
-    return {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
-            **{name: state[name] for name in _V3_FIELDS}}
+    out = {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
+           **{name: state[name] for name in _V3_FIELDS}}
+    check_positions(out, config, FORMAT_VERSION)
+    return out
 
 
 def _read_v2(state: dict[str, Any], config: Any) -> dict[str, Any]:
     _V2(state, "state")
     _compare_config(state["config"], "state['config']", config)
     _check_against_loader(state, config, exact_generators=True)
-    return {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
-            **{name: state[name] for name in _V2_FIELDS}, "worker_rng": {},
-            "distributed": None, "elastic": None}
+    out = {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
+           **{name: state[name] for name in _V2_FIELDS}, "worker_rng": {},
+           "distributed": None, "elastic": None}
+    check_positions(out, config, 2)
+    return out
 
 
 def _read_v1(state: dict[str, Any], config: Any) -> dict[str, Any]:
@@ -582,15 +561,17 @@ def _read_v1(state: dict[str, Any], config: Any) -> dict[str, Any]:
                          f"this loader has num_workers={config.num_workers} "
                          f"(state['num_workers']): {_WHAT_TO_DO}")
     _check_against_loader(state, config, exact_generators=True)
+    out = {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config),
+           **{name: state[name] for name in _POSITION_FIELDS}, "worker_rng": {},
+           "distributed": None, "elastic": None}
+    check_positions(out, config, 1)
     warnings.warn(
         "this state was written by an older aioloader (state version 1), which did not "
         "record the loader's configuration: it is loaded assuming this DataLoader has the "
         "dataset, batch size, sampler and shuffle of the one that saved it (otherwise the "
         "resumed epoch is wrong). A state_dict() taken now records them.",
         UserWarning, stacklevel=5)  # the caller of loader.load_state_dict
-    return {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config),
-            **{name: state[name] for name in _POSITION_FIELDS}, "worker_rng": {},
-            "distributed": None, "elastic": None}
+    return out
 
 
 #: How each version of aioloader's layout is read (into the current one).
@@ -746,6 +727,8 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
         has_state = any(w is not None and (w[_DATASET_STATE] is not None or (
             w[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None)
             for w in workers.values())
+        td_keys = {"finished": "state['_iterator_finished']",
+                   **dict.fromkeys(("yielded", "prefix"), "state['_snapshot']['_snapshot_step']")}
         state = {
             "finished": finished,
             "base_seed": main["_base_seed"],
@@ -774,6 +757,8 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
                 (sd[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None):
             wstate = {_WORKER_ID: 0, _FETCHER_STATE: sd[_FETCHER_STATE],
                       _DATASET_STATE: sd[_DATASET_STATE]}
+        td_keys = {"finished": "state['_iterator_finished']",
+                   **dict.fromkeys(("yielded", "prefix"), "state['_num_yielded']")}
         state = {
             "finished": sd["_iterator_finished"],
             "base_seed": None,
@@ -797,4 +782,5 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
     # (torchdata sets none). The result passes the same checks as an aioloader state.
     out = {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config), **state}
     _check_against_loader(out, config, exact_generators=False)
+    check_positions(out, config, None, td_keys)
     return out
