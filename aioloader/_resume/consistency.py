@@ -24,7 +24,7 @@ relations (docs/resume.md, "What `load_state_dict` checks"):
   ``elastic['layout']`` the state's ``config``.
 
 Every check is arithmetic on the state (an elastic share's length included): nothing is
-drawn or fetched. The messages shared with :mod:`~aioloader._resume.schema` are here.
+drawn or fetched.
 """
 
 from __future__ import annotations
@@ -38,20 +38,11 @@ from .. import _torch_data as _tud
 from .. import distributed as _distributed
 from .. import sampler as _sampler
 from .._datapipes import is_iter_datapipe
+from .checks import CONTRADICTION, CORRUPT, WHAT_TO_DO, length
 from .elastic import distributed_info
 from .tracker import _stateful_sampler
 
-__all__ = ["CONTRADICTION", "CORRUPT", "WHAT_TO_DO", "check_positions", "length"]
-
-#: A state that does not fit the loading loader.
-WHAT_TO_DO = ("resume into a DataLoader built with the same dataset and arguments as the "
-              "one whose state_dict() this is")
-#: A key that is malformed on its own.
-CORRUPT = "the state is corrupt or was not written by DataLoader.state_dict()"
-#: Keys that contradict each other.
-CONTRADICTION = ("the state's keys contradict each other (it was edited, or pieced together "
-                 "from different states): load the state exactly as DataLoader.state_dict() "
-                 "returned it")
+__all__ = ["check_positions"]
 
 #: Samplers whose ``len()`` is the number of indices they yield (torch's and aioloader's;
 #: a subclass may yield another number, so the types are compared exactly).
@@ -61,14 +52,6 @@ _EXACT_SAMPLERS = frozenset({
     _sampler.RandomSampler, _sampler.SubsetRandomSampler, _sampler.WeightedRandomSampler,
     _distributed.DistributedSampler})
 _EXACT_BATCH_SAMPLERS = frozenset({_tud.BatchSampler, _sampler.BatchSampler})
-
-
-def length(obj: Any) -> int | None:
-    """``len(obj)``, or None when it has none."""
-    try:
-        return len(obj)
-    except (TypeError, NotImplementedError):
-        return None
 
 
 def _exact_length(config: Any) -> bool:
