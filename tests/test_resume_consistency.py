@@ -177,6 +177,10 @@ _CASES: list[Any] = [
                  ("finished", "prefix", "extra"), id="finished-with-batches-left-extra"),
     pytest.param(_map(num_workers=2), _with(_state(_map(num_workers=2), 2), finished=True),
                  ("finished", "prefix"), id="finished-with-batches-left-workers"),
+    pytest.param(_iterable(num_workers=2), _with(_state(_iterable(num_workers=2), 1),
+                                                 finished=True, worker_rng={}),
+                 ("finished", "worker_states.0.fetcher_state.fetcher_ended"),
+                 id="iterable-finished-with-a-shard-left"),
     pytest.param(_map(), _with(_state(_map(), 3), prefix=7, yielded=7), ("prefix",),
                  id="position-past-the-end"),
     pytest.param(_map(), _with(_state(_map(), 3), extra=[6]), ("extra",),
@@ -252,6 +256,22 @@ def test_elastic_part_named_with_its_index() -> None:
     _refused(_dist(), st, re.escape("state['elastic']['parts'][1]['extra']"))
 
 
+def test_nested_elastic_source_of_another_layout_is_refused() -> None:
+    """Regression test for issue 31: the epochs an elastic state comes from are one
+    loader's: a source with another layout is named."""
+    loader = _dist(1, 0)()
+    loader.load_state_dict(aioloader.merge_rank_states(
+        [_take(_dist(2, r), 1) for r in range(2)]))
+    it = iter(loader)
+    next(it)
+    mid = json.loads(json.dumps(loader.state_dict()))
+    it.close()
+    loader.close()
+    again = aioloader.merge_rank_states([mid])
+    again["elastic"]["parts"][0]["source"]["layout"]["batch_size"] = 3
+    _refused(_dist(2, 0), again, re.escape("state['elastic']['parts'][0]['source']['layout']"))
+
+
 def _td_inline(**kw: Any) -> State:
     """A torchdata 0.11 single-process state after 1 batch of 4 (tests/test_resume_validation)."""
     st: State = {"_IterableDataset_len_called": None, "_index_sampler_state": None,
@@ -268,6 +288,17 @@ def test_torchdata_finished_with_batches_left_is_refused() -> None:
         return DataLoader(list(range(30)), batch_size=4)
     _refused(make, _td_inline(_iterator_finished=True), re.escape("state['_iterator_finished']"),
              re.escape("state['_num_yielded']=1"))
+    main = {"_IterableDataset_len_called": None, "_base_seed": 123,
+            "_index_sampler_state": None, "_num_workers": 2,
+            "_sampler_iter_state": {"samples_yielded": 4}, "_sampler_iter_yielded": 1,
+            "_shared_seed": None}
+    workers = {"_iterator_finished": True, "_steps_since_snapshot": 0, "_snapshot": {
+        "_last_yielded_worker_id": 0, "_main_snapshot": main, "_snapshot_step": 1,
+        "_worker_snapshots": {f"worker_{i}": {"dataset_state": None, "fetcher_state": None,
+                                              "worker_id": i} for i in range(2)}}}
+    _refused(lambda: DataLoader(list(range(30)), batch_size=4, num_workers=2), workers,
+             re.escape("state['_iterator_finished']"),
+             re.escape("state['_snapshot']['_snapshot_step']=1"))
     loader = make()
     end = _td_inline(_iterator_finished=True, _num_yielded=8, _sampler_iter_yielded=8,
                      _sampler_iter_state={"samples_yielded": 30})
@@ -340,9 +371,17 @@ def test_elastic_states_keep_resuming() -> None:
     mid = json.loads(json.dumps(loader.state_dict()))
     it.close()
     loader.close()
+    again = aioloader.merge_rank_states([mid])  # the elastic epoch merged onto 2 ranks
+    halves = []
+    for rank in range(2):
+        loader = _dist(2, rank)()
+        loader.load_state_dict(again)
+        halves += [x for b in loader for x in b.tolist()]
+        loader.close()
     loader = _dist(1, 0)()
     loader.load_state_dict(mid)
     rest = [b.tolist() for b in loader]
+    assert sorted(halves) == sorted(x for b in rest for x in b)
     assert len(head + rest) == 12  # 45 samples (3 ranks, padded): one more than 11
     end = json.loads(json.dumps(loader.state_dict()))
     assert end["finished"] and end["prefix"] == 12

@@ -11,7 +11,8 @@ relations (docs/resume.md, "What `load_state_dict` checks"):
   ``len()``, or for an epoch resumed across world sizes (``elastic``) this rank's share,
   computed from ``elastic`` as :mod:`aioloader._resume.elastic` builds it;
 * ``finished`` means every batch of the epoch was consumed (where the sampler's length is
-  the number of batches it draws: torch's samplers), and no ``elastic`` source is kept;
+  the number of batches it draws: torch's samplers), every worker's shard of an iterable
+  dataset had ended, and no ``elastic`` source is kept;
 * ``yielded`` counts handed-out batches, at most the consumed ones;
 * a state with a position has a ``base_seed``, and the RNG states the resume draws the
   consumed batches again from (``rng``, its ``global`` part, or a ``Stateful`` sampler's
@@ -29,7 +30,6 @@ drawn or fetched.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from torch.utils.data.distributed import DistributedSampler as _TorchDistributedSampler
@@ -70,15 +70,30 @@ def _batches(samples: int, size: int, drop_last: bool) -> int:
     return samples // size if drop_last else -(-samples // size)
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _dist_samples(n: int, part: dict[str, Any]) -> int:
-    """``DistributedSampler.num_samples`` of an old rank (torch's formula)."""
+    """``DistributedSampler.num_samples`` of an old rank (torch's formula, in integers)."""
     world = int(part["num_replicas"])
     if part["drop_last"] and n % world:
-        return math.ceil((n - world) / world)
-    return math.ceil(n / world)
+        return _ceil_div(n - world, world)
+    return _ceil_div(n, world)
 
 
-def _part_epoch(part: dict[str, Any], layout: dict[str, Any]) -> tuple[int, int, int]:
+def _share(rank: int, world: int, remaining: int) -> int:
+    """``len(R[rank::world])`` for ``len(R) == remaining``."""
+    return max(0, _ceil_div(remaining - rank, world))
+
+
+#: The remaining samples of each elastic source already counted, by ``id()``: a source is
+#: shared by the parts that name it, so each is counted once (not once per path to it).
+_Memo = dict[int, int]
+
+
+def _part_epoch(part: dict[str, Any], layout: dict[str, Any],
+                memo: _Memo) -> tuple[int, int, int]:
     """An old rank's epoch as :func:`aioloader._resume.elastic.rank_batches` builds it:
     (samples, batch size, batches)."""
     source = part["source"]
@@ -87,39 +102,51 @@ def _part_epoch(part: dict[str, Any], layout: dict[str, Any]) -> tuple[int, int,
         samples = _dist_samples(layout["dataset_len"], part)
         return samples, size, _batches(samples, size, layout["batch_drop_last"])
     size = source["layout"]["batch_size"]
-    samples = len(range(part["rank"], _remaining(source), part["num_replicas"]))
+    samples = _share(part["rank"], part["num_replicas"], _remaining(source, memo))
     return samples, size, _batches(samples, size, False)
 
 
-def _remaining(elastic: dict[str, Any]) -> int:
+def _remaining(elastic: dict[str, Any], memo: _Memo) -> int:
     """``len(remaining_indices(elastic))``, by arithmetic."""
+    if id(elastic) in memo:
+        return memo[id(elastic)]
     total = 0
     for part in elastic["parts"]:
         if part["finished"]:
             continue
-        samples, size, batches = _part_epoch(part, elastic["layout"])
+        samples, size, batches = _part_epoch(part, elastic["layout"], memo)
         kept = min(samples, batches * size)
         gone = min(part["prefix"] * size, kept) + sum(
             min(size, kept - j * size) for j in part["extra"] if j < batches)
-        total += kept - gone
+        total += max(0, kept - gone)
+    memo[id(elastic)] = total
     return total
 
 
-def _check_parts(elastic: dict[str, Any], path: str) -> None:
-    """Each old rank's consumed batches lie inside its epoch (recursively)."""
+def _check_parts(elastic: dict[str, Any], path: str, memo: _Memo) -> None:
+    """Each old rank's consumed batches lie inside its epoch, and every source has the
+    layout of the state's (one loader's epochs), recursively."""
     for i, part in enumerate(elastic["parts"]):
         ppath = f"{path}['parts'][{i}]"
-        if part["source"] is not None:
-            _check_parts(part["source"], f"{ppath}['source']")
+        source = part["source"]
+        if source is not None:
+            spath = f"{ppath}['source']"
+            if source["layout"] != elastic["layout"]:
+                raise ValueError(f"{spath}['layout'] differs from {path}['layout'] (the "
+                                 f"epochs resumed one from another are one loader's): "
+                                 f"{CONTRADICTION}")
+            if id(source) not in memo:
+                _check_parts(source, spath, memo)
         if part["finished"]:  # an ended epoch's positions are not used
             continue
-        batches = _part_epoch(part, elastic["layout"])[2]
+        batches = _part_epoch(part, elastic["layout"], memo)[2]
         last = part["extra"][-1] + 1 if part["extra"] else part["prefix"]
         if last > batches:
             key = f"{ppath}['extra']" if part["extra"] else f"{ppath}['prefix']"
             raise ValueError(f"{key}: old rank {part['rank']} consumed batch {last - 1} of "
                              f"an epoch of {batches} batches (its settings in {ppath} and "
                              f"{path}['layout']): {CONTRADICTION}")
+    _remaining(elastic, memo)
 
 
 # ------------------------------------------------------------------------ the checks
@@ -170,6 +197,8 @@ def check_positions(st: dict[str, Any], config: Any, version: int | None,
     _check_config(st)
     _check_seeds(st, config, version, consumed)
     _check_workers(st, consumed)
+    if iterable and finished and st["config"]["num_workers"]:
+        _check_shards_ended(st)
     if not iterable and not finished and st["elastic"] is None:
         _check_rng(st, config, consumed)
 
@@ -195,10 +224,11 @@ def _check_epoch_end(st: dict[str, Any], config: Any, version: int | None,
                                  "state records where its epoch comes from only until the "
                                  f"epoch ends): {CONTRADICTION}")
             _check_elastic_layout(st)
-            _check_parts(elastic, "state['elastic']")
+            memo: _Memo = {}
+            _check_parts(elastic, "state['elastic']", memo)
             assert here is not None
             size = elastic["layout"]["batch_size"]
-            share = len(range(here["rank"], _remaining(elastic), here["num_replicas"]))
+            share = _share(here["rank"], here["num_replicas"], _remaining(elastic, memo))
             _past_end(prefix, extra, _batches(share, size, False), k,
                       f"this rank's share of the elastic epoch (state['elastic'], rank "
                       f"{here['rank']} of {here['num_replicas']})")
@@ -306,6 +336,17 @@ def _check_workers(st: dict[str, Any], consumed: int) -> None:
                          f"states but state['prefix'] + len(state['extra']) = {consumed} "
                          f"batches were consumed (each comes with its worker's batches): "
                          f"{CONTRADICTION}")
+
+
+def _check_shards_ended(st: dict[str, Any]) -> None:
+    """An iterable dataset's epoch over workers ends when every worker's shard ended: the
+    last batch of each worker the epoch consumed is its end, whose state says so."""
+    for name, wstate in sorted(st["worker_states"].items(), key=lambda kv: int(kv[0])):
+        fstate = None if wstate is None else wstate["fetcher_state"]
+        if fstate is not None and not fstate["fetcher_ended"]:
+            raise ValueError(f"state['finished'] is True but state['worker_states'][{name!r}]"
+                             f"['fetcher_state']['fetcher_ended'] is False (worker {name}'s "
+                             f"shard had not ended): {CONTRADICTION}")
 
 
 def _check_rng(st: dict[str, Any], config: Any, consumed: int) -> None:
