@@ -272,6 +272,45 @@ def test_nested_elastic_source_of_another_layout_is_refused() -> None:
     _refused(_dist(2, 0), again, re.escape("state['elastic']['parts'][0]['source']['layout']"))
 
 
+def test_shared_elastic_sources_are_checked_and_resumed_once() -> None:
+    """Regression test for issue 31: an elastic state whose parts share one source object
+    (as a loaded checkpoint may) nested 14 deep is checked and resumed in time linear in
+    its objects, not in its 4**14 paths, and delivers the epoch's samples exactly once."""
+    from collections import Counter
+    merged = _merged()
+    layout = dict(merged["elastic"]["layout"])
+    source = None
+    for _ in range(14):
+        parts = [{"num_replicas": 4, "rank": r, "epoch": 0, "seed": 9, "shuffle": True,
+                  "drop_last": False, "prefix": 0, "extra": [], "finished": False,
+                  "source": source} for r in range(4)]
+        source = {"layout": layout, "parts": parts}
+    merged["elastic"] = source
+    got: Counter[int] = Counter()
+    for rank in range(2):
+        loader = _dist(2, rank)()
+        loader.load_state_dict(merged)
+        got.update(x for b in loader for x in b.tolist())
+        loader.close()
+    want: Counter[int] = Counter()
+    for rank in range(4):  # the first epoch's 4 ranks, nothing consumed since
+        sampler = aioloader.DistributedSampler(list(range(43)), num_replicas=4, rank=rank,
+                                               seed=9)
+        want.update(sampler)
+    assert got == want
+
+
+def test_elastic_source_that_contains_itself_is_refused() -> None:
+    """Regression test for issue 31: a cycle of sources (possible in a pickled state) is
+    refused as nesting too deep, not followed for ever."""
+    st = _merged()
+    st["elastic"]["parts"][0]["source"] = st["elastic"]
+    loader = _dist()()
+    with pytest.raises(ValueError, match="nests more than 16 elastic resumes"):
+        loader.load_state_dict(st)
+    loader.close()
+
+
 def _td_inline(**kw: Any) -> State:
     """A torchdata 0.11 single-process state after 1 batch of 4 (tests/test_resume_validation)."""
     st: State = {"_IterableDataset_len_called": None, "_index_sampler_state": None,
