@@ -512,7 +512,7 @@ def test_python_random_state_check() -> None:
     """Regression test for issue 18: the Python random state checker (for worker RNGs)."""
     import random
 
-    from aioloader._resume.schema import check_python_random_state
+    from aioloader._resume.checks import check_python_random_state
 
     good = random.Random(3).getstate()
     check_python_random_state(good, "s")

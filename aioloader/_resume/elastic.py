@@ -63,29 +63,40 @@ def _batched(indices: list[int], size: int, drop_last: bool) -> list[list[int]]:
     return out
 
 
-def rank_batches(elastic: dict[str, Any] | None, part: dict[str, Any]) -> list[list[int]]:
+def rank_batches(elastic: dict[str, Any] | None, part: dict[str, Any],
+                 memo: dict[int, list[int]] | None = None) -> list[list[int]]:
     """The batches of one rank (``part``: its ``distributed`` fields) in its epoch: its
     sampler's order batched as the loader did, or, for an elastic epoch (``elastic``),
-    its share of the remaining samples."""
+    its share of the remaining samples (``memo``: see :func:`remaining_indices`)."""
     layout = elastic["layout"] if elastic is not None else part["layout"]
     n, size = layout["dataset_len"], layout["batch_size"]
     if elastic is None:
         return _batched(_sampler_order(part, n), size, layout["batch_drop_last"])
-    share = remaining_indices(elastic)[part["rank"]::part["num_replicas"]]
+    share = remaining_indices(elastic, memo)[part["rank"]::part["num_replicas"]]
     return _batched(share, size, False)
 
 
-def remaining_indices(elastic: dict[str, Any]) -> list[int]:
-    """``R``: the samples no old rank had consumed, old rank by old rank, in their order."""
+def remaining_indices(elastic: dict[str, Any],
+                      memo: dict[int, list[int]] | None = None) -> list[int]:
+    """``R``: the samples no old rank had consumed, old rank by old rank, in their order.
+
+    ``memo`` keeps each source's ``R`` by ``id()`` during one computation: a source that
+    several parts share (one object, as a loaded checkpoint may hold it) is computed
+    once, not once per path to it.
+    """
+    memo = {} if memo is None else memo
+    if id(elastic) in memo:
+        return memo[id(elastic)]
     out: list[int] = []
     for part in sorted(elastic["parts"], key=lambda p: p["rank"]):
-        batches = rank_batches(part["source"], {**part, "layout": elastic["layout"]})
         if part["finished"]:
             continue
+        batches = rank_batches(part["source"], {**part, "layout": elastic["layout"]}, memo)
         consumed = set(part["extra"])
         for j, batch in enumerate(batches):
             if j >= part["prefix"] and j not in consumed:
                 out.extend(batch)
+    memo[id(elastic)] = out
     return out
 
 
@@ -184,10 +195,16 @@ def gather_rank_states(state: dict[str, Any], group: Any = None) -> list[dict[st
     return out
 
 
-def check_elastic(value: Any, path: str, depth: int = 0) -> None:
+def check_elastic(value: Any, path: str, depth: int = 0,
+                  seen: set[int] | None = None) -> None:
     """``state['elastic']``: its shape (types and ranges), recursively. ValueError or
-    TypeError naming the key path."""
+    TypeError naming the key path. A source several parts share (one object) is checked
+    once (``seen``: the ids of those checked to the end; a source that contains itself
+    nests past :data:`MAX_DEPTH`)."""
     if value is None:
+        return
+    seen = set() if seen is None else seen
+    if id(value) in seen:
         return
     if depth > MAX_DEPTH:
         raise ValueError(f"{path} nests more than {MAX_DEPTH} elastic resumes")
@@ -223,9 +240,10 @@ def check_elastic(value: Any, path: str, depth: int = 0) -> None:
             raise ValueError(f"{ppath}['extra'] must be a list of ints above 'prefix'")
         if type(part["finished"]) is not bool:
             raise TypeError(f"{ppath}['finished'] must be a bool")
-        check_elastic(part["source"], f"{ppath}['source']", depth + 1)
+        check_elastic(part["source"], f"{ppath}['source']", depth + 1, seen)
     if sorted(p["rank"] for p in parts) != list(range(world or 0)):
         raise ValueError(f"{path}['parts'] must hold every rank 0..num_replicas-1 once")
+    seen.add(id(value))
 
 
 def check_distributed(value: Any, path: str) -> None:

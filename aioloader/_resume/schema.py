@@ -18,6 +18,12 @@ trusts. Four layouts are read:
   loader's (with a warning), except ``num_workers`` which version 1 records;
 * torchdata's ``StatefulDataLoader`` states (:func:`read_torchdata`).
 
+This module knows the layouts and reads them; the checks it composes live below it:
+each value alone in :mod:`aioloader._resume.checks`, what must match the loading loader
+in :mod:`aioloader._resume.loader_fit`, and last, the keys against each other in
+:mod:`aioloader._resume.consistency` (a state whose keys contradict each other describes
+no epoch).
+
 Errors name the key path (``state['config']['batch_size']``): :class:`TypeError` for a
 value of the wrong type, :class:`ValueError` for a missing or unknown key, a value out
 of range, or a state that does not match this loader. Nothing in a state is ever
@@ -27,15 +33,12 @@ are handed to its own ``load_state_dict`` unread.
 
 A new version adds its reader to :data:`_READERS` (and an upgrade from the previous
 one); a check that a later feature relaxes (``num_workers``, for a resume onto another
-number of workers) is one entry of :data:`_CONFIG_FIELDS`.
-
-This module is imported by worker processes: stdlib and torch only.
+number of workers) is one entry of :data:`~aioloader._resume.loader_fit.CONFIG_FIELDS`.
 """
 
 from __future__ import annotations
 
 import itertools
-import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -43,315 +46,45 @@ from typing import Any
 import torch
 
 from .. import _torch_data as _tud
+from .checks import (
+    CORRUPT,
+    MAX_SEED,
+    WHAT_TO_DO,
+    Check,
+    _bool,
+    _dict,
+    _int,
+    _key,
+    _list_of,
+    _optional,
+    _record,
+    _rng_map,
+    _rng_shape,
+    _show,
+    _user_state,
+    _value_error,
+    check_torch_rng_state,
+    length,
+)
+from .consistency import check_positions
 from .dataset_state import (
     _DATASET_ITER_STATE,
     _DATASET_STATE,
     _FETCHER_ENDED,
     _FETCHER_STATE,
     _WORKER_ID,
-    _stateful,
 )
 from .elastic import check_distributed, check_elastic, distributed_info
-from .tracker import FORMAT_KEY, FORMAT_VERSION, _stateful_sampler, generators
-
-__all__ = [
-    "check_python_random_state",
-    "check_torch_rng_state",
-    "loader_config",
-    "read_torchdata",
-    "validate",
-]
-
-_MAX_SEED = (1 << 64) - 1  # torch's base seed is a non-negative int64; torchdata's too
-_WHAT_TO_DO = ("resume into a DataLoader built with the same dataset and arguments as the "
-               "one whose state_dict() this is")
-_CORRUPT = "the state is corrupt or was not written by DataLoader.state_dict()"
-
-
-# ------------------------------------------------------------------------------ key paths
-
-
-def _key(path: str, key: Any) -> str:
-    return f"{path}[{key!r}]"
-
-
-def _show(value: Any) -> str:
-    """A value for a message: plain values as themselves, anything else by its type only
-    (a state's objects are never asked for their repr: it could run their code)."""
-    if value is None or type(value) in (bool, int, float):
-        text = repr(value)
-    elif type(value) is str:
-        text = repr(value if len(value) <= 60 else value[:57] + "...")
-    else:
-        return f"a {type(value).__name__}"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _type_error(path: str, what: str, value: Any) -> TypeError:
-    return TypeError(f"{path} must be {what}, got {_show(value)}: {_CORRUPT}")
-
-
-def _value_error(path: str, what: str, value: Any) -> ValueError:
-    return ValueError(f"{path} must be {what}, got {_show(value)}: {_CORRUPT}")
-
-
-# ------------------------------------------------------------------------------ checks
-
-#: A check: ``check(value, path)`` raises TypeError/ValueError naming ``path``.
-Check = Callable[[Any, str], None]
-
-
-def _int(lo: int = 0, hi: int | None = None) -> Check:
-    """An integer in ``[lo, hi]``: another type is a TypeError, a fraction a ValueError
-    (as torch's samplers treat a non-integer count)."""
-    what = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
-
-    def check(value: Any, path: str) -> None:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise _type_error(path, what, value)
-        if not isinstance(value, numbers.Integral):
-            raise _value_error(path, what, value)
-        if int(value) < lo or (hi is not None and int(value) > hi):
-            raise _value_error(path, what, value)
-    return check
-
-
-def _bool(value: Any, path: str) -> None:
-    if not isinstance(value, bool):
-        raise _type_error(path, "a bool", value)
-
-
-def _str(value: Any, path: str) -> None:
-    if not isinstance(value, str):
-        raise _type_error(path, "a str", value)
-
-
-def _choice(*choices: str) -> Check:
-    def check(value: Any, path: str) -> None:
-        _str(value, path)
-        if value not in choices:
-            raise _value_error(path, f"one of {list(choices)}", value)
-    return check
-
-
-def _optional(inner: Check) -> Check:
-    def check(value: Any, path: str) -> None:
-        if value is not None:
-            inner(value, path)
-    return check
-
-
-def _dict(value: Any, path: str, what: str = "a dict") -> None:
-    if not isinstance(value, dict):
-        raise _type_error(path, what, value)
-
-
-def _record(fields: dict[str, Check], strict: bool = True) -> Check:
-    """A dict with exactly ``fields`` (``strict=False``: other keys are ignored)."""
-    def check(value: Any, path: str) -> None:
-        _dict(value, path)
-        for name in fields:
-            if name not in value:
-                raise ValueError(f"{path} has no key {name!r} ({_key(path, name)} is "
-                                 f"missing): {_CORRUPT}")
-        if strict:
-            for name in value:
-                if name not in fields:
-                    raise ValueError(f"{_key(path, name)}: unknown key in {path} (this "
-                                     f"aioloader reads {sorted(fields)}): {_CORRUPT}")
-        for name, field in fields.items():
-            field(value[name], _key(path, name))
-    return check
-
-
-def _list_of(item: Check) -> Check:
-    def check(value: Any, path: str) -> None:
-        if not isinstance(value, list):
-            raise _type_error(path, "a list", value)
-        for i, x in enumerate(value):
-            item(x, f"{path}[{i}]")
-    return check
-
-
-def _user_state(value: Any, path: str) -> None:
-    """A ``Stateful`` object's own state: a dict (the protocol's ``state_dict()`` returns
-    one) or ``None``. Its content is the object's own business and is not read here."""
-    if value is not None and not isinstance(value, dict):
-        raise _type_error(path, "a dict (what a Stateful object's state_dict() returns) "
-                          "or None", value)
-
-
-def _rng_shape(value: Any, path: str) -> None:
-    """A torch generator state: a 1-D uint8 CPU tensor, or a list of byte values."""
-    what = "a torch RNG state (a list of ints in [0, 255] or a 1-D uint8 tensor)"
-    if isinstance(value, torch.Tensor):
-        if value.dtype != torch.uint8 or value.dim() != 1 or value.device.type != "cpu":
-            raise _type_error(path, what, value)
-        return
-    if not isinstance(value, list):
-        raise _type_error(path, what, value)
-    if set(map(type, value)) <= {int}:  # the common case at C speed (5056 bytes for a CPU
-        try:                              # generator): exact ints, then bytearray's range check
-            bytearray(value)
-            return
-        except ValueError:
-            pass
-    for i, x in enumerate(value):
-        if type(x) is not int:
-            raise _type_error(f"{path}[{i}]", "an int in [0, 255] (a byte of a torch RNG "
-                              "state)", x)
-        if not 0 <= x <= 255:
-            raise _value_error(f"{path}[{i}]", "an int in [0, 255] (a byte of a torch RNG "
-                               "state)", x)
-
-
-def _rng_map(value: Any, path: str) -> None:
-    _dict(value, path)
-    for name, state in value.items():
-        if not isinstance(name, str):
-            raise _type_error(f"{path} key {_show(name)}", "a str", name)
-        _rng_shape(state, _key(path, name))
-
-
-def check_torch_rng_state(value: Any, path: str, like: torch.Generator | None = None) -> None:
-    """``value`` is a state ``like.set_state()`` takes (default: torch's CPU generator).
-
-    Its shape, then its length, then a trial ``set_state`` on a new generator of the
-    same device (torch checks the state's own fields there): CPU generators only.
-    """
-    _rng_shape(value, path)
-    expected = (like.get_state() if like is not None else torch.get_rng_state()).numel()
-    if len(value) != expected:
-        raise ValueError(f"{path} must be a torch RNG state of {expected} bytes, got "
-                         f"{len(value)}: {_CORRUPT}")
-    if like is None or like.device.type == "cpu":
-        tensor = value if isinstance(value, torch.Tensor) else torch.frombuffer(
-            bytearray(value), dtype=torch.uint8)
-        try:
-            torch.Generator().set_state(tensor)
-        except (RuntimeError, ValueError) as exc:
-            raise ValueError(f"{path} is not a valid torch RNG state ({exc}): "
-                             f"{_CORRUPT}") from None
-
-
-def check_python_random_state(value: Any, path: str) -> None:
-    """``value`` is what ``random.getstate()`` returns (or its JSON form, lists for
-    tuples): ``(3, (624 words < 2**32, index in [0, 624]), gauss_next)``."""
-    what = "a Python random state (version, internal state, gauss_next)"
-    if not isinstance(value, (tuple, list)):
-        raise _type_error(path, what, value)
-    if len(value) != 3:
-        raise _value_error(path, "a sequence of 3 items (version, internal state, "
-                           "gauss_next)", len(value))
-    version, internal, gauss = value
-    _int(3, 3)(version, f"{path}[0]")
-    if not isinstance(internal, (tuple, list)):
-        raise _type_error(f"{path}[1]", "a sequence of 625 ints", internal)
-    if len(internal) != 625:
-        raise _value_error(f"{path}[1]", "a sequence of 625 ints", len(internal))
-    word = _int(0, (1 << 32) - 1)
-    for i, x in enumerate(internal[:624]):
-        word(x, f"{path}[1][{i}]")
-    _int(0, 624)(internal[624], f"{path}[1][624]")
-    if gauss is not None and (isinstance(gauss, bool) or not isinstance(gauss, float)):
-        raise _type_error(f"{path}[2]", "a float or None", gauss)
-
-
-# ------------------------------------------------------------------------------ the loader
-
-
-def _type_name(obj: Any) -> str | None:
-    """A class's qualified name (not its module: a class defined in a script that runs as
-    ``__main__`` has another module name when a second script loads the state). Compared
-    as a string, never imported."""
-    return None if obj is None else type(obj).__qualname__
-
-
-def _length(obj: Any) -> int | None:
-    try:
-        return len(obj)
-    except (TypeError, NotImplementedError):
-        return None
-
-
-def loader_config(config: Any) -> dict[str, Any]:
-    """What a state records of the loader that took it (``state['config']``)."""
-    iterable = bool(config.kind.iterable)
-    return {
-        "dataset_kind": config.kind.value,
-        "dataset_len": None if iterable else _length(config.dataset),
-        "batches": None if iterable else _length(config.index_sampler),
-        "batch_size": config.batch_size,
-        "drop_last": bool(config.drop_last),
-        "shuffle": isinstance(config.sampler, _tud.RandomSampler),
-        "sampler": _type_name(config.sampler),
-        "batch_sampler": _type_name(config.batch_sampler),
-        "num_workers": int(config.num_workers),
-        "persistent_workers": bool(config.persistent_workers and config.num_workers > 0),
-        "generators": sorted(generators(config)),
-    }
-
-
-_GENERATOR_PATHS = ("generator", "sampler.generator", "batch_sampler.generator",
-                    "batch_sampler.sampler.generator")
-
-
-def _generator_paths(value: Any, path: str) -> None:
-    _list_of(_choice(*_GENERATOR_PATHS))(value, path)
-    if sorted(set(value)) != value:
-        raise ValueError(f"{path} must be a sorted list of distinct generator paths: "
-                         f"{_CORRUPT}")
-
-
-#: ``state['config']``: each field's check. All must equal the loader's (a later
-#: version that resumes onto another number of workers relaxes ``num_workers`` here).
-_CONFIG_FIELDS: dict[str, Check] = {
-    "dataset_kind": _choice("map", "iterable", "async_map", "async_iterable"),
-    "dataset_len": _optional(_int()),
-    "batches": _optional(_int()),
-    "batch_size": _optional(_int(1)),
-    "drop_last": _bool,
-    "shuffle": _bool,
-    "sampler": _str,
-    "batch_sampler": _optional(_str),
-    "num_workers": _int(),
-    "persistent_workers": _bool,
-    "generators": _generator_paths,
-}
-
-
-def _fmt(value: Any) -> str:
-    return repr(value) if isinstance(value, (str, list)) else str(value)
-
-
-#: Fields a map-style dataset's state may differ in: its position is the sampler's, which
-#: the number of workers does not change (an elastic resume: the round robin starts at
-#: worker 0 and workers are seeded from the saved base seed, docs/resume.md).
-_ELASTIC_FIELDS = ("num_workers", "persistent_workers")
-
-
-def _elastic(saved: dict[str, Any]) -> bool:
-    return saved["dataset_kind"] in ("map", "async_map")
-
-
-def _compare_config(saved: dict[str, Any], path: str, config: Any,
-                    elastic: bool = False) -> None:
-    here = loader_config(config)
-    skip: tuple[str, ...] = _ELASTIC_FIELDS if _elastic(saved) and saved[
-        "dataset_kind"] == here["dataset_kind"] else ()
-    if elastic:  # another world size: another number of batches per rank
-        skip = (*skip, "batches")
-    diffs = [f"{name}={_fmt(saved[name])}, this loader has {name}={_fmt(here[name])} "
-             f"({_key(path, name)})"
-             for name in _CONFIG_FIELDS if saved[name] != here[name] and name not in skip]
-    if diffs:
-        why = ""
-        if saved["num_workers"] != here["num_workers"] and not skip:
-            why = (" (an iterable dataset is split over its workers by the dataset itself, "
-                   "and its state is per worker: it resumes with the same num_workers "
-                   "only)")
-        raise ValueError("the state was taken with " + "; with ".join(diffs) + why + ": "
-                         + _WHAT_TO_DO)
+from .loader_fit import (
+    CONFIG_FIELDS,
+    check_against_loader,
+    check_world,
+    compare_config,
+    loader_config,
+)
+from .tracker import FORMAT_KEY, FORMAT_VERSION, _stateful_sampler
+
+__all__ = ["read_torchdata", "validate"]
 
 
 # ------------------------------------------------------------------------------ our layout
@@ -375,7 +108,7 @@ def _worker_states(value: Any, path: str) -> None:
         _worker_state(state, _key(path, name))
         if state is not None and state[_WORKER_ID] != int(name):
             raise ValueError(f"{_key(_key(path, name), _WORKER_ID)} is {state[_WORKER_ID]}, "
-                             f"not {int(name)}: {_CORRUPT}")
+                             f"not {int(name)}: {CORRUPT}")
 
 
 def _sorted_extra(value: Any, path: str) -> None:
@@ -383,7 +116,7 @@ def _sorted_extra(value: Any, path: str) -> None:
     for i, (a, b) in enumerate(itertools.pairwise(value)):
         if a >= b:
             raise ValueError(f"{path} must be a sorted list of distinct batch numbers, got "
-                             f"{path}[{i}]={a} before {path}[{i + 1}]={b}: {_CORRUPT}")
+                             f"{path}[{i}]={a} before {path}[{i + 1}]={b}: {CORRUPT}")
 
 
 def _rng(value: Any, path: str) -> None:
@@ -412,12 +145,12 @@ def _worker_rng_blob(value: Any, path: str) -> None:
             or tuple(sizes) not in ((torch_len, *want), (torch_len, *want[:2]))):
         raise ValueError(f"{path} is not a worker's RNG states as DataLoader.state_dict() "
                          f"writes them (kind byte 1 or 2, then sections of {torch_len}, "
-                         f"2500, 9, ... bytes): {_CORRUPT}")
+                         f"2500, 9, ... bytes): {CORRUPT}")
     check_torch_rng_state(list(blob[5:5 + torch_len]), f"{path} (its torch state)")
     index = int.from_bytes(blob[9 + torch_len + 2496:9 + torch_len + 2500], "little")
     if index > 624:
         raise ValueError(f"{path}: its Python random position {index} is past 624: "
-                         f"{_CORRUPT}")
+                         f"{CORRUPT}")
 
 
 def _worker_rngs(value: Any, path: str) -> None:
@@ -432,7 +165,7 @@ def _worker_rngs(value: Any, path: str) -> None:
 #: The fields of every version: version 1 has ``num_workers`` instead of ``config``.
 _POSITION_FIELDS: dict[str, Check] = {
     "finished": _bool,
-    "base_seed": _optional(_int(0, _MAX_SEED)),
+    "base_seed": _optional(_int(0, MAX_SEED)),
     "yielded": _int(),
     "prefix": _int(),
     "extra": _sorted_extra,
@@ -443,136 +176,40 @@ _POSITION_FIELDS: dict[str, Check] = {
     "generators": _rng_map,
 }
 #: Version 2 adds an ``IterDataPipe`` epoch's shared seed (version 1 states have none).
-_V2_FIELDS: dict[str, Check] = {**_POSITION_FIELDS, "shared_seed": _optional(_int(0, _MAX_SEED))}
-_V2 = _record({FORMAT_KEY: _int(), "config": _record(_CONFIG_FIELDS), **_V2_FIELDS})
+_V2_FIELDS: dict[str, Check] = {**_POSITION_FIELDS, "shared_seed": _optional(_int(0, MAX_SEED))}
+_V2 = _record({FORMAT_KEY: _int(), "config": _record(CONFIG_FIELDS), **_V2_FIELDS})
 #: Version 3 adds each worker's RNG states after its last consumed batch, a
 #: DistributedSampler's settings and where an elastic epoch comes from (_resume.elastic).
 _V3_FIELDS: dict[str, Check] = {**_V2_FIELDS, "worker_rng": _worker_rngs,
                                 "distributed": check_distributed, "elastic": check_elastic}
-_V3 = _record({FORMAT_KEY: _int(), "config": _record(_CONFIG_FIELDS), **_V3_FIELDS})
+_V3 = _record({FORMAT_KEY: _int(), "config": _record(CONFIG_FIELDS), **_V3_FIELDS})
 _V1 = _record({FORMAT_KEY: _int(), "num_workers": _int(), **_POSITION_FIELDS})
-
-
-def _check_generators(states: dict[str, Any], path: str, gens: dict[str, torch.Generator],
-                      exact: bool) -> None:
-    for name, value in states.items():
-        if name not in gens:
-            raise ValueError(f"{_key(path, name)}: the state has a generator at {name!r}, "
-                             f"this loader has none there: {_WHAT_TO_DO}")
-        check_torch_rng_state(value, _key(path, name), gens[name])
-    missing = sorted(set(gens) - set(states))
-    if exact and missing:
-        raise ValueError(f"{path} has no state for the loader's generator at {missing[0]!r} "
-                         f"({_key(path, missing[0])} is missing): {_CORRUPT}")
-
-
-def _check_against_loader(st: dict[str, Any], config: Any, exact_generators: bool) -> None:
-    """The fields that depend on the loader: positions, workers, RNG states."""
-    iterable = bool(config.kind.iterable)
-    # The workers of the loader that took it (another number: an elastic resume).
-    saved_workers = st["config"]["num_workers"] if "config" in st else config.num_workers
-    workers = max(1, int(saved_workers))
-    _int(0, workers - 1)(st["last_worker"], "state['last_worker']")
-    rpath = "state['worker_rng']"
-    for name in st.get("worker_rng", {}):
-        if int(name) >= workers:
-            raise ValueError(f"{_key(rpath, name)}: "
-                             f"worker {int(name)} does not exist in a loader with "
-                             f"num_workers={saved_workers}: {_CORRUPT}")
-    for name, wstate in st["worker_states"].items():
-        path = _key("state['worker_states']", name)
-        if int(name) >= workers:
-            raise ValueError(f"{path}: worker {int(name)} does not exist in a loader with "
-                             f"num_workers={saved_workers}: {_CORRUPT}")
-        if wstate is not None and not iterable:
-            raise ValueError(f"{path}: a map-style dataset has no per-worker state: "
-                             f"{_WHAT_TO_DO}")
-        if (wstate is not None and wstate[_DATASET_STATE] is not None
-                and not _stateful(config.dataset)):
-            raise ValueError(f"{_key(path, _DATASET_STATE)}: the state holds a dataset state "
-                             f"but this loader's dataset ({type(config.dataset).__name__}) has "
-                             f"no state_dict/load_state_dict: {_WHAT_TO_DO}")
-    sampler_obj = None if iterable else _stateful_sampler(config)
-    if st["sampler_state"] is not None and sampler_obj is None:
-        raise ValueError("state['sampler_state']: the state holds a sampler state but this "
-                         "loader's sampler has no state_dict/load_state_dict: " + _WHAT_TO_DO)
-    gens = generators(config)
-    _check_generators(st["generators"], "state['generators']", gens, exact_generators)
-    rng = st["rng"]
-    if rng is not None:
-        if rng["global"] is not None:
-            check_torch_rng_state(rng["global"], "state['rng']['global']")
-        _check_generators(rng["generators"], "state['rng']['generators']", gens,
-                          exact_generators)
-    prefix, extra = st["prefix"], st["extra"]
-    if extra and extra[0] <= prefix:
-        raise ValueError(f"state['extra'][0] must be above state['prefix']={prefix} (batches "
-                         f"below it are consumed already), got {extra[0]}: {_CORRUPT}")
-    if iterable:
-        return
-    consumed = prefix + len(extra)
-    if st.get("elastic") is not None:
-        return  # its batches are its share of what other ranks left (_resume.elastic)
-    if st["yielded"] > consumed:
-        raise ValueError(f"state['yielded']={st['yielded']} is more than the batches the "
-                         f"state consumed (state['prefix'] + len(state['extra']) = "
-                         f"{consumed}): {_CORRUPT}")
-    batches = _length(config.index_sampler)
-    last = extra[-1] + 1 if extra else prefix
-    if batches is not None and last > batches:
-        key = f"state['extra'][{len(extra) - 1}]" if extra else "state['prefix']"
-        raise ValueError(f"{key}: the state consumed batch {last - 1} of an epoch of "
-                         f"{batches} batches: {_WHAT_TO_DO}")
-    if (rng is None and sampler_obj is None and not st["finished"] and consumed):
-        raise TypeError(f"state['rng'] must be a dict of RNG states once batches were "
-                        f"consumed (state['prefix']={prefix}), got None: {_CORRUPT}")
-
-
-def _check_world(state: dict[str, Any], config: Any) -> None:
-    """A DistributedSampler's state resumes on the same rank of the same world size, or
-    across world sizes once merged (``merge_rank_states``)."""
-    here = distributed_info(config)
-    saved = state["distributed"]
-    if state["elastic"] is not None:
-        if here is None:
-            raise ValueError("state['elastic']: the state resumes a DistributedSampler's epoch "
-                             "across world sizes; this loader's sampler is "
-                             f"{type(config.sampler).__name__}: {_WHAT_TO_DO}")
-        names: tuple[str, ...] = ("num_replicas", "rank")  # a merged state fits every rank
-    else:
-        names = ("num_replicas", "rank", "seed", "shuffle", "drop_last")
-    if saved is None or here is None:
-        return
-    for name in names:
-        if saved[name] != here[name]:
-            raise ValueError(
-                f"state['distributed'][{name!r}]: the state was taken by the "
-                f"DistributedSampler with {name}={saved[name]!r}, this loader's has "
-                f"{name}={here[name]!r}. To resume on another number of ranks, merge the "
-                f"states of all ranks with aioloader.merge_rank_states(states) and load "
-                f"that (docs/resume.md, 'Elastic resume')")
 
 
 def _read_v3(state: dict[str, Any], config: Any) -> dict[str, Any]:
     _V3(state, "state")
-    _check_world(state, config)
+    check_world(state, config)
     # Merged from the ranks of another world size (merge_rank_states): another number of
     # batches per rank. (A state of another sampler is refused by config['sampler'].)
     merged = state["elastic"] is not None or (
         state["distributed"] is None and distributed_info(config) is not None)
-    _compare_config(state["config"], "state['config']", config, elastic=merged)
-    _check_against_loader(state, config, exact_generators=True)
-    return {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
-            **{name: state[name] for name in _V3_FIELDS}}
+    compare_config(state["config"], "state['config']", config, elastic=merged)
+    check_against_loader(state, config, exact_generators=True)
+    out = {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
+           **{name: state[name] for name in _V3_FIELDS}}
+    check_positions(out, config, FORMAT_VERSION)
+    return out
 
 
 def _read_v2(state: dict[str, Any], config: Any) -> dict[str, Any]:
     _V2(state, "state")
-    _compare_config(state["config"], "state['config']", config)
-    _check_against_loader(state, config, exact_generators=True)
-    return {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
-            **{name: state[name] for name in _V2_FIELDS}, "worker_rng": {},
-            "distributed": None, "elastic": None}
+    compare_config(state["config"], "state['config']", config)
+    check_against_loader(state, config, exact_generators=True)
+    out = {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
+           **{name: state[name] for name in _V2_FIELDS}, "worker_rng": {},
+           "distributed": None, "elastic": None}
+    check_positions(out, config, 2)
+    return out
 
 
 def _read_v1(state: dict[str, Any], config: Any) -> dict[str, Any]:
@@ -580,17 +217,19 @@ def _read_v1(state: dict[str, Any], config: Any) -> dict[str, Any]:
     if state["num_workers"] != config.num_workers:
         raise ValueError(f"the state was taken with num_workers={state['num_workers']}, "
                          f"this loader has num_workers={config.num_workers} "
-                         f"(state['num_workers']): {_WHAT_TO_DO}")
-    _check_against_loader(state, config, exact_generators=True)
+                         f"(state['num_workers']): {WHAT_TO_DO}")
+    check_against_loader(state, config, exact_generators=True)
+    out = {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config),
+           **{name: state[name] for name in _POSITION_FIELDS}, "worker_rng": {},
+           "distributed": None, "elastic": None}
+    check_positions(out, config, 1)
     warnings.warn(
         "this state was written by an older aioloader (state version 1), which did not "
         "record the loader's configuration: it is loaded assuming this DataLoader has the "
         "dataset, batch size, sampler and shuffle of the one that saved it (otherwise the "
         "resumed epoch is wrong). A state_dict() taken now records them.",
         UserWarning, stacklevel=5)  # the caller of loader.load_state_dict
-    return {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config),
-            **{name: state[name] for name in _POSITION_FIELDS}, "worker_rng": {},
-            "distributed": None, "elastic": None}
+    return out
 
 
 #: How each version of aioloader's layout is read (into the current one).
@@ -646,7 +285,7 @@ _TD_MAIN: dict[str, Check] = {
     "_sampler_iter_yielded": _int(),
     "_index_sampler_state": _user_state,
     "_sampler_iter_state": _optional(_td_sampler_iter_state),
-    "_base_seed": _optional(_int(0, _MAX_SEED)),
+    "_base_seed": _optional(_int(0, MAX_SEED)),
 }
 _TD_SNAPSHOT: dict[str, Check] = {
     "_snapshot_step": _int(),
@@ -676,23 +315,23 @@ def _td_check_sampler(main: dict[str, Any], path: str, config: Any, yielded: int
             raise ValueError(
                 f"{_key(ipath, 'samples_yielded')}={samples} after {taken} batches "
                 f"({_key(path, '_sampler_iter_yielded')}): the state was taken with another "
-                f"batch_size than this loader's batch_size={size}: {_WHAT_TO_DO}")
+                f"batch_size than this loader's batch_size={size}: {WHAT_TO_DO}")
     if config.kind.iterable:
         return
     if _stateful_sampler(config) is not None:
         if main["_index_sampler_state"] is None:
             raise TypeError(f"{_key(path, '_index_sampler_state')} must be the state of this "
-                            f"loader's Stateful sampler, got None: {_WHAT_TO_DO}")
+                            f"loader's Stateful sampler, got None: {WHAT_TO_DO}")
     elif not isinstance(config.sampler, _tud.SequentialSampler):
         raise ValueError(
             f"{_key(path, '_index_sampler_state')}: torchdata states resume a sequential or "
             f"Stateful sampler only; this loader's sampler is "
             f"{type(config.sampler).__name__}, whose order the state does not record: "
-            f"{_WHAT_TO_DO}")
-    batches = _length(config.index_sampler)
+            f"{WHAT_TO_DO}")
+    batches = length(config.index_sampler)
     if batches is not None and yielded > batches:
         raise ValueError(f"{ypath}: the torchdata state consumed {yielded} batches of an "
-                         f"epoch of {batches} batches: {_WHAT_TO_DO}")
+                         f"epoch of {batches} batches: {WHAT_TO_DO}")
 
 
 def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
@@ -714,7 +353,7 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
         if main["_num_workers"] != config.num_workers:
             raise ValueError(f"the state was taken with num_workers={main['_num_workers']}, "
                              f"this loader has num_workers={config.num_workers} "
-                             f"({_key(mpath, '_num_workers')}): {_WHAT_TO_DO}")
+                             f"({_key(mpath, '_num_workers')}): {WHAT_TO_DO}")
         if sd["_steps_since_snapshot"]:
             raise ValueError(
                 "state['_steps_since_snapshot']: this torchdata state was taken between "
@@ -729,16 +368,16 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
         if sorted(snap["_worker_snapshots"], key=str) != sorted(names):
             raise ValueError(f"{wpath} must have the keys {names} (torchdata's worker keys), "
                              f"got {sorted(map(_show, snap['_worker_snapshots']))}: "
-                             f"{_CORRUPT}")
+                             f"{CORRUPT}")
         if len(names) > config.num_workers:
             raise ValueError(f"{wpath} holds {len(names)} workers, this loader has "
-                             f"num_workers={config.num_workers}: {_WHAT_TO_DO}")
+                             f"num_workers={config.num_workers}: {WHAT_TO_DO}")
         for i, name in enumerate(names):
             wstate = snap["_worker_snapshots"][name]
             _worker_state(wstate, _key(wpath, name))
             if wstate is not None and wstate[_WORKER_ID] != i:
                 raise ValueError(f"{_key(_key(wpath, name), _WORKER_ID)} is "
-                                 f"{wstate[_WORKER_ID]}, not {i}: {_CORRUPT}")
+                                 f"{wstate[_WORKER_ID]}, not {i}: {CORRUPT}")
             workers[str(i)] = wstate
         _int(0, max(0, config.num_workers - 1))(snap["_last_yielded_worker_id"],
                                                 "state['_snapshot']['_last_yielded_worker_id']")
@@ -746,6 +385,8 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
         has_state = any(w is not None and (w[_DATASET_STATE] is not None or (
             w[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None)
             for w in workers.values())
+        td_keys = {"finished": "state['_iterator_finished']",
+                   **dict.fromkeys(("yielded", "prefix"), "state['_snapshot']['_snapshot_step']")}
         state = {
             "finished": finished,
             "base_seed": main["_base_seed"],
@@ -766,7 +407,7 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
         if config.num_workers:
             raise ValueError(f"the state was taken with num_workers=0, this loader has "
                              f"num_workers={config.num_workers} (a single-process torchdata "
-                             f"state has no '_snapshot'): {_WHAT_TO_DO}")
+                             f"state has no '_snapshot'): {WHAT_TO_DO}")
         yielded = sd["_num_yielded"]
         _td_check_sampler(sd, "state", config, yielded, "state['_num_yielded']")
         wstate = None
@@ -774,6 +415,8 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
                 (sd[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None):
             wstate = {_WORKER_ID: 0, _FETCHER_STATE: sd[_FETCHER_STATE],
                       _DATASET_STATE: sd[_DATASET_STATE]}
+        td_keys = {"finished": "state['_iterator_finished']",
+                   **dict.fromkeys(("yielded", "prefix"), "state['_num_yielded']")}
         state = {
             "finished": sd["_iterator_finished"],
             "base_seed": None,
@@ -796,5 +439,6 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
     # What torchdata leaves out is this loader's: the configuration, no generator states
     # (torchdata sets none). The result passes the same checks as an aioloader state.
     out = {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config), **state}
-    _check_against_loader(out, config, exact_generators=False)
+    check_against_loader(out, config, exact_generators=False)
+    check_positions(out, config, None, td_keys)
     return out

@@ -36,7 +36,8 @@ The per-epoch bookkeeping is :mod:`aioloader._resume.tracker`; a worker's datase
 state, :mod:`aioloader._resume.dataset_state`. This module is the loader's API:
 ``state_dict()`` (:func:`loader_state_dict`) and ``load_state_dict()``
 (:func:`checked_state`); what a loaded state must be (every version of the layout,
-torchdata states), :mod:`aioloader._resume.schema`. Each name is imported from the
+torchdata states), :mod:`aioloader._resume.schema`; what a state records of its loader,
+:mod:`aioloader._resume.loader_fit`. Each name is imported from the
 module that defines it: worker processes import only
 :mod:`~aioloader._resume.dataset_state` (stdlib only).
 """
@@ -45,7 +46,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .schema import loader_config, validate
+from .loader_fit import loader_config
+from .schema import validate
 from .tracker import EpochTracker
 
 __all__ = ["checked_state", "loader_state_dict"]

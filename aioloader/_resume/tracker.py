@@ -44,7 +44,7 @@ def _rng_lists(rng: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _to_tensor(v: Any) -> torch.Tensor:
-    """A validated RNG state (:mod:`aioloader._resume.schema`) as ``set_state`` takes it."""
+    """A validated RNG state (:mod:`aioloader._resume.checks`) as ``set_state`` takes it."""
     if isinstance(v, torch.Tensor):
         return v
     return torch.frombuffer(bytearray(v), dtype=torch.uint8)  # 10x torch.tensor(list)
@@ -347,7 +347,7 @@ class EpochTracker:
 
     def state_dict(self, base_seed: int | None, config: dict[str, Any]) -> dict[str, Any]:
         """The loader's state (layout: docs/resume.md); ``config`` describes the loader
-        (:func:`aioloader._resume.schema.loader_config`)."""
+        (:func:`aioloader._resume.loader_fit.loader_config`)."""
         st: dict[str, Any] = {
             FORMAT_KEY: FORMAT_VERSION,
             "config": config,
