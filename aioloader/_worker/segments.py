@@ -239,7 +239,10 @@ class WorkerSegments:
                 self._arena_bytes += need
                 return seg, offset
         try:
-            seg = self._take(max(need, self._hint - self._arena_bytes))
+            # At least the arena's size so far: an arena of many storages (a list of
+            # tensors, before the hint knows its size) takes a few segments whose sizes
+            # double, not one per storage (each segment is one fd in the reply).
+            seg = self._take(max(need, self._hint - self._arena_bytes, self._arena_bytes))
         except OSError:  # no memfd, no memory: the caller falls back
             return None
         self._arena.append(seg)
