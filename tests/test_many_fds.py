@@ -190,7 +190,7 @@ def test_frame_writer_close_releases_unsent_chunks(fd_room: None) -> None:
     assert open_fds() == before
 
 
-def test_a_frame_too_short_for_its_fds_is_refused() -> None:
+def test_a_frame_too_short_for_its_fds_is_refused(fd_room: None) -> None:
     """Each chunk of fds rides on a byte of its own: a 12-byte frame carries 12 chunks at most
     (an encoded payload always has more bytes than that); the fds are closed."""
     fds = _tagged_fds(13 * SCM_MAX_FD)
@@ -252,6 +252,21 @@ def test_a_reply_of_many_storages_arrives_exactly(method: str, count: int) -> No
     assert len(batches) == 2
     for i, sample in enumerate(batches):
         _check_sample(sample, i, count)
+    # Held, they keep a mapping per segment (a few, of doubling sizes), not one per storage.
+    assert len(_segment_mappings()) <= 2 * 16, len(_segment_mappings())
+
+
+def _segment_mappings() -> list[str]:
+    """The worker segments this process holds mapped (each mapping keeps a descriptor)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own fd, closed
+            continue
+        if target.startswith("/memfd:aioloader-"):
+            out.append(target)
+    return out
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
@@ -271,12 +286,13 @@ def test_shared_tensors_beyond_the_per_message_bound(method: str) -> None:
         _check_sample(sample, i, 300)
 
 
-def test_more_than_scm_max_fd_descriptors_in_one_reply(monkeypatch: Any) -> None:
-    """A reply that does carry 600 descriptors (each storage by its own fd: the per-message
-    bound lifted in the forked worker) arrives exactly: the wire sends them in chunks."""
+@pytest.fixture
+def frame_fds(monkeypatch: Any, fd_room: None) -> list[int]:
+    """Each storage by its own fd (the per-message bound lifted: a forked worker inherits
+    it); the fd count of every frame the parent reads."""
     from aioloader._worker import codec
 
-    monkeypatch.setattr(codec, "MAX_FDS_PER_MESSAGE", 10_000)  # inherited by fork
+    monkeypatch.setattr(codec, "MAX_FDS_PER_MESSAGE", 10_000)
     seen: list[int] = []
     take = FrameReader._take_frame_fds
 
@@ -285,10 +301,34 @@ def test_more_than_scm_max_fd_descriptors_in_one_reply(monkeypatch: Any) -> None
         return take(self, count)
 
     monkeypatch.setattr(FrameReader, "_take_frame_fds", spy)
+    return seen
+
+
+def test_more_than_scm_max_fd_descriptors_in_one_reply(frame_fds: list[int]) -> None:
+    """A reply that does carry 600 descriptors arrives exactly: the wire sends them in
+    chunks."""
     batches = _load(ManyTensors(600, shared=True), "fork", batch_size=None)
-    assert max(seen) >= 600 > SCM_MAX_FD
+    assert max(frame_fds) >= 600 > SCM_MAX_FD
     for i, sample in enumerate(batches):
         _check_sample(sample, i, 600)
+
+
+class AsyncManyTensors(ManyTensors):
+    """The same samples from ``async def __getitem__`` (a worker's event loop writes its
+    replies with a non-blocking FrameWriter)."""
+
+    async def __getitem__(self, i: int) -> list[torch.Tensor]:  # type: ignore[override]
+        return ManyTensors.__getitem__(self, i)
+
+
+def test_async_dataset_replies_with_more_than_scm_max_fd(frame_fds: list[int]) -> None:
+    """An async dataset's worker: a reply of 600 fds and one of 2,000 storages in segments
+    arrive exactly."""
+    for count, shared in ((600, True), (2000, False)):
+        batches = _load(AsyncManyTensors(count, shared=shared), "fork", batch_size=None)
+        for i, sample in enumerate(batches):
+            _check_sample(sample, i, count)
+    assert max(frame_fds) >= 600 > SCM_MAX_FD
 
 
 class Scalars(aioloader.Dataset[torch.Tensor]):

@@ -42,8 +42,9 @@ def _error_reply(cfg: WorkerConfig, epoch: Any, seq: Any) -> tuple[Any, ...]:
     """
     exc = sys.exc_info()[1]
     unlink_failed_segments(exc)
-    if is_out_of_files(exc) and TOO_MANY_FDS not in str(exc):  # the dataset's, torch's
-        add_note(exc, too_many_open_files())  # type stays, as torch's; the advice comes too
+    if exc is not None and is_out_of_files(exc) and TOO_MANY_FDS not in str(exc):
+        # The dataset's or torch's own error: its type stays (as torch's), the advice comes.
+        add_note(exc, too_many_open_files())
     return ("error", epoch, seq, RemoteError.from_current(_where(cfg)))
 
 
