@@ -47,6 +47,8 @@ _ERRNOS = (errno.EMFILE, errno.ENFILE)
 def _side() -> str:
     """This process, as the message names it."""
     info = get_worker_info()
+    if info is not None and info.worker_method == "thread":
+        return f"the main process (pid {os.getpid()}, in thread worker {info.id})"
     if info is not None:
         return f"DataLoader worker process {info.id} (pid {os.getpid()})"
     return f"the main process (pid {os.getpid()})"
