@@ -28,6 +28,7 @@ from .._errors import WorkerDiedError
 from .._threads import ThreadRunner
 from .._worker.codec import LARGE_PAYLOAD, decode
 from .._worker.config import WorkerConfig
+from .._worker.fdlimit import is_out_of_files, out_of_files_error
 from .._worker.main import worker_main
 from .._worker.segments import SegmentMaps
 from .._worker.wire import Frame, FrameReader, FrameWriter
@@ -86,14 +87,20 @@ class Conn:
         raises its own exception type with a note on what to change. ``zygote``
         (``spawn``): forks the worker, unless it cannot (then it is spawned).
         """
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:
+            if is_out_of_files(exc):
+                raise out_of_files_error() from exc
+            raise
         try:
             # fd numbers mean nothing in a fresh interpreter: only a forked child closes some:
             # this pool's parent ends and those of every other pool (other loaders) here.
             close_fds = (_identities([*inherited, parent_sock.fileno(), *_live_parent_ends()])
                          if method == "fork" else [])
             cfg = dataclasses.replace(cfg, parent_pid=parent_pid, close_fds=close_fds,
-                                      start_method=method)
+                                      start_method=method,
+                                      sharing_strategy=_sharing_strategy())
             proc: Proc | None = None
             if zygote is not None:
                 try:
@@ -110,6 +117,10 @@ class Conn:
                 except (pickle.PicklingError, AttributeError, TypeError) as exc:
                     if method != "fork":
                         _explain_pickling_failure(exc, method)
+                    raise
+                except OSError as exc:  # its pipes, its sentinel: descriptors too
+                    if is_out_of_files(exc):
+                        raise out_of_files_error() from exc
                     raise
         except BaseException:
             parent_sock.close()
@@ -299,6 +310,13 @@ def _identities(fds: list[int]) -> list[tuple[int, int, int]]:
             continue
         out.append((fd, st.st_dev, st.st_ino))
     return out
+
+
+def _sharing_strategy() -> str:
+    """torch's sharing strategy here, which the workers started now follow."""
+    import torch.multiprocessing as tmp
+
+    return str(tmp.get_sharing_strategy())  # type: ignore[no-untyped-call]
 
 
 def _decode_into(out: list[Any], frame: Frame, maps: SegmentMaps) -> None:

@@ -11,9 +11,9 @@ Tensor pickling:
 * its :class:`torch.UntypedStorage` becomes a persistent id: ``("fd", i,
   nbytes)`` when it is (or is worth being) in shared memory, or ``("b",
   bytes)`` inline when it is small (below :data:`SHARE_THRESHOLD`), when the
-  message already carries :data:`MAX_FDS_PER_MESSAGE` descriptors, or when
-  torch's sharing strategy is not ``file_descriptor``. A storage shared by
-  several tensors is sent once.
+  message already carries :data:`MAX_FDS_PER_MESSAGE` descriptors (in a worker with
+  segments: copied into one), or when torch's sharing strategy is not
+  ``file_descriptor``. A storage shared by several tensors is sent once.
 
 In a worker process with a segment pool (:mod:`aioloader._worker.segments`), storages,
 numpy arrays and byte buffers travel out of band through recycled segments instead:
@@ -54,7 +54,6 @@ Example:
 
 from __future__ import annotations
 
-import errno
 import io
 import logging
 import os
@@ -66,8 +65,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import TransportError
 from . import segments as _segments
+from .fdlimit import is_out_of_files, out_of_fds, out_of_files_error
 
 try:
     import _posixshmem  # CPython's shm_open/shm_unlink (multiprocessing.shared_memory)
@@ -78,7 +77,6 @@ __all__ = [
     "LARGE_PAYLOAD",
     "MAX_FDS_PER_MESSAGE",
     "SHARE_THRESHOLD",
-    "TOO_MANY_FDS",
     "close_fds",
     "decode",
     "encode",
@@ -88,31 +86,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MAX_FDS_PER_MESSAGE = 250
-"""Most descriptors attached to one frame (Linux ``SCM_MAX_FD`` is 253)."""
+"""Most storages one message sends by their own descriptor: each one holds a descriptor in
+the receiver for as long as it lives (further ones are copied into a segment, or inline).
+Not a limit of the wire, which carries any number of descriptors per message."""
 
 SHARE_THRESHOLD = 64 * 1024
 """Storages of at least this many bytes are moved to shared memory and sent by fd."""
 
 LARGE_PAYLOAD = 1 << 20
 """Payloads of at least this many bytes should be decoded off the event loop."""
-
-
-TOO_MANY_FDS = (
-    "Too many open files. Communication with the workers is no longer possible. Please "
-    "increase the limit using `ulimit -n` in the shell or change the sharing strategy by "
-    "calling `torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning "
-    "of your code (received tensors then travel inline instead of by file descriptor)"
-)
-"""torch's message for running out of descriptors (each received shared tensor holds one)."""
-
-
-def _out_of_fds(fd: int) -> bool:
-    """Whether this process cannot open one more descriptor (probed by duplicating ``fd``)."""
-    try:
-        os.close(os.dup(fd))
-    except OSError as exc:
-        return exc.errno in (errno.EMFILE, errno.ENFILE)
-    return False
 
 
 # torch's MapAllocator creates ``/dev/shm/torch_<pid>_<n>_<k>`` and unlinks it once mapped; a
@@ -305,7 +287,12 @@ class _Pickler(pickle.Pickler):
             return pid
         fd_index = self._seg_fd.get(seg.id, -1)
         if fd_index < 0 and seg.fd is not None:  # the parent has not mapped it yet
-            self.fds.append(os.dup(seg.fd))
+            try:
+                self.fds.append(os.dup(seg.fd))
+            except OSError as exc:
+                if is_out_of_files(exc):
+                    raise out_of_files_error() from exc
+                raise
             fd_index = len(self.fds) - 1
             self._seg_fd[seg.id] = fd_index
             self.fd_sent.append(seg)
@@ -412,8 +399,9 @@ class _Pickler(pickle.Pickler):
             if offset + nbytes <= seg.size:
                 return self._seg_pid("s", seg, offset, nbytes)
             return None
-        if nbytes < self._threshold or storage.is_shared():
-            return None
+        if nbytes < self._threshold or (storage.is_shared() and self._fd_ok
+                                        and len(self.fds) < self._max_fds):
+            return None  # small: inline; in torch's shared memory: its own fd, while allowed
         ref = self._copy_in(torch.empty((0,), dtype=torch.uint8).set_(storage).numpy(), nbytes,
                             "s")
         return None if ref is None else ref.pid
@@ -444,8 +432,8 @@ class _Unpickler(pickle.Unpickler):
                     lease = self._maps.lease(seg_id, offset, nbytes, fd, pooled)
                     out = _segments._storage_over(lease) if tag == "s" else lease
             except OSError as exc:  # each mapping holds an fd, as torch's storages do
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
-                    raise TransportError(TOO_MANY_FDS) from exc
+                if is_out_of_files(exc):
+                    raise out_of_files_error() from exc
                 raise
             self._leased[key] = out
         return out
@@ -466,8 +454,8 @@ class _Unpickler(pickle.Unpickler):
                     storage = torch.UntypedStorage._new_shared_fd_cpu(  # type: ignore[attr-defined]
                         fd, nbytes)
                 except RuntimeError as exc:
-                    if _out_of_fds(fd):
-                        raise TransportError(TOO_MANY_FDS) from exc
+                    if out_of_fds(fd):
+                        raise out_of_files_error() from exc
                     raise
                 self._storages[index] = storage
             return storage
@@ -475,7 +463,7 @@ class _Unpickler(pickle.Unpickler):
 
 
 def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
-           max_fds: int = MAX_FDS_PER_MESSAGE,
+           max_fds: int | None = None,
            buffer_callback: Any = None,
            dispatch_table: Any = None) -> tuple[bytes, list[int]]:
     """Pickle ``obj``; large or shared CPU tensor storages become attached fds.
@@ -485,7 +473,10 @@ def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
         share_threshold: storages of at least this many bytes are moved to
             shared memory (``share_memory_()``) and sent by fd; smaller ones
             travel inline unless they are already shared.
-        max_fds: the most descriptors in one message; further storages inline.
+        max_fds: the most storages sent by their own descriptor (already in torch's
+            shared memory, or where there is no segment pool) in one message
+            (``None``: :data:`MAX_FDS_PER_MESSAGE`); further ones are copied into a
+            segment, or inline. The wire carries any number of descriptors.
         buffer_callback: pickle's protocol-5 out-of-band hook (the caller then hands
             the buffers to :func:`decode`); ``None``: every buffer in-band.
         dispatch_table: the pickler's ``dispatch_table`` (``None``: ``copyreg``'s).
@@ -509,6 +500,7 @@ def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
         True
     """
     buf = io.BytesIO()
+    max_fds = MAX_FDS_PER_MESSAGE if max_fds is None else max_fds
     pool = _segments.current()
     if pool is None:
         pickler = _Pickler(buf, share_threshold, max_fds, None, buffer_callback)

@@ -63,6 +63,10 @@ class WorkerConfig:
         shared_seed: an ``IterDataPipe``'s shared seed for the epoch (the same in every
             worker and rank; ``None`` for other datasets): its random pipes are seeded from
             it before ``worker_init_fn``, as torch's workers do (:mod:`aioloader._datapipes`).
+        sharing_strategy: the parent's ``torch.multiprocessing`` sharing strategy when
+            it started the worker (set by the pool; ``""``: leave the worker's own): a
+            spawned worker follows it too, so ``file_system`` means no descriptors
+            travel whatever the start method (:mod:`aioloader._worker.fdlimit`).
     """
 
     worker_id: int
@@ -85,6 +89,7 @@ class WorkerConfig:
     capture_rng: bool = True
     stats: bool = False
     shared_seed: int | None = None
+    sharing_strategy: str = ""
 
 
 def generate_numpy_seed(base_seed: int, worker_id: int) -> list[int]:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import RemoteError
+from .._errors import RemoteError, add_note
 from .._fetch.guard import guard_fetcher
 from .._fetch.sync import IterFetcher, MapFetcher, make_fetcher
 from .._resume.dataset_state import (
@@ -28,6 +28,7 @@ from .._stats.recorder import WorkerClock
 from .._worker_info import get_worker_info
 from .codec import encode, unlink_failed_segments
 from .config import WorkerConfig, _where, reseed_datapipe
+from .fdlimit import TOO_MANY_FDS, is_out_of_files, too_many_open_files
 from .rng import RngTracker, restore_at_start
 
 __all__ = ["serve_commands"]
@@ -39,7 +40,11 @@ def _error_reply(cfg: WorkerConfig, epoch: Any, seq: Any) -> tuple[Any, ...]:
     A batch that failed to allocate its shared memory (``/dev/shm`` full) leaves no file
     behind: torch's allocator keeps the one it created, so it is removed here.
     """
-    unlink_failed_segments(sys.exc_info()[1])
+    exc = sys.exc_info()[1]
+    unlink_failed_segments(exc)
+    if exc is not None and is_out_of_files(exc) and TOO_MANY_FDS not in str(exc):
+        # The dataset's or torch's own error: its type stays (as torch's), the advice comes.
+        add_note(exc, too_many_open_files())
     return ("error", epoch, seq, RemoteError.from_current(_where(cfg)))
 
 

@@ -96,7 +96,16 @@ def _setup_process(cfg: WorkerConfig) -> int:
         except Exception:  # cosmetic only
             pass
     torch.set_num_threads(1)
+    _follow_sharing_strategy(cfg.sharing_strategy)
     return seed_worker(cfg)
+
+
+def _follow_sharing_strategy(strategy: str) -> None:
+    """Use the parent's sharing strategy (a spawned worker starts with torch's default)."""
+    import torch.multiprocessing as tmp
+
+    if strategy and strategy != tmp.get_sharing_strategy():  # type: ignore[no-untyped-call]
+        tmp.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]
 
 
 def _drop_inherited(known: list[tuple[int, int, int]]) -> None:

@@ -239,7 +239,10 @@ class WorkerSegments:
                 self._arena_bytes += need
                 return seg, offset
         try:
-            seg = self._take(max(need, self._hint - self._arena_bytes))
+            # At least the arena's size so far: an arena of many storages (a list of
+            # tensors, before the hint knows its size) takes a few segments whose sizes
+            # double, not one per storage (each segment is one fd in the reply).
+            seg = self._take(max(need, self._hint - self._arena_bytes, self._arena_bytes))
         except OSError:  # no memfd, no memory: the caller falls back
             return None
         self._arena.append(seg)
@@ -426,18 +429,22 @@ class SegmentMaps:
 
     def __init__(self) -> None:
         self._maps: dict[int, mmap.mmap] = {}
+        # An orphan is mapped once for as long as a view of it lives, however many of its
+        # regions arrive (each mapping holds a descriptor: not one per storage).
+        self._orphans: weakref.WeakValueDictionary[int, mmap.mmap] = (
+            weakref.WeakValueDictionary())
         self._freed: collections.deque[int] = collections.deque()
         self.limit: int | None = None  # the worker's pool bound, sent when it changes
         self._sent_limit: int | None = None
 
     def _map(self, seg_id: int, fd: int | None, pooled: bool) -> mmap.mmap:
-        mm = self._maps.get(seg_id) if pooled else None
+        maps = self._maps if pooled else self._orphans
+        mm = maps.get(seg_id)
         if mm is None:
             if fd is None:
                 raise RuntimeError(f"segment {seg_id} arrived without its descriptor")
             mm = mmap.mmap(fd, os.fstat(fd).st_size)
-            if pooled:
-                self._maps[seg_id] = mm
+            maps[seg_id] = mm
         return mm
 
     def lease(self, seg_id: int, offset: int, nbytes: int, fd: int | None, pooled: bool
@@ -484,4 +491,5 @@ class SegmentMaps:
     def close(self) -> None:
         """Drop every mapping and pending release (the worker is gone)."""
         self._maps.clear()
+        self._orphans.clear()
         self._freed.clear()

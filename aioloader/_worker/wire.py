@@ -16,6 +16,14 @@ Frame layout (native byte order is not assumed: little-endian)::
     +----------------------+----------------------+---------------------+
       fds attached (SCM_RIGHTS) to the first byte of the header
 
+One ``sendmsg`` carries at most :data:`SCM_MAX_FD` (253) descriptors, Linux's limit. A
+frame with more sends them in chunks of that size: chunk ``k`` rides on byte ``k`` of
+the frame (one ``sendmsg`` of one byte each), the last one on the rest of the frame, so
+a frame of up to 253 descriptors is still one ``sendmsg``. The kernel never hands one
+``recvmsg`` the descriptors of two such chunks, and every chunk arrives with a byte of
+its own frame: :class:`FrameReader` keeps received descriptors in arrival order and
+gives a frame its count of them once the frame's last byte is in.
+
 Senders close the descriptors they were given once sent (:func:`send_frame`,
 :func:`send_message`, :class:`FrameWriter`); a :class:`Frame` read by
 :class:`FrameReader` owns its descriptors until :func:`decode` closes them.
@@ -31,12 +39,25 @@ import struct
 from typing import Any, NamedTuple
 
 from .._errors import TransportError
-from .codec import TOO_MANY_FDS, close_fds, encode
+from .codec import close_fds, encode
+from .fdlimit import out_of_files_error
 
-__all__ = ["HEADER", "Frame", "FrameReader", "FrameWriter", "send_frame", "send_message"]
+__all__ = [
+    "HEADER",
+    "SCM_MAX_FD",
+    "Frame",
+    "FrameReader",
+    "FrameWriter",
+    "send_frame",
+    "send_message",
+]
 
 HEADER = struct.Struct("<QI")
 """Frame header: payload length (u64) and number of attached fds (u32)."""
+
+SCM_MAX_FD = 253
+"""Most descriptors one ``sendmsg`` may carry (Linux's ``SCM_MAX_FD``): a frame with more
+sends them in several."""
 
 _CHUNK = 64 * 1024
 _ANCBUF = socket.CMSG_SPACE(4 * 1024)
@@ -64,6 +85,20 @@ def _ancillary(fds: list[int]) -> list[tuple[int, int, bytes]]:
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
 
 
+def _fd_chunks(fds: list[int], nbytes: int) -> list[list[int]]:
+    """``fds`` in chunks of at most :data:`SCM_MAX_FD`, one ``sendmsg`` each.
+
+    Raises:
+        ValueError: a frame of ``nbytes`` bytes is too short to carry them (each chunk
+            rides on a byte of its own; an encoded payload always has enough).
+    """
+    chunks = [fds[i:i + SCM_MAX_FD] for i in range(0, len(fds), SCM_MAX_FD)]
+    if len(chunks) > nbytes:
+        raise ValueError(f"a frame of {nbytes} bytes cannot carry {len(fds)} descriptors "
+                         f"(at most {SCM_MAX_FD} per byte)")
+    return chunks
+
+
 def send_message(sock: socket.socket, obj: Any) -> None:
     """Encode ``obj`` and write it as one frame; blocks until fully written.
 
@@ -87,15 +122,29 @@ def send_message(sock: socket.socket, obj: Any) -> None:
 
 
 def send_frame(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
-    """Write one encoded frame on a blocking socket, then close ``fds`` (always)."""
+    """Write one encoded frame on a blocking socket, then close ``fds`` (always).
+
+    Up to :data:`SCM_MAX_FD` descriptors: one ``sendmsg``. More: one ``sendmsg`` of one
+    byte per further chunk of them first (see the module docstring).
+    """
     try:
         header = HEADER.pack(len(payload), len(fds))
-        sent = sock.sendmsg([header, payload], _ancillary(fds), _NOSIGNAL)
-        if sent < len(header) + len(payload):  # interrupted by a signal: the rest has no fds
-            if sent < len(header):
-                sock.sendall(header[sent:], _NOSIGNAL)
-                sent = len(header)
-            sock.sendall(memoryview(payload)[sent - len(header):], _NOSIGNAL)
+        chunks = _fd_chunks(fds, len(header) + len(payload))
+        parts: list[Any] = [header, payload]
+        if len(chunks) > 1:
+            lead = len(chunks) - 1  # bytes that each carry one chunk alone
+            head = header + bytes(memoryview(payload)[:lead])
+            for k in range(lead):
+                sock.sendmsg([head[k:k + 1]], _ancillary(chunks[k]), _NOSIGNAL)
+            parts = [head[lead:], memoryview(payload)[lead:]]
+        total = len(parts[0]) + len(parts[1])
+        sent = sock.sendmsg(parts, _ancillary(chunks[-1] if chunks else []), _NOSIGNAL)
+        if sent < total:  # interrupted by a signal: the rest has no fds
+            first = len(parts[0])
+            if sent < first:
+                sock.sendall(memoryview(parts[0])[sent:], _NOSIGNAL)
+                sent = first
+            sock.sendall(memoryview(parts[1])[sent - first:], _NOSIGNAL)
     finally:
         close_fds(fds)
 
@@ -109,9 +158,10 @@ class FrameReader:
     Call :meth:`read_available` whenever the socket is readable (it reads
     until the kernel has nothing more, with ``MSG_DONTWAIT``, so the socket
     may be blocking or not), then :meth:`pop` complete frames. Received fds
-    are kept in arrival order and attached to their frame when its header is
-    parsed. Large payloads are received straight into one buffer of the
-    final size (no quadratic re-copying).
+    are kept in arrival order and handed to their frame when its last byte is
+    in (a frame's fds may arrive over several reads). Large payloads are
+    received straight into one buffer of the final size (no quadratic
+    re-copying).
 
     Args:
         sock: a connected ``AF_UNIX`` stream socket.
@@ -123,10 +173,10 @@ class FrameReader:
         self._scratch = bytearray(_CHUNK)
         self._fd_fifo: collections.deque[int] = collections.deque()
         self._frames: collections.deque[Frame] = collections.deque()
-        # A large frame being filled in place: buffer, bytes filled, its fds.
+        # A large frame being filled in place: buffer, bytes filled, its fd count.
         self._big: bytearray | None = None
         self._big_filled = 0
-        self._big_fds: list[int] = []
+        self._big_nfds = 0
         self._eof = False
         self._closed = False
         self._pid = os.getpid()  # the received fds are this process's
@@ -171,8 +221,8 @@ class FrameReader:
             if big is not None:
                 self._big_filled += n
                 if self._big_filled == len(big):
-                    self._frames.append(Frame(big, self._big_fds))
-                    self._big, self._big_fds = None, []
+                    self._big = None
+                    self._frames.append(Frame(big, self._take_frame_fds(self._big_nfds)))
             else:
                 self._buf += scratch[:n]
                 self._parse()
@@ -183,10 +233,8 @@ class FrameReader:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 usable = len(data) - len(data) % _FD_SIZE
                 self._fd_fifo.extend(array.array("i", data[:usable]))
-        if flags & socket.MSG_CTRUNC:
-            raise TransportError(
-                "file descriptors attached to a message were truncated by the kernel. "
-                + TOO_MANY_FDS)
+        if flags & socket.MSG_CTRUNC:  # the kernel dropped what it could not install
+            raise out_of_files_error()
 
     def _take_frame_fds(self, count: int) -> list[int]:
         if count > len(self._fd_fifo):
@@ -205,11 +253,11 @@ class FrameReader:
                 self._frames.append(Frame(bytes(buf[hsize:hsize + length]), fds))
                 del buf[:hsize + length]
             elif length > _CHUNK:
-                # Receive the rest straight into a buffer of the final size.
-                fds = self._take_frame_fds(nfds)
+                # Receive the rest straight into a buffer of the final size (its fds are
+                # taken once it is complete: some may ride on its later bytes).
                 big = bytearray(length)
                 big[:have] = buf[hsize:]
-                self._big, self._big_filled, self._big_fds = big, have, fds
+                self._big, self._big_filled, self._big_nfds = big, have, nfds
                 del buf[:]
                 break
             else:
@@ -220,8 +268,6 @@ class FrameReader:
         self._closed = True
         close_fds(self._fd_fifo)
         self._fd_fifo.clear()
-        close_fds(self._big_fds)
-        self._big_fds = []
         self._big = None
         while self._frames:
             close_fds(self._frames.popleft().fds)
@@ -246,8 +292,10 @@ class FrameWriter:
     :meth:`write` queues a frame; :meth:`flush` writes as much as the kernel
     takes now and returns True when nothing is left. Await writability and
     flush again while it returns False. Attached fds are closed once the
-    first byte of their frame has been sent (the kernel holds its own
-    references from then on), or by :meth:`close`.
+    byte they ride on has been sent (the kernel holds its own references from
+    then on), or by :meth:`close`. More than :data:`SCM_MAX_FD` of them go in
+    chunks, each on a byte of the frame (see the module docstring); a frame
+    written partly keeps the chunks not yet sent for its remaining bytes.
 
     Example:
         >>> import socket
@@ -266,8 +314,9 @@ class FrameWriter:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        # Each entry: (remaining bytes of one frame, fds still to attach).
-        self._queue: collections.deque[tuple[memoryview, list[int]]] = collections.deque()
+        # Each entry: (remaining bytes of one frame, chunks of fds still to attach).
+        self._queue: collections.deque[tuple[memoryview, list[list[int]]]] = (
+            collections.deque())
 
     def write(self, obj: Any) -> None:
         """Encode ``obj`` and queue it as one frame (does not write)."""
@@ -275,9 +324,18 @@ class FrameWriter:
         self.write_frame(payload, fds)
 
     def write_frame(self, payload: bytes, fds: list[int]) -> None:
-        """Queue an already encoded payload and its owned fds as one frame."""
+        """Queue an already encoded payload and its owned fds as one frame.
+
+        Raises:
+            ValueError: the frame is too short to carry that many fds (closed then).
+        """
         data = HEADER.pack(len(payload), len(fds)) + payload
-        self._queue.append((memoryview(data), fds))
+        try:
+            chunks = _fd_chunks(fds, len(data))
+        except ValueError:
+            close_fds(fds)
+            raise
+        self._queue.append((memoryview(data), chunks))
 
     def flush(self) -> bool:
         """Write without blocking; True when the queue is empty.
@@ -288,25 +346,29 @@ class FrameWriter:
         sock = self._sock
         queue = self._queue
         while queue:
-            view, fds = queue[0]
+            view, chunks = queue[0]
+            # One chunk of fds per sendmsg: all but the last ride on one byte each.
+            part = view if len(chunks) <= 1 else view[:1]
             try:
-                if fds:
-                    sent = sock.sendmsg([view], _ancillary(fds), _SEND_FLAGS)
+                if chunks:
+                    sent = sock.sendmsg([part], _ancillary(chunks[0]), _SEND_FLAGS)
                 else:
-                    sent = sock.send(view, _SEND_FLAGS)
+                    sent = sock.send(part, _SEND_FLAGS)
             except (BlockingIOError, InterruptedError):
                 return False
-            if fds:
-                close_fds(fds)
-                fds = []
+            if chunks and sent > 0:  # the chunk went with its first byte
+                close_fds(chunks[0])
+                chunks = chunks[1:]
             if sent == len(view):
                 queue.popleft()
-            else:
-                queue[0] = (view[sent:], fds)
+                continue
+            queue[0] = (view[sent:], chunks)
+            if sent < len(part):  # the kernel's buffer is full
                 return False
         return True
 
     def close(self) -> None:
         """Drop queued frames and close their fds (idempotent)."""
         while self._queue:
-            close_fds(self._queue.popleft()[1])
+            for chunk in self._queue.popleft()[1]:
+                close_fds(chunk)

@@ -1,0 +1,106 @@
+"""Running out of file descriptors: torch's RuntimeError, naming the side that ran out.
+
+torch's DataLoader raises a :class:`RuntimeError` ("Too many open files. Communication
+with the workers is no longer possible. ...") when its process nears its open-file limit.
+aioloader raises the same text, as a :class:`~aioloader._errors.TransportError` (a
+``RuntimeError``), wherever its own machinery cannot get a descriptor: the parent
+receiving or mapping a batch, a worker handing a batch's shared memory over, the parent
+starting a worker. The message adds which process ran out (the main process or worker
+N, its pid) at which limit, and what the ``file_system`` strategy changes in aioloader.
+
+The fixes it names both work with aioloader: a higher ``ulimit -n`` (the main process's
+limit is inherited by the workers it starts), or
+``torch.multiprocessing.set_sharing_strategy('file_system')`` before the loader starts
+its workers, which every start method's workers then follow (the pool passes the
+strategy on): workers then send no descriptor at all and batches are copied through
+their sockets (slower, but any number of tensors at any limit).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+
+from .._errors import TransportError
+from .._worker_info import get_worker_info
+
+__all__ = [
+    "TOO_MANY_FDS",
+    "is_out_of_files",
+    "out_of_fds",
+    "out_of_files_error",
+    "too_many_open_files",
+]
+
+TOO_MANY_FDS = (
+    "Too many open files. Communication with the workers is no longer possible. Please "
+    "increase the limit using `ulimit -n` in the shell or change the sharing strategy by "
+    "calling `torch.multiprocessing.set_sharing_strategy('file_system')` at the beginning "
+    "of your code"
+)
+"""torch's message for running out of descriptors, word for word."""
+
+_ERRNOS = (errno.EMFILE, errno.ENFILE)
+
+
+def _side() -> str:
+    """This process, as the message names it."""
+    info = get_worker_info()
+    if info is not None and info.worker_method == "thread":
+        return f"the main process (pid {os.getpid()}, in thread worker {info.id})"
+    if info is not None:
+        return f"DataLoader worker process {info.id} (pid {os.getpid()})"
+    return f"the main process (pid {os.getpid()})"
+
+
+def too_many_open_files(side: str | None = None) -> str:
+    """torch's message, then which process ran out at which limit and what aioloader does
+    under the ``file_system`` strategy.
+
+    Args:
+        side: the process that ran out; ``None``: this one (a worker names itself).
+
+    Example:
+        >>> too_many_open_files("the main process (pid 1)").startswith(TOO_MANY_FDS)
+        True
+    """
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = f"its limit of {soft} open files" if soft != resource.RLIM_INFINITY else (
+            "the system's limit")
+    except (OSError, ValueError):  # pragma: no cover - every POSIX system has it
+        limit = "its limit"
+    return (f"{TOO_MANY_FDS}. Out of file descriptors: {side or _side()}, at {limit} "
+            f"(a batch's shared memory travels, and is mapped, by descriptor). With the "
+            f"file_system strategy aioloader's workers send no descriptor at all: batches "
+            f"are copied through their sockets instead, which is slower.")
+
+
+def out_of_files_error(side: str | None = None) -> TransportError:
+    """The error to raise (``from`` the ``OSError`` or ``RuntimeError`` that said so)."""
+    return TransportError(too_many_open_files(side))
+
+
+def is_out_of_files(exc: BaseException | None) -> bool:
+    """Whether ``exc``, its cause or its context says a process ran out of descriptors
+    (an ``EMFILE``/``ENFILE`` ``OSError``, or torch's allocator saying so in a
+    ``RuntimeError``)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _ERRNOS:
+            return True
+        if isinstance(exc, RuntimeError) and "Too many open files" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def out_of_fds(fd: int) -> bool:
+    """Whether this process cannot open one more descriptor (probed by duplicating ``fd``)."""
+    try:
+        os.close(os.dup(fd))
+    except OSError as exc:
+        return exc.errno in _ERRNOS
+    return False
