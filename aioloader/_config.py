@@ -9,21 +9,18 @@ from the loader object.
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import multiprocessing.context
-import numbers
-import operator
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import _torch_data as _tud
 from ._checks import check_batch_list, check_timeout_range, iterable_or_none, not_a_str
+from ._coerce import as_flag, as_int, as_seconds
 from ._datapipes import apply_shuffle, is_iter_datapipe
 from ._datapipes import wrap as wrap_datapipe
 from ._errors import PrefetchFactorError
@@ -52,28 +49,6 @@ class _InfiniteConstantSampler(Sampler[None]):
     def __iter__(self) -> Any:
         while True:
             yield None
-
-
-def as_int(name: str, value: Any, what: str, *, allow_bool: bool = False) -> int:
-    """``value`` as a plain ``int``: Python and numpy integers (anything with ``__index__``).
-
-    torch uses ``num_workers`` and ``prefetch_factor`` in comparisons and ``range()``,
-    which take numpy integers too; aioloader stores plain ints so that nothing downstream
-    (pickling to workers, JSON state, ``range()``) sees a numpy scalar. ``what`` says
-    what the argument means (for the message).
-
-    Raises:
-        TypeError: not an integer (a float, a string, ``None``; a bool unless ``allow_bool``).
-    """
-    if isinstance(value, bool) and not allow_bool:
-        raise TypeError(f"{name} should be an int ({what}), but got {name}={value!r}; "
-                        f"pass a number, not a bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} should be an int ({what}), but got "
-                        f"{type(value).__name__} {name}={value!r}; pass a whole number, "
-                        f"e.g. {name}=int({name})") from None
 
 
 class AutoArgumentError(TypeError, ValueError):
@@ -106,59 +81,6 @@ def auto_start(kind: DatasetKind, persistent_workers: Any) -> int:
     persistent = persistent_workers is True or (
         isinstance(persistent_workers, int) and persistent_workers == 1)
     return 0 if kind.is_async and not persistent else 1
-
-
-def _non_negative_int(name: str, value: Any, what: str) -> int:
-    number = as_int(name, value, what)
-    if number < 0:
-        raise ValueError(f"{name} should be a non-negative integer ({what}), but got "
-                         f"{name}={number}")
-    return number
-
-
-def _positive_int(name: str, value: Any, what: str) -> int:
-    number = as_int(name, value, what)
-    if number < 1:
-        raise ValueError(f"{name} should be a positive integer ({what}), but got "
-                         f"{name}={number}")
-    return number
-
-
-def as_flag(name: str, value: Any, *, allow_none: bool = False) -> bool | None:
-    """``value`` as a ``bool``: ``True``/``False``, numpy bools, or the integers 0 and 1.
-
-    torch reads these flags by truth value, so ``in_order="no"`` or ``shuffle="False"``
-    would silently mean ``True`` there; aioloader refuses them.
-
-    Raises:
-        TypeError: anything else (a string, ``None`` unless ``allow_none``, 2, ...).
-    """
-    if value is None and allow_none:
-        return None
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    try:
-        number = operator.index(value)
-    except TypeError:
-        number = -1
-    if number in (0, 1):
-        return bool(number)
-    accepted = "True, False or None" if allow_none else "True or False"
-    raise TypeError(f"{name} should be {accepted}, but got {type(value).__name__} "
-                    f"{name}={value!r} (a non-empty string is true: {name}='False' would "
-                    f"mean True); pass a bool")
-
-
-def _seconds(name: str, value: Any, what: str) -> int | float:
-    """A real number of seconds (numpy numbers too) as a plain int or float; not NaN."""
-    if not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} should be a number of seconds ({what}), but got "
-                        f"{type(value).__name__} {name}={value!r}")
-    number: int | float = (operator.index(value) if isinstance(value, numbers.Integral)
-                           else float(value))
-    if math.isnan(number):
-        raise ValueError(f"{name} should be a number of seconds ({what}), but got {name}=nan")
-    return number
 
 
 def _callable_or_none(name: str, value: Any, what: str) -> None:
@@ -194,8 +116,8 @@ def check_worker_options(
             "num_workers option should be non-negative; "
             f"use num_workers=0 to disable multiprocessing (got num_workers={num_workers})."
         )
-    timeout = _seconds("timeout", timeout, "how long to wait for a batch from the workers; "
-                       "0 waits forever")
+    timeout = as_seconds("timeout", timeout, "how long to wait for a batch from the "
+                         "workers; 0 waits forever", allow_bool=True)
     if timeout < 0:
         raise ValueError(f"timeout option should be non-negative (0 waits forever), but got "
                          f"timeout={timeout}")
@@ -270,14 +192,15 @@ def check_extra_options(
             f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, "
             f"but got worker_method={worker_method!r}"
         )
-    fetch_concurrency = _positive_int(
+    fetch_concurrency = as_int(
         "fetch_concurrency", fetch_concurrency,
-        "the most fetches of an async dataset in flight per process")
-    fetch_threads = _non_negative_int(
+        "the most fetches of an async dataset in flight per process", minimum=1)
+    fetch_threads = as_int(
         "fetch_threads", fetch_threads, "threads reading the samples of a batch; 0 disables "
-        "the fetch thread pool")
-    device_prefetch = _positive_int(
-        "device_prefetch", device_prefetch, "batches the device stage keeps in flight")
+        "the fetch thread pool", minimum=0)
+    device_prefetch = as_int(
+        "device_prefetch", device_prefetch, "batches the device stage keeps in flight",
+        minimum=1)
     return worker_method, fetch_concurrency, fetch_threads, device_prefetch
 
 
@@ -353,8 +276,8 @@ def check_ray_args(
 
 def check_snapshot_every(snapshot_every_n_steps: Any) -> int:
     """``snapshot_every_n_steps`` (resume, docs/resume.md) is a positive int; returned plain."""
-    return _positive_int("snapshot_every_n_steps", snapshot_every_n_steps,
-                         "torchdata's snapshot interval; accepted, changes nothing")
+    return as_int("snapshot_every_n_steps", snapshot_every_n_steps,
+                  "torchdata's snapshot interval; accepted, changes nothing", minimum=1)
 
 
 def check_thread_workers(worker_method: str, num_workers: int, is_async: bool) -> None:
@@ -371,14 +294,8 @@ def check_stats_interval(stats_interval: Any) -> float | None:
     """``stats_interval`` is a positive, finite number of seconds, or ``None``."""
     if stats_interval is None:
         return None
-    what = "between stats log lines; None for no logging"
-    if isinstance(stats_interval, bool):
-        raise TypeError(f"stats_interval should be a number of seconds ({what}), but got "
-                        f"stats_interval={stats_interval!r}")
-    seconds = _seconds("stats_interval", stats_interval, what)
-    if not 0 < seconds < math.inf:
-        raise ValueError(f"stats_interval should be a positive, finite number of seconds "
-                         f"({what}), but got stats_interval={seconds!r}")
+    seconds = as_seconds("stats_interval", stats_interval, "between stats log lines; None "
+                         "for no logging", least="positive", finite=True)
     return float(seconds)
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import Generator, Tensor, default_generator
 
 from . import _torch_data as _tud
+from ._coerce import is_exact_int
 
 __all__ = [
     "BufferedShuffleDataset",
@@ -412,7 +413,7 @@ class BufferedShuffleDataset(IterableDataset[T_co]):
 
     def __init__(self, dataset: Iterable[T_co], buffer_size: int) -> None:
         super().__init__()
-        if not isinstance(buffer_size, int) or isinstance(buffer_size, bool):
+        if not is_exact_int(buffer_size):
             raise TypeError(
                 f"buffer_size should be a positive int, but got {type(buffer_size).__name__}"
                 f" {buffer_size!r}; pass e.g. buffer_size=1000."

@@ -84,7 +84,11 @@ Check = Callable[[Any, str], None]
 
 def _int(lo: int = 0, hi: int | None = None) -> Check:
     """An integer in ``[lo, hi]``: another type is a TypeError, a fraction a ValueError
-    (as torch's samplers treat a non-integer count)."""
+    (as torch's samplers treat a non-integer count).
+
+    A loaded state's value, not an argument: unlike :func:`aioloader._coerce.as_int`
+    (which asks a user's argument for its ``__index__``), it is judged by its type alone,
+    so that nothing of a hostile state runs."""
     what = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
 
     def check(value: Any, path: str) -> None:
