@@ -96,12 +96,19 @@ def _worker_state(value: Any, path: str) -> None:
         _DATASET_STATE: _user_state})(value, path)
 
 
-def _worker_states(value: Any, path: str) -> None:
+def _by_worker(value: Any, path: str) -> dict[str, Any]:
+    """A dict keyed by worker ids written as strings of digits (``"0"``, ``"1"``, ...)."""
     _dict(value, path)
-    for name, state in value.items():
+    for name in value:
         if not isinstance(name, str) or not name.isdigit():
             raise _value_error(f"{path} key {_show(name)}", "a worker id as a str of digits",
                                name)
+    checked: dict[str, Any] = value
+    return checked
+
+
+def _worker_states(value: Any, path: str) -> None:
+    for name, state in _by_worker(value, path).items():
         _worker_state(state, _key(path, name))
         if state is not None and state[_WORKER_ID] != int(name):
             raise ValueError(f"{_key(_key(path, name), _WORKER_ID)} is {state[_WORKER_ID]}, "
@@ -151,11 +158,7 @@ def _worker_rng_blob(value: Any, path: str) -> None:
 
 
 def _worker_rngs(value: Any, path: str) -> None:
-    _dict(value, path)
-    for name, blob in value.items():
-        if not isinstance(name, str) or not name.isdigit():
-            raise _value_error(f"{path} key {_show(name)}", "a worker id as a str of digits",
-                               name)
+    for name, blob in _by_worker(value, path).items():
         _worker_rng_blob(blob, _key(path, name))
 
 
