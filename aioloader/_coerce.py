@@ -17,7 +17,9 @@ Two kinds of argument, and one rule for each:
   ``bool``, a numpy bool, or an integer 0 or 1 (:func:`as_flag`).
 
 aioloader's own arguments (``fetch_concurrency``, ``retries``, ...) follow the second
-rule, without bools. Every message names the argument and says what to pass.
+rule, without bools. Every message names the argument and says what to pass. (A loaded
+state's values are data, not arguments: :mod:`aioloader._resume.checks` judges them by
+their type alone, never calling them, and names their key path.)
 
 Example:
     >>> as_int("num_workers", np.int64(2), "worker processes"), as_flag("shuffle", 1)
