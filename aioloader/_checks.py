@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._coerce import is_exact_int
+
 __all__ = [
     "MAX_TIMEOUT",
     "EmptyBatchError",
@@ -96,7 +98,7 @@ def _not_iterable_hint(name: str, value: Any) -> str:
                 f"{name}={value.__name__}(dataset)")
     if callable(value):
         return f"pass what it returns ({name}={getattr(value, '__name__', 'f')}()) instead"
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if is_exact_int(value) and value >= 0:
         return f"for the keys 0 to {value - 1} pass {name}=range({value})"
     return "pass a Sampler instance, or any iterable such as a list"
 

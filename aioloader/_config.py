@@ -1,460 +1,46 @@
-"""The loader's configuration: every argument check, and the frozen :class:`LoaderConfig`.
+"""The loader's configuration: the frozen :class:`LoaderConfig` and :func:`make_config`.
 
-:func:`make_config` runs the checks in the order torch checks its arguments (the first
-bad argument is the one reported, with torch's exception type), resolves the samplers,
-and returns a :class:`LoaderConfig`. :class:`aioloader._loader.DataLoaderCore` builds one
-in ``__init__``; epochs, pools, resume trackers and statistics are built from it, never
-from the loader object.
+:func:`make_config` runs the argument checks (:mod:`aioloader._options`) in the order
+torch checks its arguments (the first bad argument is the one reported, with torch's
+exception type), resolves the samplers, and returns a :class:`LoaderConfig`.
+:class:`aioloader._loader.DataLoaderCore` builds one in ``__init__``; epochs, pools,
+resume trackers and statistics are built from it, never from the loader object.
 """
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import multiprocessing.context
-import numbers
-import operator
-import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 
-from . import _torch_data as _tud
-from ._checks import check_batch_list, check_timeout_range, iterable_or_none, not_a_str
-from ._datapipes import apply_shuffle, is_iter_datapipe
+from ._checks import check_timeout_range
+from ._coerce import as_flag
 from ._datapipes import wrap as wrap_datapipe
-from ._errors import PrefetchFactorError
 from ._fetch.policy import FailurePolicy, make_policy
 from ._fetch.sync import DatasetKind, dataset_kind
-from ._worker.ray_actor import check_ray_options
+from ._options import (
+    TUNABLE,
+    auto_start,
+    check_extra_options,
+    check_loader_options,
+    check_ray_args,
+    check_snapshot_every,
+    check_stats_interval,
+    check_thread_workers,
+    check_worker_count,
+    check_worker_options,
+    no_prefetch_error,
+    resolve_sampling,
+    take_auto,
+)
 from .collate import default_collate, default_convert
-from .sampler import BatchSampler, RandomSampler, Sampler
-
-#: The values of ``worker_method``: where the ``num_workers`` workers run. Local
-#: processes and threads use torch's spelling (its thread workers, PR #161044).
-WORKER_METHODS = ("multiprocessing", "thread", "ray")
 
 #: Default number of ``await dataset[i]`` in flight per process for async datasets.
 DEFAULT_FETCH_CONCURRENCY = 64
-
-#: The value that opts a knob into autotuning (docs/autotune.md).
-AUTO = "auto"
-#: The arguments that accept :data:`AUTO`.
-TUNABLE = ("num_workers", "prefetch_factor", "fetch_concurrency")
-
-
-class _InfiniteConstantSampler(Sampler[None]):
-    """Yields ``None`` forever: the sampler of iterable-style datasets."""
-
-    def __iter__(self) -> Any:
-        while True:
-            yield None
-
-
-def as_int(name: str, value: Any, what: str, *, allow_bool: bool = False) -> int:
-    """``value`` as a plain ``int``: Python and numpy integers (anything with ``__index__``).
-
-    torch uses ``num_workers`` and ``prefetch_factor`` in comparisons and ``range()``,
-    which take numpy integers too; aioloader stores plain ints so that nothing downstream
-    (pickling to workers, JSON state, ``range()``) sees a numpy scalar. ``what`` says
-    what the argument means (for the message).
-
-    Raises:
-        TypeError: not an integer (a float, a string, ``None``; a bool unless ``allow_bool``).
-    """
-    if isinstance(value, bool) and not allow_bool:
-        raise TypeError(f"{name} should be an int ({what}), but got {name}={value!r}; "
-                        f"pass a number, not a bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} should be an int ({what}), but got "
-                        f"{type(value).__name__} {name}={value!r}; pass a whole number, "
-                        f"e.g. {name}=int({name})") from None
-
-
-class AutoArgumentError(TypeError, ValueError):
-    """A string other than ``"auto"`` for a tunable argument.
-
-    A ``ValueError`` (the value is wrong) and a ``TypeError`` (what torch raises for a
-    string ``num_workers``), so that code written for either catches it.
-    """
-
-
-def take_auto(name: str, value: Any, start: int | None) -> tuple[Any, bool]:
-    """``value``, or ``start`` and True when it is ``"auto"`` (autotuned, docs/autotune.md).
-
-    Raises:
-        AutoArgumentError: another string (a ValueError and a TypeError; it names the
-            argument and what is accepted).
-    """
-    if isinstance(value, str):
-        if value == AUTO:
-            return start, True
-        raise AutoArgumentError(f"{name} should be an int or {AUTO!r} (autotuned, see "
-                         f"docs/autotune.md), but got {name}={value!r}")
-    return value, False
-
-
-def auto_start(kind: DatasetKind, persistent_workers: Any) -> int:
-    """Where ``num_workers="auto"`` starts: 0 for an async dataset (its fetches already
-    overlap in the main process) unless workers must persist, else one worker (the tuner
-    adds more)."""
-    persistent = persistent_workers is True or (
-        isinstance(persistent_workers, int) and persistent_workers == 1)
-    return 0 if kind.is_async and not persistent else 1
-
-
-def _non_negative_int(name: str, value: Any, what: str) -> int:
-    number = as_int(name, value, what)
-    if number < 0:
-        raise ValueError(f"{name} should be a non-negative integer ({what}), but got "
-                         f"{name}={number}")
-    return number
-
-
-def _positive_int(name: str, value: Any, what: str) -> int:
-    number = as_int(name, value, what)
-    if number < 1:
-        raise ValueError(f"{name} should be a positive integer ({what}), but got "
-                         f"{name}={number}")
-    return number
-
-
-def as_flag(name: str, value: Any, *, allow_none: bool = False) -> bool | None:
-    """``value`` as a ``bool``: ``True``/``False``, numpy bools, or the integers 0 and 1.
-
-    torch reads these flags by truth value, so ``in_order="no"`` or ``shuffle="False"``
-    would silently mean ``True`` there; aioloader refuses them.
-
-    Raises:
-        TypeError: anything else (a string, ``None`` unless ``allow_none``, 2, ...).
-    """
-    if value is None and allow_none:
-        return None
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    try:
-        number = operator.index(value)
-    except TypeError:
-        number = -1
-    if number in (0, 1):
-        return bool(number)
-    accepted = "True, False or None" if allow_none else "True or False"
-    raise TypeError(f"{name} should be {accepted}, but got {type(value).__name__} "
-                    f"{name}={value!r} (a non-empty string is true: {name}='False' would "
-                    f"mean True); pass a bool")
-
-
-def _seconds(name: str, value: Any, what: str) -> int | float:
-    """A real number of seconds (numpy numbers too) as a plain int or float; not NaN."""
-    if not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} should be a number of seconds ({what}), but got "
-                        f"{type(value).__name__} {name}={value!r}")
-    number: int | float = (operator.index(value) if isinstance(value, numbers.Integral)
-                           else float(value))
-    if math.isnan(number):
-        raise ValueError(f"{name} should be a number of seconds ({what}), but got {name}=nan")
-    return number
-
-
-def _callable_or_none(name: str, value: Any, what: str) -> None:
-    if value is not None and not callable(value):
-        raise TypeError(f"{name} should be a callable ({what}) or None, but got "
-                        f"{type(value).__name__} {name}={value!r}")
-
-
-def _no_prefetch() -> PrefetchFactorError:
-    """``prefetch_factor=0`` with workers: at construction, or assigned before ``iter()``."""
-    return PrefetchFactorError(
-        "prefetch_factor must be greater than 0 with num_workers > 0 (it is how many "
-        "batches each worker is asked for ahead; 0 would request none): pass "
-        "prefetch_factor=1 or more, or leave it None for the default of 2"
-    )
-
-
-def check_worker_options(
-    num_workers: Any, timeout: Any, prefetch_factor: Any, persistent_workers: Any,
-) -> tuple[int, int | float, int | None, bool]:
-    """torch's checks of the worker arguments, in torch's order, with numpy numbers.
-
-    Returns ``(num_workers, timeout, prefetch_factor, persistent_workers)`` as plain
-    Python values; with workers and no ``prefetch_factor``, torch's default of 2.
-    """
-    # torch compares num_workers/timeout/prefetch_factor with 0 (TypeError for None or a
-    # str) and passes num_workers/prefetch_factor to range() at iter() (TypeError for a
-    # float): the same types, raised here. bool is an int there: num_workers=True is 1.
-    num_workers = as_int("num_workers", num_workers, "how many worker processes; 0 loads "
-                         "in the main process", allow_bool=True)
-    if num_workers < 0:
-        raise ValueError(
-            "num_workers option should be non-negative; "
-            f"use num_workers=0 to disable multiprocessing (got num_workers={num_workers})."
-        )
-    timeout = _seconds("timeout", timeout, "how long to wait for a batch from the workers; "
-                       "0 waits forever")
-    if timeout < 0:
-        raise ValueError(f"timeout option should be non-negative (0 waits forever), but got "
-                         f"timeout={timeout}")
-    if num_workers > 0:  # without workers, check_at_iter: torch's AssertionError first
-        check_timeout_range(timeout)
-    if prefetch_factor is not None:
-        prefetch_factor = as_int("prefetch_factor", prefetch_factor, "batches requested "
-                                 "ahead per worker", allow_bool=True)
-    if num_workers == 0 and prefetch_factor is not None:
-        raise ValueError(
-            "prefetch_factor option could only be specified in multiprocessing. "
-            "Let num_workers > 0 to enable multiprocessing, otherwise set "
-            "prefetch_factor to None."
-        )
-    if num_workers > 0 and prefetch_factor is None:
-        prefetch_factor = 2
-    elif prefetch_factor is not None and prefetch_factor < 0:
-        raise ValueError(f"prefetch_factor option should be non-negative, but got "
-                         f"prefetch_factor={prefetch_factor}")
-    elif prefetch_factor == 0:
-        # torch asserts this at iter(); PrefetchFactorError is an AssertionError too.
-        raise _no_prefetch()
-    persistent = as_flag("persistent_workers", persistent_workers)
-    if persistent and num_workers == 0:
-        raise ValueError("persistent_workers option needs num_workers > 0")
-    return num_workers, timeout, prefetch_factor, bool(persistent)
-
-
-def check_loader_options(
-    *, sampler: Any, batch_sampler: Any, collate_fn: Any, worker_init_fn: Any,
-    generator: Any, pin_memory: Any, pin_memory_device: Any, in_order: Any,
-) -> tuple[bool, bool]:
-    """The torch arguments torch itself checks only when it uses them (or never).
-
-    Called after torch's own checks, so that a call torch refuses at construction is
-    refused for the same argument. Returns ``(pin_memory, in_order)`` as bools.
-    """
-    for name, value, what in (("sampler", sampler, "of dataset keys"),
-                              ("batch_sampler", batch_sampler, "of lists of dataset keys")):
-        iterable_or_none(name, value, what)
-        not_a_str(name, value, what)
-    _callable_or_none("collate_fn", collate_fn, "it turns a list of samples into a batch")
-    _callable_or_none("worker_init_fn", worker_init_fn, "called with the worker id in "
-                      "each worker")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator should be a torch.Generator or None, but got "
-                        f"{type(generator).__name__} generator={generator!r}; e.g. "
-                        f"generator=torch.Generator().manual_seed(0)")
-    pin = as_flag("pin_memory", pin_memory)
-    if not isinstance(pin_memory_device, (str, torch.device)):
-        raise TypeError(f"pin_memory_device should be a str, but got "
-                        f"{type(pin_memory_device).__name__} "
-                        f"pin_memory_device={pin_memory_device!r}; it is deprecated in torch "
-                        f"(the current accelerator is used): leave it out")
-    order = as_flag("in_order", in_order)
-    if isinstance(batch_sampler, (list, tuple)):
-        check_batch_list(batch_sampler, collate_fn is None or collate_fn is default_collate)
-    return bool(pin), bool(order)
-
-
-def check_extra_options(
-    worker_method: Any, fetch_concurrency: Any, fetch_threads: Any, device_prefetch: Any,
-) -> tuple[str, int, int, int]:
-    """aioloader's own worker and fetch arguments; returns them as plain values."""
-    if not isinstance(worker_method, str):
-        raise TypeError(
-            f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, "
-            f"but got {type(worker_method).__name__} worker_method={worker_method!r}"
-        )
-    if worker_method not in WORKER_METHODS:
-        raise ValueError(
-            f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, "
-            f"but got worker_method={worker_method!r}"
-        )
-    fetch_concurrency = _positive_int(
-        "fetch_concurrency", fetch_concurrency,
-        "the most fetches of an async dataset in flight per process")
-    fetch_threads = _non_negative_int(
-        "fetch_threads", fetch_threads, "threads reading the samples of a batch; 0 disables "
-        "the fetch thread pool")
-    device_prefetch = _positive_int(
-        "device_prefetch", device_prefetch, "batches the device stage keeps in flight")
-    return worker_method, fetch_concurrency, fetch_threads, device_prefetch
-
-
-#: Up to this many workers the system's task limits are not read (they are far above it).
-_FEW_WORKERS = 256
-
-
-def _task_limit() -> tuple[int, str] | None:
-    """The most processes/threads this process could ever have, and where that comes from.
-
-    The smallest of: the kernel's ``pid_max`` and ``threads-max``, the pids cgroup's
-    ``pids.max``, and (not for root, whom it does not bind) ``RLIMIT_NPROC``. None when
-    none of them is known.
-    """
-    limits: list[tuple[int, str]] = []
-    for path in ("/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max",
-                 "/sys/fs/cgroup/pids.max", "/sys/fs/cgroup/pids/pids.max"):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            limits.append((int(text), path))
-    try:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
-        if soft != resource.RLIM_INFINITY and os.geteuid() != 0:
-            limits.append((soft, "RLIMIT_NPROC (ulimit -u)"))
-    except (ImportError, OSError, ValueError):
-        pass
-    return min(limits) if limits else None
-
-
-def check_worker_count(num_workers: int, worker_method: str) -> None:
-    """Refuse a ``num_workers`` the system could never start, before starting any.
-
-    Without this, starting would fork (or spawn threads) until the system refuses, then
-    stop them all again. The ordinary warning for more workers than CPUs is torch's
-    (``check_worker_number_rationality``).
-    """
-    if num_workers <= _FEW_WORKERS or worker_method == "ray":
-        return
-    found = _task_limit()
-    if found is not None and num_workers >= found[0]:
-        limit, source = found
-        raise ValueError(
-            f"num_workers={num_workers} cannot be started: this system allows at most "
-            f"{limit} processes/threads ({source}), workers included; use a few workers "
-            f"per CPU core (os.cpu_count() is {os.cpu_count()})")
-
-
-def check_ray_args(
-    dataset: Any, worker_method: str, ray_options: dict[str, Any] | None,
-) -> tuple[str | None, dict[str, Any]]:
-    """Check ``ray_options``; returns Ray's address and actor options (``None, {}``: no Ray)."""
-    if ray_options is not None and worker_method != "ray":
-        raise ValueError("ray_options is used only with worker_method='ray'")
-    ray_address: str | None = None
-    ray_actor_options: dict[str, Any] = {}
-    if worker_method == "ray":
-        # Ray is imported here: without it, say `pip install aioloader[ray]` now.
-        ray_address, ray_actor_options = check_ray_options(ray_options)
-        if dataset_kind(dataset).is_async:
-            raise ValueError(
-                "worker_method='ray' serves sync datasets only: an async dataset "
-                "(async __getitem__/__getitems__/__aiter__) needs "
-                "worker_method='multiprocessing' or num_workers=0"
-            )
-    return ray_address, ray_actor_options
-
-
-def check_snapshot_every(snapshot_every_n_steps: Any) -> int:
-    """``snapshot_every_n_steps`` (resume, docs/resume.md) is a positive int; returned plain."""
-    return _positive_int("snapshot_every_n_steps", snapshot_every_n_steps,
-                         "torchdata's snapshot interval; accepted, changes nothing")
-
-
-def check_thread_workers(worker_method: str, num_workers: int, is_async: bool) -> None:
-    """Thread workers serve sync datasets only."""
-    if worker_method == "thread" and num_workers > 0 and is_async:
-        raise ValueError(
-            "worker_method='thread' serves sync datasets; an async dataset already runs "
-            "its fetches concurrently in the main process: use num_workers=0 (and "
-            "fetch_concurrency=), or worker_method='multiprocessing'"
-        )
-
-
-def check_stats_interval(stats_interval: Any) -> float | None:
-    """``stats_interval`` is a positive, finite number of seconds, or ``None``."""
-    if stats_interval is None:
-        return None
-    what = "between stats log lines; None for no logging"
-    if isinstance(stats_interval, bool):
-        raise TypeError(f"stats_interval should be a number of seconds ({what}), but got "
-                        f"stats_interval={stats_interval!r}")
-    seconds = _seconds("stats_interval", stats_interval, what)
-    if not 0 < seconds < math.inf:
-        raise ValueError(f"stats_interval should be a positive, finite number of seconds "
-                         f"({what}), but got stats_interval={seconds!r}")
-    return float(seconds)
-
-
-def resolve_sampling(
-    dataset: Any,
-    iterable: bool,
-    batch_size: int | None,
-    shuffle: bool | None,
-    sampler: Sampler[Any] | Iterable[Any] | None,
-    batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None,
-    drop_last: bool,
-    generator: torch.Generator | None,
-) -> tuple[int | None, bool, Sampler[Any] | Iterable[Any],
-           Sampler[list[Any]] | Iterable[list[Any]] | None]:
-    """Check the sampling arguments as torch does and build the default samplers.
-
-    Returns ``(batch_size, drop_last, sampler, batch_sampler)`` as the loader keeps them
-    (``batch_sampler=`` turns off ``batch_size`` and ``drop_last``).
-    """
-    if iterable:
-        if is_iter_datapipe(dataset):
-            # torch: shuffle= turns the graph's shufflers on or off; no sampler shuffles.
-            apply_shuffle(dataset, shuffle)
-        elif shuffle not in {False, None}:
-            raise ValueError(
-                "DataLoader with IterableDataset: expected unspecified shuffle "
-                f"option, but got shuffle={shuffle}"
-            )
-        if sampler is not None:
-            raise ValueError(
-                "DataLoader with IterableDataset: expected unspecified sampler "
-                f"option, but got sampler={sampler}"
-            )
-        if batch_sampler is not None:
-            raise ValueError(
-                "DataLoader with IterableDataset: expected unspecified batch_sampler "
-                f"option, but got batch_sampler={batch_sampler}"
-            )
-
-    # torch's conflicts first, judged by truth value as torch does: shuffle=3 beside a
-    # sampler is the ValueError torch raises (its own tests rely on it), not our TypeError.
-    if sampler is not None and shuffle:
-        raise ValueError("sampler option is mutually exclusive with shuffle")
-    if batch_sampler is not None:
-        if batch_size != 1 or shuffle or sampler is not None or drop_last:
-            raise ValueError(
-                "batch_sampler option is mutually exclusive with batch_size, "
-                "shuffle, sampler, and drop_last"
-            )
-        batch_size = None
-        drop_last = False
-    elif batch_size is None and drop_last:
-        raise ValueError(
-            "batch_size=None option disables auto-batching and is mutually "
-            "exclusive with drop_last"
-        )
-    if not iterable:
-        shuffle = bool(as_flag("shuffle", shuffle, allow_none=True))
-
-    if sampler is None:
-        if iterable:
-            sampler = _InfiniteConstantSampler()
-        elif shuffle:
-            RandomSampler(dataset, generator=generator)  # aioloader's checks, as below
-            sampler = _tud.RandomSampler(dataset, generator=generator)
-        else:
-            sampler = _tud.SequentialSampler(dataset)
-    if batch_size is not None and batch_sampler is None:
-        # Checked with aioloader's messages (they say what to pass), kept as exactly torch's
-        # class, as the samplers above (same batches; isinstance(x, aioloader.BatchSampler)
-        # holds too): Lightning and Fabric re-create a loader whose batch sampler is not
-        # `type(x) is BatchSampler` around a rebuilt batch sampler, which leaves
-        # batch_size=None and a default SequentialSampler as loader.sampler.
-        BatchSampler(sampler, batch_size, drop_last)
-        batch_sampler = _tud.BatchSampler(sampler, batch_size, drop_last)
-    return batch_size, drop_last, sampler, batch_sampler
 
 
 def resolve_mp_context(ctx: Any, num_workers: int) -> multiprocessing.context.BaseContext | None:
@@ -587,7 +173,7 @@ def check_at_iter(config: LoaderConfig) -> None:
             "timeout=0 with num_workers=0, or use num_workers > 0"
         )
     if config.num_workers > 0 and config.prefetch_factor == 0:
-        raise _no_prefetch()
+        raise no_prefetch_error()
     check_timeout_range(config.timeout)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 import random
 import warnings
 from collections.abc import Iterable, Iterator, Sequence, Sized
@@ -21,6 +20,8 @@ import torch
 from torch import Generator, Tensor, default_generator
 
 from . import _torch_data as _tud
+from ._coerce import is_exact_int
+from ._split import split_sizes
 
 __all__ = [
     "BufferedShuffleDataset",
@@ -412,7 +413,7 @@ class BufferedShuffleDataset(IterableDataset[T_co]):
 
     def __init__(self, dataset: Iterable[T_co], buffer_size: int) -> None:
         super().__init__()
-        if not isinstance(buffer_size, int) or isinstance(buffer_size, bool):
+        if not is_exact_int(buffer_size):
             raise TypeError(
                 f"buffer_size should be a positive int, but got {type(buffer_size).__name__}"
                 f" {buffer_size!r}; pass e.g. buffer_size=1000."
@@ -469,37 +470,7 @@ def random_split(
         >>> len(a), len(b), sorted(list(a) + list(b)) == list(range(10))
         (5, 5, True)
     """
-    n = len(dataset)  # type: ignore[arg-type]
-    total = sum(lengths)
-    if math.isclose(total, 1) and total <= 1:
-        sizes: list[int] = []
-        for i, frac in enumerate(lengths):
-            if not 0 <= frac <= 1:
-                raise ValueError(
-                    f"Fraction at index {i} is not between 0 and 1 (got {frac}); "
-                    "fractions must each lie in [0, 1] and sum to 1."
-                )
-            sizes.append(math.floor(n * frac))
-        for i in range(n - sum(sizes)):
-            sizes[i % len(sizes)] += 1
-        for i, size in enumerate(sizes):
-            if size == 0:
-                warnings.warn(
-                    f"Length of split at index {i} is 0. "
-                    "This might result in an empty dataset.",
-                    stacklevel=2,
-                )
-        lengths = sizes
-    if any(size < 0 for size in lengths):
-        # torch accepts these and returns overlapping subsets; refuse instead.
-        raise ValueError(f"Lengths must be non-negative, got {list(lengths)}.")
-    if sum(lengths) != n:
-        raise ValueError(
-            "Sum of input lengths does not equal the length of the input dataset! "
-            f"The lengths sum to {sum(lengths)} but the dataset has {n} items; pass sizes "
-            "that sum to its length, or fractions that sum to 1."
-        )
-    int_lengths = cast(Sequence[int], lengths)
+    int_lengths = split_sizes(len(dataset), lengths)  # type: ignore[arg-type]
     perm = torch.randperm(sum(int_lengths), generator=generator)
     order: list[int] = perm.tolist()
     return [

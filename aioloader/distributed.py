@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import distributed as _tud_distributed
 
+from ._coerce import as_flag, as_int
 from .sampler import Sampler
 
 __all__ = ["DistributedSampler"]
@@ -34,36 +35,6 @@ def _from_process_group(what: str, getter: Callable[[], int]) -> int:
     except (RuntimeError, ValueError) as exc:
         # Keep torch's type (which depends on its version) and add the remedy.
         raise type(exc)(f"{exc} DistributedSampler needs {what}: {hint}.") from exc
-
-
-def _as_int(name: str, value: Any, what: str) -> int:
-    """``value`` as a Python int (ints, numpy ints, bools); ``TypeError`` naming ``name`` else.
-
-    torch fails on these later with ``TypeError`` (comparing a str with an int, or
-    slicing with a float at ``iter()``); this raises the same type at construction.
-    """
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{name} should be an int ({what}), but got {type(value).__name__} {value!r}; "
-            f"pass an int"
-        ) from None
-
-
-def _as_flag(name: str, value: Any) -> bool:
-    """``value`` as a bool: ``True``/``False`` (numpy's bool too), ``TypeError`` else.
-
-    torch takes any object here and uses its truth value, so ``shuffle="no"`` would
-    shuffle and ``shuffle=None`` would not (though the default is ``True``): refused.
-    """
-    kind = type(value)
-    if isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool",
-                                                                                    "bool_")):
-        return bool(value)
-    raise TypeError(
-        f"{name} should be a boolean value, but got {name}={value!r}; pass True or False."
-    )
 
 
 def _check_seed(seed: Any) -> int:
@@ -129,8 +100,8 @@ class DistributedSampler(Sampler[T_co], _tud_distributed.DistributedSampler[T_co
             ``seed`` is out of ``torch.Generator``'s range (and, with recent
             torch, the default process group is not initialized).
         TypeError: ``num_replicas``, ``rank`` or ``seed`` is not an int,
-            ``shuffle`` or ``drop_last`` is not a bool, or ``dataset`` has no
-            ``len()``.
+            ``shuffle`` or ``drop_last`` is not a flag (a bool, a numpy bool, 0 or
+            1: torch reads any value by its truth), or ``dataset`` has no ``len()``.
 
     Example:
         >>> list(DistributedSampler(range(10), num_replicas=3, rank=1, shuffle=False))
@@ -155,8 +126,11 @@ class DistributedSampler(Sampler[T_co], _tud_distributed.DistributedSampler[T_co
             num_replicas = _from_process_group("num_replicas", dist.get_world_size)
         if rank is None:
             rank = _from_process_group("rank", dist.get_rank)
-        num_replicas = _as_int("num_replicas", num_replicas, "the number of processes")
-        rank = _as_int("rank", rank, "this process's index in [0, num_replicas - 1]")
+        # torch uses them as numbers (a bool too) in slices: anything with __index__.
+        num_replicas = as_int("num_replicas", num_replicas, "the number of processes",
+                              allow_bool=True)
+        rank = as_int("rank", rank, "this process's index in [0, num_replicas - 1]",
+                      allow_bool=True)
         if num_replicas < 1:
             # torch: ValueError("Invalid rank 0, rank should be in the interval [0, -1]").
             raise ValueError(
@@ -168,8 +142,9 @@ class DistributedSampler(Sampler[T_co], _tud_distributed.DistributedSampler[T_co
                 f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]; "
                 "pass 0 <= rank < num_replicas."
             )
-        shuffle = _as_flag("shuffle", shuffle)
-        drop_last = _as_flag("drop_last", drop_last)
+        # torch reads them by truth value (shuffle="no" would shuffle): aioloader's flag rule.
+        shuffle = bool(as_flag("shuffle", shuffle))
+        drop_last = bool(as_flag("drop_last", drop_last))
         seed = _check_seed(seed)
         try:
             len(dataset)
@@ -214,4 +189,4 @@ class DistributedSampler(Sampler[T_co], _tud_distributed.DistributedSampler[T_co
         Raises:
             TypeError: ``epoch`` is not an int (torch fails at the next ``iter()``).
         """
-        self.epoch = _as_int("epoch", epoch, "the epoch number")
+        self.epoch = as_int("epoch", epoch, "the epoch number", allow_bool=True)

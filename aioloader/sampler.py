@@ -24,6 +24,7 @@ import torch
 
 from . import _torch_data as _tud
 from ._checks import require_iterable, require_sized
+from ._coerce import torch_flag, torch_int
 
 __all__ = [
     "BatchSampler",
@@ -51,16 +52,6 @@ class WeightsError(ValueError, RuntimeError):
     draw (from ``torch.multinomial``); this error is one, so ``except RuntimeError``
     keeps working, and also a :class:`ValueError`, the type of a bad argument.
     """
-
-
-def _not_positive_int(name: str, value: object, hint: str) -> ValueError:
-    """torch's ValueError for a ``num_samples``/``batch_size`` that is not a positive int,
-    saying what to do (numpy integers are refused by torch's samplers too)."""
-    if not isinstance(value, (bool, int)) and hasattr(type(value), "__index__"):
-        hint = (f"pass a Python int: {name}=int({name}) ({type(value).__name__} is not an "
-                f"int; torch's samplers refuse it too)")
-    return ValueError(f"{name} should be a positive integer value, but got "
-                      f"{name}={value!r}; {hint}.")
 
 
 class _TorchTwin(abc.ABCMeta):
@@ -186,20 +177,14 @@ class RandomSampler(Sampler[int], _tud.RandomSampler):
         self.replacement = replacement
         self._num_samples = num_samples
         self.generator = generator
-        if not isinstance(replacement, bool):
-            raise TypeError(
-                "replacement should be a boolean value, but got "
-                f"replacement={replacement!r}; pass True or False."
-            )
+        torch_flag("replacement", replacement, TypeError)  # torch's TypeError here
         what = "the sampler draws from 0 to len - 1"
         if num_samples is None:  # torch: TypeError from len() here, without the name
             require_sized("data_source", data_source, what)
         # torch accepts num_samples=True (one sample); bool is refused as by the other
         # samplers (WeightedRandomSampler, BatchSampler), with the same ValueError.
-        if (not isinstance(self.num_samples, int) or isinstance(self.num_samples, bool)
-                or self.num_samples <= 0):
-            raise _not_positive_int("num_samples", self.num_samples, "pass num_samples >= 1 "
-                                    "(or leave it None with a non-empty data_source)")
+        torch_int("num_samples", self.num_samples, "pass num_samples >= 1 (or leave it None "
+                  "with a non-empty data_source)")
         require_sized("data_source", data_source, what)  # torch: at iter(), which reads len()
 
     @property
@@ -308,13 +293,8 @@ class WeightedRandomSampler(Sampler[int], _tud.WeightedRandomSampler):
         replacement: bool = True,
         generator: torch.Generator | None = None,
     ) -> None:
-        if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples <= 0:
-            raise _not_positive_int("num_samples", num_samples, "pass num_samples >= 1")
-        if not isinstance(replacement, bool):
-            raise ValueError(
-                "replacement should be a boolean value, but got "
-                f"replacement={replacement!r}; pass True or False."
-            )
+        torch_int("num_samples", num_samples, "pass num_samples >= 1")
+        torch_flag("replacement", replacement)
         weights_tensor = torch.as_tensor(weights, dtype=torch.double)
         if weights_tensor.dim() != 1:
             raise ValueError(
@@ -388,19 +368,14 @@ class BatchSampler(Sampler[list[int]], _tud.BatchSampler):
     ) -> None:
         # No isinstance(sampler, Iterable) check: objects iterable through
         # __getitem__ alone are valid samplers too (require_iterable takes them).
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
-            raise _not_positive_int("batch_size", batch_size, "pass batch_size >= 1")
+        torch_int("batch_size", batch_size, "pass batch_size >= 1")
         if batch_size > sys.maxsize:
             # torch accepts it and fails at the first batch (ValueError from islice).
             raise ValueError(
                 f"batch_size should be at most sys.maxsize ({sys.maxsize}), but got "
                 f"batch_size={batch_size}; for one batch of everything pass "
                 f"batch_size=len(dataset).")
-        if not isinstance(drop_last, bool):
-            raise ValueError(
-                "drop_last should be a boolean value, but got "
-                f"drop_last={drop_last!r}; pass True or False."
-            )
+        torch_flag("drop_last", drop_last)
         require_iterable("sampler", sampler, "of dataset keys")
         self.sampler = sampler
         self.batch_size = batch_size

@@ -33,7 +33,7 @@ import torch.utils.data as tud
 import aioloader
 from aioloader import DataLoader, PrefetchFactorError
 from aioloader import sampler as samplers
-from aioloader._config import _task_limit
+from aioloader._options import _task_limit
 from aioloader._pipeline.epoch import MAX_UNSIZED_WINDOW, bound_window
 
 SAME = "same"

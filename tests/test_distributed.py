@@ -109,11 +109,21 @@ TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")
 
 
 @pytest.mark.parametrize("name", ["shuffle", "drop_last"])
-@pytest.mark.parametrize("value", ["no", None, 1, 0.0])
+@pytest.mark.parametrize("value", ["no", None, 2, 0.0])
 def test_non_bool_flags_raise_type_error(name, value):
     """Regression test for issue 18: shuffle/drop_last take a bool (torch would use its truth value)."""
     with pytest.raises(TypeError, match=f"{name}.*pass True or False"):
         DistributedSampler(range(10), num_replicas=2, rank=0, **{name: value})
+
+
+@pytest.mark.parametrize("name", ["shuffle", "drop_last"])
+@pytest.mark.parametrize("value", [0, 1])
+def test_flags_take_0_and_1_as_the_loader_does(name, value):
+    """Issue 33: one flag rule for the loader and the sampler: 0 and 1 mean False and True
+    (torch reads them so), stored as a bool, with torch's indices."""
+    sampler = DistributedSampler(range(11), num_replicas=2, rank=1, **{name: value})
+    assert getattr(sampler, name) is bool(value)
+    assert list(sampler) == list(TorchDistributedSampler(range(11), 2, 1, **{name: value}))
 
 
 def test_numpy_ints_and_bools_are_accepted_as_python_values():

@@ -172,7 +172,7 @@ def test_the_worker_folder_stays_light() -> None:
         if _unit(mod) != "_worker":
             continue
         assert not {_unit(d) for d in _imports(mod)} & {"_pipeline", "_pools", "_loader",
-                                                         "_facade", "_config"}, mod
+                                                         "_facade", "_config", "_options"}, mod
         for node in ast.parse(path.read_text()).body:  # module level only
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])

@@ -5,7 +5,7 @@ type, out of range, a configuration that differs from the loading loader's, unkn
 keys, pickled payloads and class paths) must raise the exact exception type (TypeError
 for a wrong type, ValueError for a wrong value or a mismatch) with the key path in its
 message, and must never unpickle, import or evaluate anything. Valid states (JSON,
-tensors, torch.save, version 1, torchdata layouts) still load and resume exactly.
+tensors, torch.save, torchdata layouts) still load and resume exactly.
 """
 
 from __future__ import annotations
@@ -455,33 +455,14 @@ def test_valid_forms_resume_exactly(transform: Callable[[State], State]) -> None
                   transform)
 
 
-def test_version_1_state_loads_with_a_warning() -> None:
-    """Regression test for issue 18: a state of the previous layout resumes, with a warning."""
-    def to_v1(state: State) -> State:
-        st = json.loads(json.dumps(state))
-        config = st.pop("config")
-        del st["aioloader_state"], st["shared_seed"], st["worker_rng"], st["distributed"]
-        del st["elastic"]
-        return {"aioloader_state": 1, "num_workers": config["num_workers"], **st}
-    with pytest.warns(UserWarning, match="version 1"):
-        _resume_check(_map_loader, 2, to_v1)
-    state = to_v1(_take(_map_loader(), 1))
-    _refused(lambda: _map_loader(num_workers=1), state, ValueError,
-             re.escape("num_workers=0, this loader has num_workers=1 (state['num_workers'])"))
-    del state["prefix"]
-    _refused(_map_loader, state, ValueError, _p(("prefix",)))
-
-
-def test_version_2_state_loads() -> None:
-    """Regression test for issue 22: a state without worker RNG states (v2) still resumes."""
-    def to_v2(state: State) -> State:
-        st = json.loads(json.dumps(state))
-        del st["worker_rng"], st["distributed"], st["elastic"]
-        return {**st, "aioloader_state": 2}
-    _resume_check(_map_loader, 2, to_v2)
-    state = to_v2(_take(_map_loader(), 1))
-    state["worker_rng"] = {}
-    _refused(_map_loader, state, ValueError, _p(("worker_rng",)) + ": unknown key")
+@pytest.mark.parametrize("version", [1, 2])
+def test_pre_release_layouts_are_refused_with_what_to_do(version: int) -> None:
+    """Issue 33: the layouts made and replaced before any release (1, 2) are not read:
+    a ValueError says so and to take a new state."""
+    state = json.loads(json.dumps(_take(_map_loader(), 1)))
+    state["aioloader_state"] = version
+    _refused(_map_loader, state, ValueError,
+             rf"pre-release aioloader layout \(version {version}.*take a new state")
 
 
 def test_state_before_iter_and_after_end_load() -> None:
@@ -506,27 +487,6 @@ def test_stateful_sampler_state_is_passed_unread() -> None:
         return DataLoader(InfoMap(17, with_worker=False), batch_size=4,
                           sampler=StatefulPermSampler(17))
     _resume_check(make, 2, lambda s: s)
-
-
-def test_python_random_state_check() -> None:
-    """Regression test for issue 18: the Python random state checker (for worker RNGs)."""
-    import random
-
-    from aioloader._resume.checks import check_python_random_state
-
-    good = random.Random(3).getstate()
-    check_python_random_state(good, "s")
-    check_python_random_state(json.loads(json.dumps(good)), "s")
-    with pytest.raises(TypeError, match=re.escape("s must be")):
-        check_python_random_state(None, "s")
-    with pytest.raises(ValueError, match=re.escape("s[1]")):
-        check_python_random_state((3, (1, 2), None), "s")
-    with pytest.raises(ValueError, match=re.escape("s[1][624]")):
-        check_python_random_state((3, (*good[1][:624], 625), None), "s")
-    with pytest.raises(ValueError, match=re.escape("s[1][0]")):
-        check_python_random_state((3, (1 << 32, *good[1][1:]), None), "s")
-    with pytest.raises(TypeError, match=re.escape("s[2]")):
-        check_python_random_state((3, good[1], "x"), "s")
 
 
 # ---------------------------------------------------------------------------- torchdata
@@ -640,9 +600,7 @@ def test_corrupt_torchdata_state(base: Callable[[], State], mutate: Callable[[St
 
 
 def test_one_checker() -> None:
-    """Regression test for issue 18: one checker, with a reader per layout version."""
+    """Regression test for issue 18: one checker (issue 33: of the current layout only)."""
     from aioloader._resume import schema as _state_schema
     from aioloader._resume import state as _state
-    from aioloader._resume.tracker import FORMAT_VERSION
     assert _state.validate is _state_schema.validate  # load_state_dict's checker is the schema's
-    assert sorted(_state_schema._READERS) == [1, 2, FORMAT_VERSION]

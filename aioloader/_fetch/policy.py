@@ -8,10 +8,9 @@ iterators, the guards (:mod:`aioloader._fetch.guard`) and the workers read.
 
 from __future__ import annotations
 
-import numbers
-import operator
 from dataclasses import dataclass
-from typing import Any
+
+from .._coerce import as_int, as_seconds
 
 __all__ = ["DEFAULT_MAX_RESPAWNS", "DEFAULT_RETRY_DELAY", "FailurePolicy", "make_policy"]
 
@@ -58,20 +57,6 @@ class FailurePolicy:
         return self.guards_reads or self.max_respawns > 0
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    """A Python or numpy integer (not a bool) >= ``minimum``, returned as a plain int."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} should be an int, but got {type(value).__name__} "
-                        f"{name}={value!r}") from None
-    if number < minimum:
-        raise ValueError(f"{name} should be >= {minimum}, but got {name}={number}")
-    return number
-
-
 def make_policy(*, on_error: str | None, max_failures: int | None, retries: int,
                 retry_delay: float, respawn_workers: bool | int, num_workers: int,
                 iterable: bool, is_async: bool) -> FailurePolicy:
@@ -82,19 +67,16 @@ def make_policy(*, on_error: str | None, max_failures: int | None, retries: int,
     if on_error is not None and on_error not in _ON_ERROR:
         raise ValueError(f"on_error should be 'raise' or 'skip', but got on_error={on_error!r}")
     if max_failures is not None:
-        max_failures = _check_int("max_failures", max_failures, 0)
+        max_failures = as_int("max_failures", max_failures, "the most samples on_error='skip' "
+                              "may skip in an epoch", minimum=0)
         if on_error == "raise":
             raise ValueError(
                 "max_failures bounds how many samples on_error='skip' may skip; it means "
                 "nothing with on_error='raise': drop one of the two")
         on_error = "skip"
-    retries = _check_int("retries", retries, 0)
-    if isinstance(retry_delay, bool) or not isinstance(retry_delay, numbers.Real):
-        raise TypeError(f"retry_delay should be a number of seconds, but got "
-                        f"{type(retry_delay).__name__} retry_delay={retry_delay!r}")
-    if not retry_delay >= 0 or retry_delay == float("inf"):
-        raise ValueError(f"retry_delay should be a finite number of seconds >= 0, but got "
-                         f"retry_delay={retry_delay!r}")
+    retries = as_int("retries", retries, "retries of a failing async read", minimum=0)
+    retry_delay = as_seconds("retry_delay", retry_delay, "before the first retry of an "
+                             "async read", least="non-negative", finite=True)
     if retries and not is_async:
         raise ValueError(
             "retries= applies to async datasets (async def __getitem__/__getitems__): a retry "
@@ -107,7 +89,8 @@ def make_policy(*, on_error: str | None, max_failures: int | None, retries: int,
     if isinstance(respawn_workers, bool):
         max_respawns = DEFAULT_MAX_RESPAWNS if respawn_workers else 0
     elif hasattr(type(respawn_workers), "__index__"):
-        max_respawns = _check_int("respawn_workers", respawn_workers, 0)
+        max_respawns = as_int("respawn_workers", respawn_workers, "respawns per worker per epoch",
+                              minimum=0)
     else:
         raise TypeError(f"respawn_workers should be a bool or an int (respawns per worker "
                         f"per epoch), but got {type(respawn_workers).__name__} "

@@ -3,8 +3,8 @@
 The building blocks of :mod:`aioloader._resume.schema` (which composes them into each
 layout's fields): a check is ``check(value, path)`` and raises :class:`TypeError` for a
 value of the wrong type, :class:`ValueError` for one out of range, naming the key path
-(``state['config']['batch_size']``). Torch RNG states and Python ``random`` states are
-checked here too. The messages' endings (what to do) are here as well, shared with
+(``state['config']['batch_size']``). Torch RNG states are checked here too. The
+messages' endings (what to do) are here as well, shared with
 :mod:`~aioloader._resume.loader_fit` and :mod:`~aioloader._resume.consistency`.
 Nothing is unpickled, imported or evaluated: an object of another type is named by its
 type only.
@@ -24,7 +24,6 @@ __all__ = [
     "MAX_SEED",
     "WHAT_TO_DO",
     "Check",
-    "check_python_random_state",
     "check_torch_rng_state",
     "length",
 ]
@@ -84,7 +83,11 @@ Check = Callable[[Any, str], None]
 
 def _int(lo: int = 0, hi: int | None = None) -> Check:
     """An integer in ``[lo, hi]``: another type is a TypeError, a fraction a ValueError
-    (as torch's samplers treat a non-integer count)."""
+    (as torch's samplers treat a non-integer count).
+
+    A loaded state's value, not an argument: unlike :func:`aioloader._coerce.as_int`
+    (which asks a user's argument for its ``__index__``), it is judged by its type alone,
+    so that nothing of a hostile state runs."""
     what = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
 
     def check(value: Any, path: str) -> None:
@@ -213,26 +216,3 @@ def check_torch_rng_state(value: Any, path: str, like: torch.Generator | None = 
         except (RuntimeError, ValueError) as exc:
             raise ValueError(f"{path} is not a valid torch RNG state ({exc}): "
                              f"{CORRUPT}") from None
-
-
-def check_python_random_state(value: Any, path: str) -> None:
-    """``value`` is what ``random.getstate()`` returns (or its JSON form, lists for
-    tuples): ``(3, (624 words < 2**32, index in [0, 624]), gauss_next)``."""
-    what = "a Python random state (version, internal state, gauss_next)"
-    if not isinstance(value, (tuple, list)):
-        raise _type_error(path, what, value)
-    if len(value) != 3:
-        raise _value_error(path, "a sequence of 3 items (version, internal state, "
-                           "gauss_next)", len(value))
-    version, internal, gauss = value
-    _int(3, 3)(version, f"{path}[0]")
-    if not isinstance(internal, (tuple, list)):
-        raise _type_error(f"{path}[1]", "a sequence of 625 ints", internal)
-    if len(internal) != 625:
-        raise _value_error(f"{path}[1]", "a sequence of 625 ints", len(internal))
-    word = _int(0, (1 << 32) - 1)
-    for i, x in enumerate(internal[:624]):
-        word(x, f"{path}[1][{i}]")
-    _int(0, 624)(internal[624], f"{path}[1][624]")
-    if gauss is not None and (isinstance(gauss, bool) or not isinstance(gauss, float)):
-        raise _type_error(f"{path}[2]", "a float or None", gauss)

@@ -167,7 +167,7 @@ def _consumed_text(k: _Keys, prefix: int, extra: list[int]) -> str:
     return f"{text} and {k('extra')}={extra}" if extra else text
 
 
-def check_positions(st: dict[str, Any], config: Any, version: int | None,
+def check_positions(st: dict[str, Any], config: Any, ours: bool,
                     names: dict[str, str] | None = None) -> None:
     """The keys of ``st`` (a state in the current layout, each key checked alone) agree
     with each other and with ``config``'s epoch; ValueError naming them, else nothing.
@@ -175,8 +175,8 @@ def check_positions(st: dict[str, Any], config: Any, version: int | None,
     Args:
         st: the state, read into the current layout.
         config: the loading loader's configuration.
-        version: the aioloader layout it was read from; None for a torchdata state
-            (which records fewer keys: only the relations its keys carry are checked).
+        ours: read from aioloader's layout; False for a torchdata state (which records
+            fewer keys: only the relations its keys carry are checked).
         names: key paths to name instead of ``state['<key>']`` (a torchdata state's).
     """
     k = _Keys(names)
@@ -187,15 +187,15 @@ def check_positions(st: dict[str, Any], config: Any, version: int | None,
     consumed = prefix + len(extra)
     iterable = bool(config.kind.iterable)
     if not iterable:
-        _check_epoch_end(st, config, version, k)
-    if (not iterable or version is not None) and st["yielded"] > consumed:
+        _check_epoch_end(st, config, ours, k)
+    if (not iterable or ours) and st["yielded"] > consumed:
         raise ValueError(f"{k('yielded')}={st['yielded']} is more than the batches the "
                          f"state consumed ({k('prefix')} + len({k('extra')}) = {consumed}): "
                          f"{CONTRADICTION}")
-    if version is None:
+    if not ours:
         return
     _check_config(st)
-    _check_seeds(st, config, version, consumed)
+    _check_seeds(st, config, consumed)
     _check_workers(st, consumed)
     if iterable and finished and st["config"]["num_workers"]:
         _check_shards_ended(st)
@@ -203,14 +203,13 @@ def check_positions(st: dict[str, Any], config: Any, version: int | None,
         _check_rng(st, config, consumed)
 
 
-def _check_epoch_end(st: dict[str, Any], config: Any, version: int | None,
-                     k: _Keys) -> None:
+def _check_epoch_end(st: dict[str, Any], config: Any, ours: bool, k: _Keys) -> None:
     """A map-style state's position lies inside its epoch, and ``finished`` ends it."""
     prefix, extra, finished = st["prefix"], st["extra"], st["finished"]
     consumed = prefix + len(extra)
     here = distributed_info(config)
     elastic = st["elastic"]
-    if version is not None and version >= 3:
+    if ours:
         if (st["distributed"] is not None or elastic is not None) and here is None:
             key = "state['distributed']" if st["distributed"] is not None else (
                 "state['elastic']")
@@ -248,7 +247,7 @@ def _check_epoch_end(st: dict[str, Any], config: Any, version: int | None,
     batches = length(config.index_sampler)
     if batches is None:
         return
-    if version is None or st["config"]["batches"] != batches:  # not the state's own epoch
+    if not ours or st["config"]["batches"] != batches:  # not the state's own epoch
         _past_end(prefix, extra, batches, k, "this loader's epoch", WHAT_TO_DO)
     _past_end(prefix, extra, batches, k, "state['config']['batches']")
     if finished and consumed != batches and _exact_length(config):
@@ -290,7 +289,7 @@ def _check_config(st: dict[str, Any]) -> None:
                          f"workers): {CONTRADICTION}")
 
 
-def _check_seeds(st: dict[str, Any], config: Any, version: int, consumed: int) -> None:
+def _check_seeds(st: dict[str, Any], config: Any, consumed: int) -> None:
     """``base_seed`` is drawn at ``iter()``; ``shared_seed`` is an ``IterDataPipe``'s."""
     started = [name for name, on in (("finished", st["finished"]), ("prefix", st["prefix"]),
                                      ("extra", st["extra"]), ("yielded", st["yielded"]),
@@ -299,8 +298,6 @@ def _check_seeds(st: dict[str, Any], config: Any, version: int, consumed: int) -
         raise ValueError(f"state['base_seed'] is None (no iter() yet) but "
                          f"state[{started[0]!r}] says the epoch had started: "
                          f"{CONTRADICTION}")
-    if version < 2:
-        return
     shared = st["shared_seed"]
     pipe = is_iter_datapipe(config.dataset)
     if shared is not None and not pipe:

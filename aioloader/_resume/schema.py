@@ -1,4 +1,4 @@
-"""What ``load_state_dict`` accepts: the one place that knows each state layout.
+"""What ``load_state_dict`` accepts: the one place that knows the state layouts.
 
 A loaded state is checked completely before anything of it is used: its version,
 every key (missing and unknown ones), every value's type and range, nested states
@@ -6,16 +6,14 @@ included (per-worker dataset states, RNG states), then against the loader that l
 it (the configuration recorded in the state, positions within the epoch, generator
 states of the right length). The result is a state in the current layout
 (:data:`FORMAT_VERSION`), which :class:`aioloader._resume.tracker.EpochTracker` then
-trusts. Four layouts are read:
+trusts. Two layouts are read:
 
-* version 3 (current): version 2 plus ``worker_rng`` (each worker's RNG states after
-  its last consumed batch), ``distributed`` (a ``DistributedSampler``'s settings) and
-  ``elastic`` (where an epoch resumed across world sizes takes its samples from);
-* version 2: everything below, plus ``config``, the loader's configuration
-  (:func:`loader_config`), compared field by field with the loading loader;
-* version 1 (aioloader before ``config``): the same fields without ``config``, checked
-  the same way; the configuration cannot be compared, so it is taken to be the
-  loader's (with a warning), except ``num_workers`` which version 1 records;
+* aioloader's, version 3: the position in the epoch, ``config`` (the loader's
+  configuration, :func:`loader_config`, compared field by field with the loading
+  loader), ``worker_rng`` (each worker's RNG states after its last consumed batch),
+  ``distributed`` (a ``DistributedSampler``'s settings) and ``elastic`` (where an epoch
+  resumed across world sizes takes its samples from). Versions 1 and 2 were made and
+  replaced before any release: a state of theirs is refused (take a new one);
 * torchdata's ``StatefulDataLoader`` states (:func:`read_torchdata`).
 
 This module knows the layouts and reads them; the checks it composes live below it:
@@ -31,16 +29,15 @@ unpickled, imported or evaluated: type names are compared as strings, bytes are
 refused where the layout has none, and the states of a ``Stateful`` sampler or dataset
 are handed to its own ``load_state_dict`` unread.
 
-A new version adds its reader to :data:`_READERS` (and an upgrade from the previous
-one); a check that a later feature relaxes (``num_workers``, for a resume onto another
-number of workers) is one entry of :data:`~aioloader._resume.loader_fit.CONFIG_FIELDS`.
+A new version after a release gets its own reader here (and an upgrade into the
+current layout); a check that a later feature relaxes (``num_workers``, for a resume
+onto another number of workers) is one entry of
+:data:`~aioloader._resume.loader_fit.CONFIG_FIELDS`.
 """
 
 from __future__ import annotations
 
 import itertools
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -99,12 +96,19 @@ def _worker_state(value: Any, path: str) -> None:
         _DATASET_STATE: _user_state})(value, path)
 
 
-def _worker_states(value: Any, path: str) -> None:
+def _by_worker(value: Any, path: str) -> dict[str, Any]:
+    """A dict keyed by worker ids written as strings of digits (``"0"``, ``"1"``, ...)."""
     _dict(value, path)
-    for name, state in value.items():
+    for name in value:
         if not isinstance(name, str) or not name.isdigit():
             raise _value_error(f"{path} key {_show(name)}", "a worker id as a str of digits",
                                name)
+    checked: dict[str, Any] = value
+    return checked
+
+
+def _worker_states(value: Any, path: str) -> None:
+    for name, state in _by_worker(value, path).items():
         _worker_state(state, _key(path, name))
         if state is not None and state[_WORKER_ID] != int(name):
             raise ValueError(f"{_key(_key(path, name), _WORKER_ID)} is {state[_WORKER_ID]}, "
@@ -154,16 +158,12 @@ def _worker_rng_blob(value: Any, path: str) -> None:
 
 
 def _worker_rngs(value: Any, path: str) -> None:
-    _dict(value, path)
-    for name, blob in value.items():
-        if not isinstance(name, str) or not name.isdigit():
-            raise _value_error(f"{path} key {_show(name)}", "a worker id as a str of digits",
-                               name)
+    for name, blob in _by_worker(value, path).items():
         _worker_rng_blob(blob, _key(path, name))
 
 
-#: The fields of every version: version 1 has ``num_workers`` instead of ``config``.
-_POSITION_FIELDS: dict[str, Check] = {
+#: aioloader's layout (version :data:`FORMAT_VERSION`): every key and its check.
+_FIELDS: dict[str, Check] = {
     "finished": _bool,
     "base_seed": _optional(_int(0, MAX_SEED)),
     "yielded": _int(),
@@ -174,20 +174,18 @@ _POSITION_FIELDS: dict[str, Check] = {
     "sampler_state": _user_state,
     "rng": _rng,
     "generators": _rng_map,
+    "shared_seed": _optional(_int(0, MAX_SEED)),  # an IterDataPipe epoch's shared seed
+    "worker_rng": _worker_rngs,
+    "distributed": check_distributed,
+    "elastic": check_elastic,
 }
-#: Version 2 adds an ``IterDataPipe`` epoch's shared seed (version 1 states have none).
-_V2_FIELDS: dict[str, Check] = {**_POSITION_FIELDS, "shared_seed": _optional(_int(0, MAX_SEED))}
-_V2 = _record({FORMAT_KEY: _int(), "config": _record(CONFIG_FIELDS), **_V2_FIELDS})
-#: Version 3 adds each worker's RNG states after its last consumed batch, a
-#: DistributedSampler's settings and where an elastic epoch comes from (_resume.elastic).
-_V3_FIELDS: dict[str, Check] = {**_V2_FIELDS, "worker_rng": _worker_rngs,
-                                "distributed": check_distributed, "elastic": check_elastic}
-_V3 = _record({FORMAT_KEY: _int(), "config": _record(CONFIG_FIELDS), **_V3_FIELDS})
-_V1 = _record({FORMAT_KEY: _int(), "num_workers": _int(), **_POSITION_FIELDS})
+_LAYOUT = _record({FORMAT_KEY: _int(), "config": _record(CONFIG_FIELDS), **_FIELDS})
+#: Layouts made and replaced before any release: refused, with what to do.
+_PRE_RELEASE = (1, 2)
 
 
-def _read_v3(state: dict[str, Any], config: Any) -> dict[str, Any]:
-    _V3(state, "state")
+def _read(state: dict[str, Any], config: Any) -> dict[str, Any]:
+    _LAYOUT(state, "state")
     check_world(state, config)
     # Merged from the ranks of another world size (merge_rank_states): another number of
     # batches per rank. (A state of another sampler is refused by config['sampler'].)
@@ -196,48 +194,9 @@ def _read_v3(state: dict[str, Any], config: Any) -> dict[str, Any]:
     compare_config(state["config"], "state['config']", config, elastic=merged)
     check_against_loader(state, config, exact_generators=True)
     out = {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
-           **{name: state[name] for name in _V3_FIELDS}}
-    check_positions(out, config, FORMAT_VERSION)
+           **{name: state[name] for name in _FIELDS}}
+    check_positions(out, config, ours=True)
     return out
-
-
-def _read_v2(state: dict[str, Any], config: Any) -> dict[str, Any]:
-    _V2(state, "state")
-    compare_config(state["config"], "state['config']", config)
-    check_against_loader(state, config, exact_generators=True)
-    out = {FORMAT_KEY: FORMAT_VERSION, "config": dict(state["config"]),
-           **{name: state[name] for name in _V2_FIELDS}, "worker_rng": {},
-           "distributed": None, "elastic": None}
-    check_positions(out, config, 2)
-    return out
-
-
-def _read_v1(state: dict[str, Any], config: Any) -> dict[str, Any]:
-    _V1(state, "state")
-    if state["num_workers"] != config.num_workers:
-        raise ValueError(f"the state was taken with num_workers={state['num_workers']}, "
-                         f"this loader has num_workers={config.num_workers} "
-                         f"(state['num_workers']): {WHAT_TO_DO}")
-    check_against_loader(state, config, exact_generators=True)
-    out = {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config),
-           **{name: state[name] for name in _POSITION_FIELDS}, "worker_rng": {},
-           "distributed": None, "elastic": None}
-    check_positions(out, config, 1)
-    warnings.warn(
-        "this state was written by an older aioloader (state version 1), which did not "
-        "record the loader's configuration: it is loaded assuming this DataLoader has the "
-        "dataset, batch size, sampler and shuffle of the one that saved it (otherwise the "
-        "resumed epoch is wrong). A state_dict() taken now records them.",
-        UserWarning, stacklevel=5)  # the caller of loader.load_state_dict
-    return out
-
-
-#: How each version of aioloader's layout is read (into the current one).
-_READERS: dict[int, Callable[[dict[str, Any], Any], dict[str, Any]]] = {
-    1: _read_v1,
-    2: _read_v2,
-    FORMAT_VERSION: _read_v3,
-}
 
 
 def validate(config: Any, state: Any) -> dict[str, Any]:
@@ -252,12 +211,16 @@ def validate(config: Any, state: Any) -> dict[str, Any]:
         return read_torchdata(config, state)
     version = state[FORMAT_KEY]
     _int()(version, _key("state", FORMAT_KEY))
-    reader = _READERS.get(int(version))
-    if reader is None:
+    if version in _PRE_RELEASE:
+        raise ValueError(f"this state is from a pre-release aioloader layout (version "
+                         f"{version}, {_key('state', FORMAT_KEY)}), which no release reads: "
+                         f"take a new state with DataLoader.state_dict() (this aioloader "
+                         f"writes and reads version {FORMAT_VERSION})")
+    if version != FORMAT_VERSION:
         raise ValueError(f"unsupported aioloader state version {version!r} "
-                         f"({_key('state', FORMAT_KEY)}): this aioloader reads versions "
-                         f"{sorted(_READERS)}")
-    return reader(state, config)
+                         f"({_key('state', FORMAT_KEY)}): this aioloader reads version "
+                         f"{FORMAT_VERSION}")
+    return _read(state, config)
 
 
 # ------------------------------------------------------------------------------ torchdata
@@ -440,5 +403,5 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
     # (torchdata sets none). The result passes the same checks as an aioloader state.
     out = {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config), **state}
     check_against_loader(out, config, exact_generators=False)
-    check_positions(out, config, None, td_keys)
+    check_positions(out, config, False, td_keys)
     return out

@@ -35,7 +35,7 @@ How a state is made exact without fetching the skipped samples:
 The per-epoch bookkeeping is :mod:`aioloader._resume.tracker`; a worker's dataset
 state, :mod:`aioloader._resume.dataset_state`. This module is the loader's API:
 ``state_dict()`` (:func:`loader_state_dict`) and ``load_state_dict()``
-(:func:`checked_state`); what a loaded state must be (every version of the layout,
+(:func:`checked_state`); what a loaded state must be (the current layout,
 torchdata states), :mod:`aioloader._resume.schema`; what a state records of its loader,
 :mod:`aioloader._resume.loader_fit`. Each name is imported from the
 module that defines it: worker processes import only

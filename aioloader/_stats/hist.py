@@ -25,8 +25,7 @@ __all__ = ["NBUCKETS", "REL_ERROR", "Hist", "bucket", "merge_into", "new", "new_
 _MANTISSA = 4  # bits: 16 buckets per power of two
 _SUB = 1 << _MANTISSA
 _EXACT = _SUB << 1  # values below this (32 ns) are their own bucket
-#: Buckets per histogram: every non-negative 64-bit value of nanoseconds has its own
-#: (the recorder inlines :func:`bucket` without a bounds check).
+#: Buckets per histogram: every non-negative 64-bit value of nanoseconds has its own.
 NBUCKETS = (64 - _MANTISSA - 1) * _SUB + 2 * _SUB
 #: Largest relative error of a reported percentile (half a bucket's relative width).
 REL_ERROR = 1 / (2 * _SUB)

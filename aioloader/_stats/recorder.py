@@ -2,12 +2,12 @@
 
 The hot path only does ``time.perf_counter_ns()`` reads and plain integer adds on
 a :class:`Recorder` (no locks, no allocation beyond the ints themselves), including one
-add to a latency histogram bucket per timed item (:mod:`aioloader._stats.hist`; the
-percentiles) and, only when ``loader.record_trace()`` is on, one span tuple appended to
-a bounded ring per stage (:mod:`aioloader._stats.trace`); every
-ratio, mean and the hint are computed lazily by :meth:`aioloader._stats.book.StatsBook.snapshot`
-(folding, :mod:`aioloader._stats.book`; the results and their table,
-:mod:`aioloader._stats.report`).
+add to a latency histogram bucket per timed item (:meth:`Recorder.observe`, the one
+place a latency meets :mod:`aioloader._stats.hist`; the percentiles) and, only when
+``loader.record_trace()`` is on, one span tuple appended to a bounded ring per stage
+(:mod:`aioloader._stats.trace`); every ratio, mean and the hint are computed lazily by
+:meth:`aioloader._stats.book.StatsBook.snapshot` (folding, :mod:`aioloader._stats.book`;
+the results and their table, :mod:`aioloader._stats.report`).
 
 Where each stage is measured (all times are sums over batches):
 
@@ -99,44 +99,14 @@ class Recorder:
     (for in-process fetches) one fetch thread; integer adds only.
     """
 
+    # Each attribute is described where __init__ sets it.
     __slots__ = (
-        "batches",
-        "book",
-        "count",
-        "countdown",
-        "epoch",
-        "first_done_ns",
-        "first_wait_ns",
-        "hist",
-        "hmax",
-        "hooks",
-        "inline_ns",
-        "inline_samples",
-        "inline_timed",
-        "inline_untimed",
-        "last_ns",
-        "log_every_ns",
-        "next_log_ns",
-        "ns",
-        "num_workers",
-        "occ_flight",
-        "occ_n",
-        "occ_ready",
-        "occ_staged",
-        "procs",
-        "reading_ns",
-        "samples",
-        "start_ns",
-        "step_ns",
-        "time_every",
-        "trace",
-        "w_batches",
-        "w_collate",
-        "w_fetch",
-        "w_idle",
-        "wait_countdown",
-        "wait_timed",
-        "watch",
+        "batches", "book", "count", "countdown", "epoch", "first_done_ns", "first_wait_ns",
+        "hist", "hmax", "hooks", "inline_ns", "inline_samples", "inline_timed",
+        "inline_untimed", "last_ns", "log_every_ns", "next_log_ns", "ns", "num_workers",
+        "occ_flight", "occ_n", "occ_ready", "occ_staged", "procs", "reading_ns", "samples",
+        "start_ns", "step_ns", "time_every", "trace", "w_batches", "w_collate", "w_fetch",
+        "w_idle", "wait_countdown", "wait_timed", "watch",
     )
 
     def __init__(self, num_workers: int, log_every_s: float | None = None,
@@ -231,10 +201,7 @@ class Recorder:
                 if self.procs is not None:
                     self.procs.begin()
             else:  # percentiles leave the first wait (start-up, startup_s) out
-                sh = took.bit_length() - 5  # hist.bucket(took), inlined (took >= 0)
-                self.hist[WAIT][(sh << 4) + (took >> sh) if sh > 0 else took] += 1
-                if took > self.hmax[WAIT]:
-                    self.hmax[WAIT] = took
+                self.observe(WAIT, took)
             if self.trace is not None:
                 self.trace.append((WAIT, LANE_CONSUMER, t0, t, self.count[WAIT] - 1))
             if self.watch:
@@ -276,10 +243,7 @@ class Recorder:
             self.first_wait_ns = took
             self.first_done_ns = t_done
         else:
-            sh = took.bit_length() - 5  # hist.bucket(took), inlined (took >= 0)
-            self.hist[WAIT][(sh << 4) + (took >> sh) if sh > 0 else took] += 1
-            if took > self.hmax[WAIT]:
-                self.hmax[WAIT] = took
+            self.observe(WAIT, took)
         if self.trace is not None:
             self.trace.append((WAIT, LANE_CONSUMER, t_ask, t_done,
                                self.batches + self.inline_untimed - 1))
@@ -293,24 +257,13 @@ class Recorder:
         # The epoch's first time_every batches are all timed (short epochs, start-up).
         self.countdown = self.time_every if self.inline_timed >= self.time_every else 1
         acc = self.inline_ns
-        hist, hmax = self.hist, self.hmax
-        # Written out (hist.bucket inlined, times >= 0): one timed batch in TIME_EVERY.
         a, b, c = t_drawn - t_draw, t_read - t_drawn, t_done - t_read
         acc[SAMPLING] += a
         acc[FETCH] += b
         acc[COLLATE] += c
-        sh = a.bit_length() - 5
-        hist[SAMPLING][(sh << 4) + (a >> sh) if sh > 0 else a] += 1
-        sh = b.bit_length() - 5
-        hist[FETCH][(sh << 4) + (b >> sh) if sh > 0 else b] += 1
-        sh = c.bit_length() - 5
-        hist[COLLATE][(sh << 4) + (c >> sh) if sh > 0 else c] += 1
-        if a > hmax[SAMPLING]:
-            hmax[SAMPLING] = a
-        if b > hmax[FETCH]:
-            hmax[FETCH] = b
-        if c > hmax[COLLATE]:
-            hmax[COLLATE] = c
+        self.observe(SAMPLING, a)
+        self.observe(FETCH, b)
+        self.observe(COLLATE, c)
         if self.trace is not None:
             n = self.batches + self.inline_untimed
             self.trace.extend(((SAMPLING, LANE_CONSUMER, t_draw, t_drawn, n),
@@ -357,12 +310,17 @@ class Recorder:
         """One item of ``stage`` took ``ns``, ending at ``end`` (0: it just ended)."""
         self.count[stage] += 1
         self.ns[stage] += ns
-        self.hist[stage][_bucket(ns)] += 1
-        if ns > self.hmax[stage]:
-            self.hmax[stage] = ns
+        self.observe(stage, ns)
         if self.trace is not None:
             t = end or _now()
             self.trace.append((stage, _LANE[stage], t - ns, t, self.count[WAIT]))
+
+    def observe(self, stage: int, ns: int) -> None:
+        """One latency of ``stage`` (``ns`` nanoseconds) into its histogram
+        (:func:`aioloader._stats.hist.bucket`) and its exact maximum."""
+        self.hist[stage][_bucket(ns)] += 1
+        if ns > self.hmax[stage]:
+            self.hmax[stage] = ns
 
     def worker_batch(self, worker: int, stamp: tuple[int, int, int, int], seq: int = -1) -> None:
         """A worker's reply arrived (just decoded) with its :class:`WorkerClock` stamp.
@@ -382,16 +340,9 @@ class Recorder:
         took = now - (sent if sent > self.reading_ns else self.reading_ns)
         took = took if took > 0 else 0
         self.ns[TRANSPORT] += took
-        hist, hmax = self.hist, self.hmax
-        hist[FETCH][_bucket(fetch)] += 1
-        hist[COLLATE][_bucket(collate)] += 1
-        hist[TRANSPORT][_bucket(took)] += 1
-        if fetch > hmax[FETCH]:
-            hmax[FETCH] = fetch
-        if collate > hmax[COLLATE]:
-            hmax[COLLATE] = collate
-        if took > hmax[TRANSPORT]:
-            hmax[TRANSPORT] = took
+        self.observe(FETCH, fetch)
+        self.observe(COLLATE, collate)
+        self.observe(TRANSPORT, took)
         if self.trace is not None:
             self.trace.extend(((FETCH, worker, sent - total, sent - collate, seq),
                                (COLLATE, worker, sent - collate, sent, seq),
