@@ -20,7 +20,7 @@ from .config import WorkerConfig, _where, reseed_datapipe, seed_worker
 from .loop import _SyncEpoch
 
 __all__ = ["DEFAULT_ACTOR_OPTIONS", "RAY_INSTALL_HINT", "RayWorker", "check_ray_options",
-           "import_ray", "require_ray"]
+           "import_ray"]
 
 RAY_INSTALL_HINT = "worker_method='ray' needs Ray: pip install aioloader[ray]"
 
@@ -43,11 +43,6 @@ def import_ray() -> Any:
     except ImportError as exc:
         raise ModuleNotFoundError(f"{RAY_INSTALL_HINT} ({exc})", name="ray") from exc
     return ray
-
-
-def require_ray() -> None:
-    """Raise ``ModuleNotFoundError`` saying ``pip install aioloader[ray]`` without Ray."""
-    import_ray()
 
 
 def check_ray_options(ray_options: Mapping[str, Any] | None) -> tuple[str | None, dict[str, Any]]:
