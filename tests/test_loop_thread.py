@@ -334,7 +334,7 @@ def test_autotuning_moves_are_off_the_loop_thread(
     script.extend(MOVES)
     moved = _run(loop, _autotuned)
     assert moved[:2] == [(WORKERS, 0, 1), (WORKERS, 1, 2)]  # handed over, then grown
-    assert (WORKERS, 2, 1) in moved  # and a worker retired
+    assert any(k == WORKERS and new < old for k, old, new in moved)  # and one retired
     _assert_quiet_loop()
 
 
