@@ -7,7 +7,8 @@ cancellation, garbage collection of an un-closed iterator, a persistent pool's e
 switch, an autotuned first epoch handing over to workers, a respawn. Events: imports,
 forks, process spawns (``subprocess.Popen``, ``os.posix_spawn``, ``os.exec``), memory
 mappings, blocking sleeps. What has no audit event is spied on: a join of a thread or
-process still alive, and the pickling of a dataset for ``spawn`` workers.
+process still alive, a blocking wait for processes to end, and the pickling of a
+dataset for ``spawn`` workers.
 
 Deterministic: no timing, only *where* each call runs. Every mode (``num_workers=0``,
 process workers with ``fork`` and ``spawn``/``forkserver``, thread workers, async
@@ -37,6 +38,7 @@ from test_autotune import MOVES, WhoFetched, script  # noqa: F401  (script: a fi
 
 import aioloader
 from aioloader import DataLoader, Dataset, TensorDataset
+from aioloader._pools import ladder
 from aioloader._tune.controller import WORKERS
 from aioloader._worker import image as _image
 
@@ -129,6 +131,14 @@ def _spy_blocking_calls() -> None:
             SPY.record("DatasetImage.pack (pickling the dataset)")
         return pack(cls, dataset)
 
+    mp_wait = ladder.mp_wait
+
+    def wait(objects: Any, timeout: float | None = None) -> Any:
+        if SPY.on_loop() and timeout != 0:
+            SPY.record("multiprocessing.connection.wait (a blocking wait for processes)")
+        return mp_wait(objects, timeout)
+
+    ladder.mp_wait = wait
     threading.Thread.join = join  # type: ignore[method-assign]
     multiprocessing.process.BaseProcess.join = pjoin  # type: ignore[method-assign]
     _image.DatasetImage.pack = classmethod(pack_spy)  # type: ignore[method-assign,assignment]

@@ -472,6 +472,10 @@ class WorkerPool(PoolBase[Conn]):
             except (AssertionError, ValueError):
                 pass
 
+    async def _await_helpers(self) -> None:
+        if self._zygote is not None:
+            await self._zygote.aleave()
+
     def _free(self) -> None:
         for c in self._workers + self._retired:
             c.free()
