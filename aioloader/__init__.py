@@ -13,6 +13,7 @@ primary interface) or ``for``:
 from __future__ import annotations
 
 import importlib as _importlib
+import sys as _sys
 import typing as _typing
 
 from ._errors import (
@@ -100,11 +101,16 @@ if _typing.TYPE_CHECKING:
     from ._facade import DataLoader
     from ._resume.elastic import gather_rank_states, merge_rank_states
 
-# Imported on first use (PEP 562): the loader machinery (anyio, the pipeline, the
-# worker pools) is not loaded by a worker process, which imports this package only to
-# reach aioloader._worker.main, nor by code that uses the datasets and samplers alone.
+# Imported on first use (PEP 562) where the package is loaded to start a worker (below);
+# DataLoader is otherwise loaded with the package (_load_the_loader).
 _LAZY = {"DataLoader": "._facade", "merge_rank_states": "._resume.elastic",
          "gather_rank_states": "._resume.elastic"}
+
+#: The modules through which ``multiprocessing`` loads this package in a new interpreter
+#: to start a worker: a ``spawn`` child reading its target, the fork server preloading.
+_WORKER_BOOT = frozenset({"multiprocessing.spawn", "multiprocessing.forkserver"})
+#: What a worker imports (its entry point, the zygote, the Ray actor).
+_WORKER_PACKAGE = __name__ + "._worker"
 
 
 def __getattr__(name: str) -> _typing.Any:
@@ -139,4 +145,33 @@ def _fix_module_names() -> None:
         _show_as_ours(globals()[name])
 
 
+def _starting_a_worker() -> bool:
+    """True while this package is imported to start a worker: by ``multiprocessing``
+    starting a process (a ``spawn`` child, the zygote, the fork server), or on the way to
+    ``aioloader._worker`` (a worker's entry point). Read from the importing frames (where
+    a later Python names them otherwise, the package loads the loader: slower, not wrong).
+    """
+    frame: _typing.Any = _sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__") in _WORKER_BOOT:
+            return True
+        if frame.f_code.co_name == "_find_and_load" and str(
+                frame.f_locals.get("name", "")).startswith(_WORKER_PACKAGE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _load_the_loader() -> None:
+    """Load ``DataLoader`` (the pipeline, anyio and its asyncio backend) with the package.
+
+    Paid once by ``import aioloader``, where the user imports it: a loader later built
+    inside a coroutine imports nothing on the event loop's thread (docs/pipeline.md,
+    "Where start-up costs are paid"). A worker process skips it (its start stays light).
+    """
+    if not _starting_a_worker():
+        __getattr__("DataLoader")
+
+
 _fix_module_names()
+_load_the_loader()

@@ -42,6 +42,7 @@ from ._config import (
 )
 from ._fetch.policy import DEFAULT_RETRY_DELAY
 from ._fetch.report import FailureReport
+from ._pipeline.backend import backend_pending, load_backend
 from ._pipeline.epoch import _PipelineCore
 from ._pipeline.source_inline import InlineSource
 from ._pipeline.source_probe import HandOver
@@ -564,9 +565,9 @@ class AsyncLoaderIter(Generic[T_co]):
         return self
 
     async def __anext__(self) -> T_co:
-        core = self._source
-        turns = self._turns
-        me = self._me
+        core, turns, me = self._source, self._turns, self._me
+        if backend_pending():  # a trio loop's first batch: anyio's backend off the loop
+            await load_backend(self._core.runner)
         del self  # tracebacks must not keep the iterator (and its workers) alive
         if turns.busy:  # another task is in __anext__: wait for its turn to end
             await turns.wait()

@@ -216,6 +216,8 @@ def track_ending(thread: Joinable) -> None:
     alive at fork time may hold a lock the child then waits on forever) and at exit.
     """
     with _ending_lock:
+        for ended in [t for t in _ending if not t.is_alive()]:  # kept bounded
+            _ending.discard(ended)
         _ending.add(thread)
 
 

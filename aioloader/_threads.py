@@ -29,11 +29,14 @@ from typing import Any
 import anyio
 import sniffio
 
-from ._park import ParkableThread, register
+from ._park import ParkableThread, register, track_ending
 
 __all__ = ["ThreadRunner", "close_at_exit"]
 
 _LG = logging.getLogger(__name__)
+
+#: How often :func:`_ended` looks whether a stopped thread has ended.
+_ENDED_POLL_S = 0.0005
 
 _STOP = object()
 _PARK = object()  # park(): the thread ends after the jobs before this one
@@ -52,13 +55,29 @@ def _resolve(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
         fut.set_exception(value)
 
 
+async def _ended(thread: threading.Thread, limit: float = 1.0) -> None:
+    """Wait, without blocking the loop (no join), for an idle ``thread`` told to stop.
+
+    It ends as soon as it reads the stop marker: checked between short sleeps, up to
+    ``limit`` s; then it is left to the next fork and to interpreter exit, which wait for
+    it (:func:`aioloader._park.track_ending`).
+    """
+    with anyio.CancelScope(shield=True), anyio.move_on_after(limit):
+        while thread.is_alive():  # noqa: ASYNC110  (a thread's end sets no event)
+            await anyio.sleep(_ENDED_POLL_S)
+    if thread.is_alive():
+        track_ending(thread)
+
+
 class _Waiter:
-    """Result slot for non-asyncio backends."""
+    """Result slot for trio (anyio's only other backend)."""
 
     __slots__ = ("event", "ok", "value")
 
-    def __init__(self) -> None:
-        self.event = anyio.Event()
+    def __init__(self, event: Any) -> None:
+        # trio's own event, not anyio's: a loader's first batch imports anyio's trio
+        # backend through this runner (aioloader._pipeline.backend.load_backend).
+        self.event = event
         self.ok = False
         self.value: Any = None
 
@@ -173,7 +192,7 @@ class ThreadRunner(ParkableThread):
         import trio  # anyio's only other backend
 
         token = trio.lowlevel.current_trio_token()
-        waiter = _Waiter()
+        waiter = _Waiter(trio.Event())
 
         def deliver_generic(ok: bool, value: Any) -> None:
             # Never blocks on the loop (so the thread can always finish its job and park,
@@ -212,7 +231,8 @@ class ThreadRunner(ParkableThread):
                     self._jobs.put(_STOP)
 
     async def aclose(self, grace: float = 10.0) -> None:
-        """Stop the thread and wait (up to ``grace`` s) for it to end, without blocking the loop.
+        """Stop the thread once every call handed to it has returned (waiting up to ``grace`` s)
+        and wait for it to end, without blocking the loop (no join: :func:`_ended`).
 
         A call still running user code (say a hung ``__getitem__``) cannot be
         interrupted; after ``grace`` the daemon thread is abandoned and a
@@ -230,7 +250,7 @@ class ThreadRunner(ParkableThread):
             _LG.warning("thread %s still busy after %.1f s; abandoning it", self._name, grace)
             return
         if thread is not None:
-            thread.join(1.0)  # idle thread: exits as soon as it reads the stop marker
+            await _ended(thread)
 
     def join(self, timeout: float | None = None) -> None:
         """Block until the thread has exited (sync callers only)."""

@@ -91,3 +91,16 @@ class Pids(aioloader.Dataset[Any]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.loaded_in = os.getpid()
+
+
+class WhatLoaded(aioloader.Dataset[Any]):
+    """Each sample says whether the worker loaded the loader machinery (the facade, anyio)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> Any:
+        import sys
+
+        return [name for name in ("aioloader._facade", "aioloader._pipeline.epoch", "anyio")
+                if name in sys.modules]

@@ -98,6 +98,43 @@ async def test_async_for_never_forks_beside_a_loader_thread(fork_spy: _ForkSpy,
     await loader.aclose()
 
 
+class _DiesOnce(Dataset[int]):
+    """The worker reading index 5 kills itself the first time (a marker file says so)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> int:
+        if i == 5:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return i
+            os.kill(os.getpid(), 9)
+        return i
+
+
+@pytest.mark.filterwarnings("ignore:.*respawned 1 dead worker")
+@pytest.mark.parametrize("how", ["for", "async for"])
+def test_a_respawn_forks_beside_no_loader_thread(fork_spy: _ForkSpy, tmp_path: Any,
+                                                 how: str) -> None:
+    """A replacement, forked off the loop's thread since issue 32 (from a helper thread),
+    forks beside no loader thread: the facade's loop and the epoch's thread are parked."""
+    loader = DataLoader(_DiesOnce(str(tmp_path / "died")), batch_size=4, num_workers=2,
+                        respawn_workers=True, **FORK)
+
+    async def consume() -> list[Any]:
+        return [b async for b in loader]
+
+    batches = list(loader) if how == "for" else asyncio.run(consume())
+    assert sorted(int(i) for b in batches for i in b) == list(range(24))
+    assert loader.failures is not None and loader.failures.respawns == 1
+    _assert_forked_alone(fork_spy, 3)
+
+
 @pytest.mark.filterwarnings(PIN_WARNING)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of pin_memory")
 def test_pin_memory_epochs_never_fork_beside_the_pin_thread(fork_spy: _ForkSpy) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from _failure_datasets import CrashOnce
-from _startup_datasets import Arrays, FailsToUnpickle, HoldsQueue, Pids
+from _startup_datasets import Arrays, FailsToUnpickle, HoldsQueue, Pids, WhatLoaded
 
 from aioloader import DataLoader, SkippedSamplesWarning, WorkerDiedError
 from aioloader._pools.process import WorkerPool
@@ -141,6 +141,18 @@ def test_spawn_workers_are_forked_by_one_zygote_and_load_their_own_dataset() -> 
     assert {int(p) for b in batches for p in b[3]} == pids  # each worker loaded its own
     with pytest.raises(ProcessLookupError):  # gone with the pool, and reaped
         os.kill(zygote_pid, 0)
+
+
+@pytest.mark.parametrize("ctx", ["spawn", "forkserver"])
+def test_a_new_worker_interpreter_does_not_load_the_loader(ctx: str) -> None:
+    """``import aioloader`` loads DataLoader with the package (issue 32), but not in a
+    spawn/forkserver worker, which imports the package only to reach its entry point."""
+    import aioloader
+
+    assert "DataLoader" in vars(aioloader)  # loaded with the package here
+    loader = DataLoader(WhatLoaded(), batch_size=None, num_workers=1,
+                        multiprocessing_context=ctx)
+    assert list(loader) == [[]] * 4
 
 
 @needs_image

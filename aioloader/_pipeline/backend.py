@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.streams.memory  # imported here for the warm-up below
 import anyio.to_thread
@@ -22,6 +24,28 @@ try:
     import uvloop  # noqa: F401
 except ImportError:  # pragma: no cover
     pass
+
+if TYPE_CHECKING:
+    from .._threads import ThreadRunner
+
+#: anyio's trio backend: imported by a trio loader's first batch, in the epoch's thread
+#: (not with the package: it would import trio for every asyncio user).
+_TRIO_BACKEND = "anyio._backends._trio"
+
+
+def backend_pending() -> bool:
+    """True on a trio loop while anyio's trio backend is not imported yet (cheap)."""
+    return (_TRIO_BACKEND not in sys.modules and "trio" in sys.modules
+            and sniffio.current_async_library() == "trio")
+
+
+async def load_backend(runner: ThreadRunner) -> None:
+    """Import anyio's trio backend in ``runner``'s thread, not on the loop's.
+
+    Called before the epoch first uses anyio on a trio loop (:func:`backend_pending`);
+    ``runner`` waits for its thread with trio's own primitives.
+    """
+    await runner.run(importlib.import_module, _TRIO_BACKEND)
 
 
 class _LoopHandle:

@@ -283,8 +283,14 @@ class PoolBase(Generic[W]):
                         await self._idle.wait()
                 for live, limit in self._ladder(grace):
                     await self._wait(live, limit)
+                if self._serving == 0:
+                    await self._await_helpers()
             finally:
                 self._release(close_fds=self._serving == 0)
+
+    async def _await_helpers(self) -> None:
+        """Wait on the loop for the pool's helper processes (a zygote) to leave, its
+        workers gone: the release that follows would block on them."""
 
     def close(self, grace: float | None = None) -> None:
         """Sync :meth:`aclose`: safe from finalizers, ``atexit`` and any thread.

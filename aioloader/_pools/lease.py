@@ -25,9 +25,11 @@ class _PoolLease:
 
     The processes start lazily: from the caller's thread for the sync facade
     (before its loop thread exists, so ``fork`` stays safe), and for ``async
-    for`` on the loop thread with ``fork`` (a fork takes milliseconds) or in the
-    iterator's thread with ``spawn``/``forkserver`` (their start waits on a new
-    interpreter and would stall the loop).
+    for`` in the epoch's own thread (its runner), whatever the start method: a
+    fork, a new interpreter or the dataset's pickling never runs on the loop's
+    thread. The loader's other threads are parked around a fork
+    (:mod:`aioloader._park`); the consumer's loop thread, which is not the
+    loader's, stays alive, as a user's threads do when torch forks its workers.
     """
 
     def __init__(self, pool: AnyPool, base_seed: int) -> None:
@@ -67,9 +69,9 @@ class _PoolLease:
     async def start(self, runner: ThreadRunner) -> None:
         if self.started:
             return
-        if self.pool.start_method in ("fork", "thread"):  # fast: no new interpreter to wait on
+        if self.pool.start_method == "thread":  # threads start at once
             self.start_sync()
-        else:
+        else:  # a fork, a new interpreter, an actor: never on the loop's thread
             await runner.run(self.start_sync)
 
     async def aclose(self) -> None:

@@ -364,16 +364,20 @@ class WorkerPool(PoolBase[Conn]):
         wid = conn.worker_id
         cfg, method, parent_pid = self._configs[wid], self.start_method, os.getpid()
         logger.debug("respawning worker %d after: %s", wid, error)
-        if method == "fork":  # on the loop: this thread stays, the loader's others are parked
-            with quiet_for_fork():
-                self._start_one(wid, cfg, method, parent_pid)
-        else:  # a new interpreter takes a while to start: not on the loop
-            runner = ThreadRunner("aioloader-respawn")
-            try:
-                await runner.run(self._start_one, wid, cfg, method, parent_pid)
-            finally:
-                await runner.aclose()
+        # A fork or a new interpreter: never on the loop's thread.
+        runner = ThreadRunner("aioloader-respawn")
+        try:
+            await runner.run(self._start_one_quietly, wid, cfg, method, parent_pid)
+        finally:
+            await runner.aclose()
         return self._workers[wid]
+
+    def _start_one_quietly(self, worker_id: int, cfg: WorkerConfig, method: str,
+                           parent_pid: int) -> None:
+        """:meth:`_start_one` from a loader thread: with ``fork``, the loader's other
+        threads parked (this one stays alive, as does the consumer's loop thread)."""
+        with quiet_for_fork() if method == "fork" else contextlib.nullcontext():
+            self._start_one(worker_id, cfg, method, parent_pid)
 
     async def _serve_one_conn(self, conn: Conn, sink: ObjectSendStream[tuple[int, Any]],
                               decoder: ThreadRunner) -> BaseException | None:
@@ -408,19 +412,15 @@ class WorkerPool(PoolBase[Conn]):
 
     async def add_worker(self, runner: ThreadRunner) -> int:
         """Start worker ``num_workers`` (seeded ``base_seed + id``); served at once when a
-        :meth:`serve` runs. With ``fork`` it is forked on the loop (the loader's threads
-        parked, as for a respawn), otherwise started in ``runner``'s thread."""
+        :meth:`serve` runs. Started in ``runner``'s thread, never on the loop's (with
+        ``fork``, the loader's other threads parked, as for a respawn)."""
         if self._closing:
             raise IteratorClosedError("the worker pool is closed")
         cfg = self._next_config()
         wid, method, parent_pid = cfg.worker_id, self.start_method, os.getpid()
         self._configs.append(cfg)
         try:
-            if method == "fork":
-                with quiet_for_fork():
-                    self._start_one(wid, cfg, method, parent_pid)
-            else:
-                await runner.run(self._start_one, wid, cfg, method, parent_pid)
+            await runner.run(self._start_one_quietly, wid, cfg, method, parent_pid)
         except BaseException:
             self._configs.pop()
             raise
@@ -471,6 +471,10 @@ class WorkerPool(PoolBase[Conn]):
                 c.proc.join(0)
             except (AssertionError, ValueError):
                 pass
+
+    async def _await_helpers(self) -> None:
+        if self._zygote is not None:
+            await self._zygote.aleave()
 
     def _free(self) -> None:
         for c in self._workers + self._retired:
