@@ -180,7 +180,7 @@ class InlineSource:
         self.delivery.count_yield()
         self._commit()
         if self.device is not None:
-            return _device.finish_on_device(data)
+            return _device.finish_in_caller(data)
         return data
 
     def next_sync(self) -> Any:
