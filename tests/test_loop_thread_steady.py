@@ -211,12 +211,13 @@ class _FakeCuda:
         self.ctx = Ctx
 
 
-@pytest.mark.parametrize("workers", [2, "thread"])
+@pytest.mark.parametrize("workers", [0, 2, "thread"])
 def test_device_stage_cuda_calls_run_off_the_loop(calls: _Calls, workers: Any,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """device="cuda" (CUDA faked): the consumer stream's wait on each copy and the
-    record_stream of its tensors happen once per batch, in the loader's thread; the loop
-    only reads which stream is current."""
+    """device="cuda" (CUDA faked): each batch's copy, the consumer stream's wait on it
+    and the record_stream of its tensors happen once per batch, in the loader's thread
+    (also with num_workers=0, whose tiny batches may otherwise be fetched on the loop);
+    the loop only reads which stream is current."""
     fake = _FakeCuda(calls)
     monkeypatch.setattr(torch.cuda, "Stream", fake.Stream)
     monkeypatch.setattr(torch.cuda, "Event", fake.Event)
@@ -225,8 +226,11 @@ def test_device_stage_cuda_calls_run_off_the_loop(calls: _Calls, workers: Any,
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     monkeypatch.setattr(_device, "_side_streams", {})
-    monkeypatch.setattr(_pin, "move_to_device",
-                        lambda batch, device, *, non_blocking=True: batch)
+    def move_to_device(batch: Any, device: Any, *, non_blocking: bool = True) -> Any:
+        calls.add("copy")
+        return batch
+
+    monkeypatch.setattr(_pin, "move_to_device", move_to_device)
 
     def record_stream(batch: Any, stream: Any) -> None:
         assert stream is fake.current  # the consumer's stream, read on its thread
@@ -239,6 +243,7 @@ def test_device_stage_cuda_calls_run_off_the_loop(calls: _Calls, workers: Any,
     firsts, loop_thread = _run(loader, calls, "asyncio")
     assert firsts == _expected()
     assert calls.count("wait_event") == calls.count("record_stream") == N // BS
+    assert calls.count("copy") == N // BS and calls.on_thread("copy", loop_thread) == 0
     assert calls.on_thread("wait_event", loop_thread) == 0
     assert calls.on_thread("record_stream", loop_thread) == 0
 

@@ -29,8 +29,8 @@ from .offload import _ErrorBox, _ThreadCall
 
 _ns = time.perf_counter_ns
 
-__all__ = ["DeviceStage", "consumer_stream", "finish_in_caller", "finish_on_device",
-           "stage_to_device"]
+__all__ = ["DeviceStage", "consumer_stream", "current_stream_of", "finish_in_caller",
+           "finish_on_device", "is_staged", "stage_to_device"]
 
 
 _side_streams: dict[tuple[int, torch.device], Any] = {}
@@ -83,6 +83,18 @@ def consumer_stream(staged: _Staged) -> Any:
     if staged.event is None:
         return None
     return torch.cuda.current_stream(staged.batch_device)
+
+
+def current_stream_of(device: torch.device) -> Any:
+    """The calling (consumer's) thread's current stream on ``device``; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device)
+
+
+def is_staged(data: Any) -> bool:
+    """Whether ``data`` is a staged batch still to be finished."""
+    return type(data) is _Staged
 
 
 def finish_on_device(staged: _Staged, stream: Any) -> Any:

@@ -322,7 +322,7 @@ class WorkerPool(PoolBase[Conn]):
         """
         errors: list[BaseException] = []
         scope = self._serve_begin()  # cancelled by aclose(): serve() then returns quietly
-        # Decodes large frames off the loop; started on first use, joined before we return.
+        # Decodes every frame off the loop; started on first use, joined before we return.
         decoder = ThreadRunner("aioloader-decode")
         self._respawn = respawn
         self._transform = transform
