@@ -77,19 +77,21 @@ def stage_to_device(batch: Any, device: torch.device) -> _Staged:
     return _Staged(_pin.move_to_device(batch, device, non_blocking=False), None)
 
 
-def consumer_stream(staged: _Staged) -> Any:
-    """The calling (consumer's) thread's current stream on ``staged``'s device; None when
-    ``staged`` needs no finishing (no event: not a CUDA copy). A thread-local read."""
-    if staged.event is None:
-        return None
-    return torch.cuda.current_stream(staged.batch_device)
-
-
 def current_stream_of(device: torch.device) -> Any:
-    """The calling (consumer's) thread's current stream on ``device``; None off CUDA."""
+    """The calling (consumer's) thread's current stream on ``device``; None off CUDA.
+    A thread-local read: the one CUDA call the device stage makes on the consumer's
+    thread."""
     if device.type != "cuda":
         return None
     return torch.cuda.current_stream(device)
+
+
+def consumer_stream(staged: _Staged) -> Any:
+    """:func:`current_stream_of` ``staged``'s device; None when ``staged`` needs no
+    finishing (no event: not a CUDA copy)."""
+    if staged.event is None:
+        return None
+    return current_stream_of(staged.batch_device)
 
 
 def is_staged(data: Any) -> bool:
