@@ -116,7 +116,7 @@ def test_device_path_fetch_threads_end_with_the_epoch_no_leak(monkeypatch: Any) 
     """device= without workers reads with fetch_threads: that pool ends with the epoch."""
     from aioloader._pipeline import device as _device
     monkeypatch.setattr(_device, "stage_to_device", lambda batch, device: batch)
-    monkeypatch.setattr(_device, "finish_on_device", lambda item: item)
+    monkeypatch.setattr(_device, "finish_in_caller", lambda item: item)
     try:
         loader = DataLoader(Slow(16, 0.0), batch_size=4, fetch_threads=3, device="cpu")
     except (ValueError, RuntimeError) as exc:  # pragma: no cover - device validation

@@ -38,14 +38,19 @@ class _InlinePolicy:
     YIELD_EVERY_S = 500e-6
     YIELD_EVERY_NS = int(YIELD_EVERY_S * 1e9)
 
-    __slots__ = ("fast_streak", "inline", "warmup")
+    __slots__ = ("allowed", "fast_streak", "inline", "warmup")
 
-    def __init__(self) -> None:
+    def __init__(self, allowed: bool = True) -> None:
+        """``allowed=False``: always the thread (a batch whose pinning or device copy
+        makes CUDA calls, which can wait for the driver: never on the loop)."""
+        self.allowed = allowed
         self.inline = False
         self.fast_streak = 0
         self.warmup = self.WARMUP
 
     def record(self, seconds: float) -> None:
+        if not self.allowed:
+            return
         if self.inline:
             if seconds > self.SLOW_S:
                 self.inline = False

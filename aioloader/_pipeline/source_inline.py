@@ -90,7 +90,8 @@ class InlineSource:
         self._stats_mode(self.SAMPLED_STATS)
         _dstate.load_fetcher_state(self.raw_fetcher, wstate)
         self.device = config.device
-        self.policy = _InlinePolicy()
+        # Pinning and device copies are CUDA calls: never inline on the loop.
+        self.policy = _InlinePolicy(allowed=not (pin.enabled or self.device is not None))
         self.last_yield = 0  # perf_counter_ns of the latest checkpoint (async for)
         self.pending_call: _ThreadCall | None = None  # a drawn batch whose waiter was cancelled
 
@@ -172,6 +173,14 @@ class InlineSource:
                 rec.add(DEVICE, _ns() - t1)
         return index, data
 
+    def _fetch_finished(self, index: Any, stream: Any) -> Any:
+        """:meth:`_fetch` with the device copy finished on ``stream`` (the consumer's,
+        read on its thread), all in the epoch's thread (``async for``)."""
+        index, data = self._fetch(index)
+        if data is not EXHAUSTED:
+            data = on_batch(lambda staged: _device.finish_on_device(staged, stream), data)
+        return index, data
+
     def _stage(self, data: Any) -> Any:
         assert self.device is not None
         return _device.stage_to_device(data, self.device)
@@ -179,8 +188,8 @@ class InlineSource:
     def _deliver(self, data: Any) -> Any:
         self.delivery.count_yield()
         self._commit()
-        if self.device is not None:
-            return _device.finish_on_device(data)
+        if self.device is not None and _device.is_staged(data):  # not finished yet (`for`)
+            return _device.finish_in_caller(data)
         return data
 
     def next_sync(self) -> Any:
@@ -324,7 +333,10 @@ class InlineSource:
                     if data is not NOTHING:
                         return data
                     continue
-                call = self.pending_call = _ThreadCall(_timed, self._fetch, index)
+                call = self.pending_call = (
+                    _ThreadCall(_timed, self._fetch, index) if self.device is None else
+                    _ThreadCall(_timed, self._fetch_finished, index,
+                                _device.current_stream_of(self.device)))
             await call.wait(self.runner)  # cancelled: `pending` keeps the batch
             self.pending_call = None
             data, took = self._consumed_on_error(call.result)

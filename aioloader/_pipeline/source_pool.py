@@ -2,7 +2,8 @@
 
 :class:`PoolSource` sends the dispatcher's commands to the pool's workers and puts each
 reply in its slot of the reorder buffer (pinned first when ``pin_memory`` is on): the
-worker side of an epoch with ``num_workers > 0``.
+worker side of an epoch with ``num_workers > 0``. With worker processes the replies are
+decoded and pinned in the pool's decoding thread, off the consumer's loop.
 """
 
 from __future__ import annotations
@@ -140,7 +141,24 @@ class PoolSource:
 
     async def _serve_pool(self, send: Any) -> None:
         async with send:
-            await self.lease.pool.serve(send, self.allow_respawn)
+            pool: Any = self.lease.pool
+            if self.pin.enabled and getattr(pool, "accepts_transform", False):
+                # Pinned in the pool's decoding thread, in the same hop as the decoding.
+                await pool.serve(send, self.allow_respawn, self._pin_reply)
+            else:
+                await pool.serve(send, self.allow_respawn)
+
+    def _pin_reply(self, msg: Any) -> Any:
+        """A decoded reply with its batch pinned (in the pool's decoding thread); its
+        batch becomes a :class:`_Pinned`, which :meth:`_intake` unwraps on the loop."""
+        if type(msg) is not tuple or msg[0] != "data" or msg[1] != self.epoch:
+            return msg
+        t0 = _ns()
+        try:
+            pinned = _Pinned(on_batch(self.pin.apply, msg[3]), _ns() - t0, None)
+        except Exception as exc:  # raised on the loop, as a pinning error always was
+            pinned = _Pinned(None, 0, exc)
+        return (*msg[:3], pinned, *msg[4:])
 
     async def _intake(self, worker: int, msg: tuple[Any, ...]) -> None:
         tag = msg[0]
@@ -173,7 +191,9 @@ class PoolSource:
         if tag == "data":
             data = msg[3]
             rec = self.rec
-            if self.pin.enabled:
+            if type(data) is _Pinned:  # pinned where it was decoded
+                data = data.unwrap(rec)
+            elif self.pin.enabled:
                 t0 = _ns()
                 data = await self.runner.run(on_batch, self.pin.apply, data)
                 if rec is not None:
@@ -187,6 +207,28 @@ class PoolSource:
         slot.data = data
         slot.has_data = True
         self.wake()
+
+
+class _Pinned:
+    """A reply's batch pinned in the decoding thread: the batch, the time it took, or the
+    error pinning raised."""
+
+    __slots__ = ("data", "exc", "ns")
+
+    def __init__(self, data: Any, ns: int, exc: Exception | None) -> None:
+        self.data = data
+        self.ns = ns
+        self.exc = exc
+
+    def unwrap(self, rec: Recorder | None) -> Any:
+        """The pinned batch (the pinning time recorded); raises what pinning raised."""
+        if self.exc is not None:
+            exc, self.exc = self.exc, None
+            raise exc
+        if rec is not None:
+            rec.add(PIN, self.ns)
+        data, self.data = self.data, None
+        return data
 
 
 def _drop_buffered(recv: Any) -> None:

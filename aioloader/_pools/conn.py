@@ -19,6 +19,7 @@ import signal
 import socket
 import traceback
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -26,7 +27,7 @@ from anyio.abc import ObjectSendStream
 
 from .._errors import WorkerDiedError
 from .._threads import ThreadRunner
-from .._worker.codec import LARGE_PAYLOAD, decode
+from .._worker.codec import close_fds, decode
 from .._worker.config import WorkerConfig
 from .._worker.fdlimit import is_out_of_files, out_of_files_error
 from .._worker.main import worker_main
@@ -40,6 +41,8 @@ __all__ = ["Conn", "register_parent_end"]
 logger = logging.getLogger(__name__)
 
 Sink = ObjectSendStream[tuple[int, Any]]
+#: Applied to each decoded message in the decoding thread (the pool reader's pinning).
+Transform = Callable[[Any], Any]
 
 
 class Conn:
@@ -144,12 +147,13 @@ class Conn:
         if self.wait_scope is not None:
             self.wait_scope.cancel()
 
-    async def pump(self, sink: Sink, exited: anyio.Event, decoder: ThreadRunner) -> None:
+    async def pump(self, sink: Sink, exited: anyio.Event, decoder: ThreadRunner,
+                   transform: Transform | None = None) -> None:
         """Hand every reply to ``sink`` until the process has ended (and what it wrote
         before its end is handed over too)."""
         reader = self.reader
         while True:
-            await self.deliver(sink, decoder)
+            await self.deliver(sink, decoder, transform)
             if self.exited:
                 break
             if reader.eof:
@@ -166,23 +170,31 @@ class Conn:
         # The process has ended: take what it wrote before dying.
         if not reader.eof:
             reader.read_available()
-        await self.deliver(sink, decoder)
+        await self.deliver(sink, decoder, transform)
 
-    async def deliver(self, sink: Sink, decoder: ThreadRunner) -> None:
-        """Decode complete frames and hand them over, in order."""
+    async def deliver(self, sink: Sink, decoder: ThreadRunner,
+                      transform: Transform | None = None) -> None:
+        """Decode complete frames and hand them over, in order.
+
+        Decoding maps the worker's segments and descriptors and rebuilds every tensor
+        (``mmap``, page-table work, allocator calls that may wait behind another thread's
+        pinned allocation): never on the loop's thread. Every frame read so far is
+        decoded (and ``transform``-ed) in one call of ``decoder``'s thread, whose result
+        comes back with one thread-safe call; it is parked on the conn first, so a
+        cancellation loses nothing.
+        """
+        pending = self.pending
         while True:
-            if not self.pending:
-                frame = self.reader.pop()
-                if frame is None:
+            if not pending:
+                reader = self.reader
+                if not len(reader):
                     return
-                if len(frame.payload) >= LARGE_PAYLOAD:
-                    # Unpickling megabytes would stall the loop: do it in a thread. The
-                    # result is parked on the conn first, so a cancellation loses nothing.
-                    await decoder.run(_decode_into, self.pending, frame, self.segments)
-                else:
-                    self.pending.append(decode(*frame, self.segments))
+                frames = []
+                while (frame := reader.pop()) is not None:
+                    frames.append(frame)
+                await decoder.run(_decode_into, pending, frames, self.segments, transform)
             try:
-                await sink.send((self.worker_id, self.pending[0]))
+                await sink.send((self.worker_id, pending[0]))
             except BaseException as exc:
                 # A cancelled send's frame keeps the message (and the batch's shared memory)
                 # for as long as the exception's traceback lives, which a reference cycle
@@ -191,7 +203,7 @@ class Conn:
                     traceback.clear_frames(exc.__traceback__.tb_next)
                 del exc
                 raise
-            self.pending.clear()
+            del pending[0]
 
     async def death_error(self, num_workers: int, method: str) -> WorkerDiedError:
         """Why the process ended unasked, in torch's words."""
@@ -319,8 +331,18 @@ def _sharing_strategy() -> str:
     return str(tmp.get_sharing_strategy())  # type: ignore[no-untyped-call]
 
 
-def _decode_into(out: list[Any], frame: Frame, maps: SegmentMaps) -> None:
-    out.append(decode(*frame, maps))
+def _decode_into(out: list[Any], frames: list[Frame], maps: SegmentMaps,
+                 transform: Transform | None) -> None:
+    """Decode ``frames`` in order into ``out`` (in the decoding thread); a frame that fails
+    raises, and the descriptors of those after it are closed."""
+    for i, frame in enumerate(frames):
+        try:
+            msg = decode(*frame, maps)
+            out.append(msg if transform is None else transform(msg))
+        except BaseException:
+            for rest in frames[i + 1:]:
+                close_fds(rest.fds)
+            raise
 
 
 def _explain_pickling_failure(exc: Exception, method: str) -> None:

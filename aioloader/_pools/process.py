@@ -110,6 +110,8 @@ class WorkerPool(PoolBase[Conn]):
         self._image: DatasetImage | None = None
         # During serve(): decides whether a dead worker is replaced (respawn_workers).
         self._respawn: Callable[[WorkerDiedError], bool] | None = None
+        # During serve(): applied to each decoded message in the decoding thread.
+        self._transform: Callable[[Any], Any] | None = None
         # During serve(): its task group, sink, error list and decoder (add_worker).
         self._serve_ctx: tuple[Any, Any, list[BaseException], ThreadRunner] | None = None
         # Workers retired by the autotuner (retire_worker): freed with the pool.
@@ -287,8 +289,12 @@ class WorkerPool(PoolBase[Conn]):
                 if not self._closing and not conn.exited:
                     raise
 
+    #: :meth:`serve` takes ``transform``, run on each message in the decoding thread.
+    accepts_transform = True
+
     async def serve(self, sink: ObjectSendStream[tuple[int, Any]],
-                    respawn: Callable[[WorkerDiedError], bool] | None = None) -> None:
+                    respawn: Callable[[WorkerDiedError], bool] | None = None,
+                    transform: Callable[[Any], Any] | None = None) -> None:
         """Hand every message from every worker to ``sink`` as ``(worker_id, message)``.
 
         ``respawn`` (``respawn_workers=``): called with the error of a worker
@@ -296,6 +302,9 @@ class WorkerPool(PoolBase[Conn]):
         with the same config (id, seed, ``worker_init_fn``), and
         ``("respawned", worker_id)`` is handed to ``sink`` after every message
         the dead worker wrote: the caller re-sends the commands it did not answer.
+        Messages are decoded (segments and descriptors mapped, tensors rebuilt) off the
+        loop, in a thread of this call, where ``transform`` (if given) is applied to
+        each: the loop's thread only reads the sockets and hands messages on.
 
         Runs until cancelled (the loader cancels it when an epoch ends) or
         until every worker has ended in an orderly way. Messages of one
@@ -313,9 +322,10 @@ class WorkerPool(PoolBase[Conn]):
         """
         errors: list[BaseException] = []
         scope = self._serve_begin()  # cancelled by aclose(): serve() then returns quietly
-        # Decodes large frames off the loop; started on first use, joined before we return.
+        # Decodes every frame off the loop; started on first use, joined before we return.
         decoder = ThreadRunner("aioloader-decode")
         self._respawn = respawn
+        self._transform = transform
         try:
             with scope:
                 async with anyio.create_task_group() as tg:
@@ -328,7 +338,7 @@ class WorkerPool(PoolBase[Conn]):
             # A decode still running finishes into conn.pending before this returns.
             self._serve_ctx = None
             await decoder.aclose()
-            self._respawn = None
+            self._respawn = self._transform = None
             self._serve_end(scope)
         self._raise_first(errors)
 
@@ -390,7 +400,7 @@ class WorkerPool(PoolBase[Conn]):
             else:
                 tg.start_soon(conn.watch_sentinel, exited)
             try:
-                await conn.pump(sink, exited, decoder)
+                await conn.pump(sink, exited, decoder, self._transform)
                 if not (self._closing or conn.retiring):  # the process ended: say why
                     raise await conn.death_error(len(self._workers), self.start_method)
             except anyio.ClosedResourceError as exc:
