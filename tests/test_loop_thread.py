@@ -304,7 +304,6 @@ PROCESS_MODES = ["async-workers", "fork", "fork-persistent", "forkserver", "pin-
                  "spawn"]
 
 
-@pytest.mark.xfail(strict=True, reason="reply mapping on the loop: moved by the transport change")
 @pytest.mark.filterwarnings(PIN_WARNING)
 @pytest.mark.parametrize("mode", PROCESS_MODES)
 def test_no_reply_mapping_on_the_loop_thread(mode: str) -> None:
