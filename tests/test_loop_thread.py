@@ -68,8 +68,8 @@ class _LoopThreadSpy:
         self.thread: int | None = None
         self.phase = ""
         self.seen: list[str] = []
-        #: Mappings of a worker's reply segments while its batch is decoded (kept apart:
-        #: the transport change moves them, see test_no_reply_mapping_on_the_loop_thread).
+        #: Mappings of a worker's reply segments while its batch is decoded (kept apart,
+        #: see test_no_reply_mapping_on_the_loop_thread).
         self.reply_maps: list[str] = []
 
     def record(self, what: str, depth: int = 2) -> None:
