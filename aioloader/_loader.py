@@ -252,8 +252,9 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         (with ``num_workers=0`` otherwise 1 in 16 is). See docs/stats.md, "Trace".
 
         Raises:
-            TypeError: ``last_n_batches`` is not an int; ValueError: it is negative, or
-                statistics are off (``collect_stats=False``).
+            TypeError: ``last_n_batches`` is not an integer (Python and numpy integers
+                are; a bool is not).
+            ValueError: it is negative, or statistics are off (``collect_stats=False``).
         """
         last_n_batches = as_int("last_n_batches", last_n_batches, "record_trace()'s batches "
                                 "to keep; 0 turns tracing off", minimum=0)
@@ -275,7 +276,8 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         batch is timed (see docs/stats.md, "Cost").
 
         Raises:
-            TypeError: ``hook`` is not callable or ``every_n_batches`` is not an int.
+            TypeError: ``hook`` is not callable or ``every_n_batches`` is not an integer
+                (Python and numpy integers are; a bool is not).
             ValueError: ``every_n_batches < 1``, or statistics are off.
         """
         if not callable(hook):
