@@ -1,8 +1,11 @@
 """The loader's configuration: the frozen :class:`LoaderConfig` and :func:`make_config`.
 
-:func:`make_config` runs the argument checks (:mod:`aioloader._options`) in the order
-torch checks its arguments (the first bad argument is the one reported, with torch's
-exception type), resolves the samplers, and returns a :class:`LoaderConfig`.
+:func:`make_config` takes the arguments by name (the table of :mod:`aioloader._arguments`),
+runs the argument checks (:mod:`aioloader._options`) in the order torch checks its
+arguments (the first bad argument is the one reported, with torch's exception type),
+resolves the samplers, and returns a :class:`LoaderConfig`, whose fields are the table's
+``field`` names plus what is derived from several arguments; :func:`loader_attributes` is
+what the loader keeps of them.
 :class:`aioloader._loader.DataLoaderCore` builds one in ``__init__``; epochs, pools,
 resume trackers and statistics are built from it, never from the loader object.
 """
@@ -11,14 +14,15 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.context
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from ._arguments import ARGUMENT, ARGUMENTS, DEFAULT_FETCH_CONCURRENCY, given_arguments
 from ._checks import check_timeout_range
-from ._coerce import as_flag
 from ._datapipes import wrap as wrap_datapipe
 from ._fetch.policy import FailurePolicy, make_policy
 from ._fetch.sync import DatasetKind, dataset_kind
@@ -38,9 +42,6 @@ from ._options import (
     take_auto,
 )
 from .collate import default_collate, default_convert
-
-#: Default number of ``await dataset[i]`` in flight per process for async datasets.
-DEFAULT_FETCH_CONCURRENCY = 64
 
 
 def resolve_mp_context(ctx: Any, num_workers: int) -> multiprocessing.context.BaseContext | None:
@@ -148,13 +149,10 @@ class LoaderConfig:
         return replace(self, **{name: value})
 
 
-#: Loader attributes a user may assign after construction that an epoch reads. torch
-#: refuses the others (``batch_size``, ``sampler``, ``dataset``, ...) once initialised.
-ASSIGNABLE = frozenset({
-    "num_workers", "prefetch_factor", "pin_memory", "pin_memory_device", "timeout",
-    "worker_init_fn", "generator", "in_order", "collate_fn",
-    "fetch_concurrency", "fetch_threads", "device_prefetch", "collect_stats",
-})
+#: Loader attributes a user may assign after construction that an epoch reads (the
+#: table's ``assignable``). torch refuses some of the others (``batch_size``, ``sampler``,
+#: ``dataset``, ...) once initialised.
+ASSIGNABLE = frozenset(arg.name for arg in ARGUMENTS if arg.assignable)
 
 
 def check_at_iter(config: LoaderConfig) -> None:
@@ -177,73 +175,85 @@ def check_at_iter(config: LoaderConfig) -> None:
     check_timeout_range(config.timeout)
 
 
-def make_config(
-    dataset: Any, batch_size: Any, shuffle: Any, sampler: Any, batch_sampler: Any,
-    num_workers: Any, collate_fn: Any, pin_memory: Any, drop_last: Any, timeout: Any,
-    worker_init_fn: Any, multiprocessing_context: Any, generator: Any, *,
-    prefetch_factor: Any, persistent_workers: Any, pin_memory_device: Any, in_order: Any,
-    worker_method: Any, fetch_concurrency: Any, fetch_threads: Any, device: Any,
-    device_prefetch: Any, on_error: Any, max_failures: Any, retries: Any, retry_delay: Any,
-    respawn_workers: Any, snapshot_every_n_steps: Any, ray_options: Any, collect_stats: Any,
-    stats_interval: Any,
-) -> LoaderConfig:
+def make_config(given: Mapping[str, Any]) -> LoaderConfig:
     """Check every ``DataLoader`` argument (torch's order and exception types) and build
     the config. A DataPipe ``dataset`` is kept in torch's serialization wrapper.
 
-    ``num_workers``, ``prefetch_factor`` and ``fetch_concurrency`` may be ``"auto"``
-    (docs/autotune.md): the config holds their starting values and names them in
-    ``auto``.
+    ``given`` maps argument names (:data:`aioloader._arguments.ARGUMENTS`) to values; the
+    table's default stands for a name left out. ``num_workers``, ``prefetch_factor`` and
+    ``fetch_concurrency`` may be ``"auto"`` (docs/autotune.md): the config holds their
+    starting values and names them in ``auto``.
     """
+    a = SimpleNamespace(**given_arguments(given))  # each argument, replaced once checked
+    dataset = a.dataset
     kind = dataset_kind(dataset)
-    num_workers, auto_workers = take_auto("num_workers", num_workers, None)
+    a.num_workers, auto_workers = take_auto("num_workers", a.num_workers, None)
     if auto_workers:
-        num_workers = auto_start(kind, persistent_workers)
-    prefetch_factor, auto_prefetch = take_auto("prefetch_factor", prefetch_factor, None)
-    fetch_concurrency, auto_concurrency = take_auto(
-        "fetch_concurrency", fetch_concurrency, DEFAULT_FETCH_CONCURRENCY)
+        a.num_workers = auto_start(kind, a.persistent_workers)
+    a.prefetch_factor, auto_prefetch = take_auto("prefetch_factor", a.prefetch_factor, None)
+    a.fetch_concurrency, auto_concurrency = take_auto(
+        "fetch_concurrency", a.fetch_concurrency, DEFAULT_FETCH_CONCURRENCY)
     auto = frozenset(name for name, on in zip(
         TUNABLE, (auto_workers, auto_prefetch, auto_concurrency), strict=True) if on)
-    if auto_prefetch and num_workers == 0 and not auto_workers:
+    if auto_prefetch and a.num_workers == 0 and not auto_workers:
         raise ValueError(
             "prefetch_factor='auto' tunes the batches requested ahead per worker: it needs "
             "num_workers > 0 (or num_workers='auto'); with num_workers=0 leave "
             "prefetch_factor=None")
-    num_workers, timeout, prefetch_factor, persistent_workers = check_worker_options(
-        num_workers, timeout, prefetch_factor, persistent_workers)
-    worker_method, fetch_concurrency, fetch_threads, device_prefetch = check_extra_options(
-        worker_method, fetch_concurrency, fetch_threads, device_prefetch)
-    check_worker_count(num_workers, worker_method)
-    ray_address, ray_actor_options = check_ray_args(dataset, worker_method, ray_options)
-    mp_context = resolve_mp_context(multiprocessing_context, num_workers)
-    snapshot_every_n_steps = check_snapshot_every(snapshot_every_n_steps)
+    a.num_workers, a.timeout, a.prefetch_factor, a.persistent_workers = check_worker_options(
+        a.num_workers, a.timeout, a.prefetch_factor, a.persistent_workers)
+    a.worker_method, a.fetch_concurrency, a.fetch_threads, a.device_prefetch = (
+        check_extra_options(a.worker_method, a.fetch_concurrency, a.fetch_threads,
+                            a.device_prefetch))
+    check_worker_count(a.num_workers, a.worker_method)
+    ray_address, ray_actor_options = check_ray_args(dataset, a.worker_method, a.ray_options)
+    a.multiprocessing_context = resolve_mp_context(a.multiprocessing_context, a.num_workers)
+    a.snapshot_every_n_steps = check_snapshot_every(a.snapshot_every_n_steps)
     # Failure policy (docs/failure_policy.md): TypeError/ValueError naming the argument.
     failure_policy = make_policy(
-        on_error=on_error, max_failures=max_failures, retries=retries,
-        retry_delay=retry_delay, respawn_workers=respawn_workers, num_workers=num_workers,
-        iterable=kind.iterable, is_async=kind.is_async)
-    check_thread_workers(worker_method, num_workers, kind.is_async)
-    stats_interval = check_stats_interval(stats_interval)
-    collect = bool(as_flag("collect_stats", collect_stats))
-    batch_size, drop_last, sampler, batch_sampler = resolve_sampling(
-        dataset, kind.iterable, batch_size, shuffle, sampler, batch_sampler, drop_last,
-        generator)
-    pin_memory, in_order = check_loader_options(
-        sampler=sampler, batch_sampler=batch_sampler, collate_fn=collate_fn,
-        worker_init_fn=worker_init_fn, generator=generator, pin_memory=pin_memory,
-        pin_memory_device=pin_memory_device, in_order=in_order)
-    if collate_fn is None:
-        collate_fn = default_collate if batch_sampler is not None else default_convert
+        on_error=a.on_error, max_failures=a.max_failures, retries=a.retries,
+        retry_delay=a.retry_delay, respawn_workers=a.respawn_workers,
+        num_workers=a.num_workers, iterable=kind.iterable, is_async=kind.is_async)
+    check_thread_workers(a.worker_method, a.num_workers, kind.is_async)
+    a.stats_interval = check_stats_interval(a.stats_interval)
+    a.collect_stats = ARGUMENT["collect_stats"].check(a.collect_stats)
+    a.batch_size, a.drop_last, a.sampler, a.batch_sampler = resolve_sampling(
+        dataset, kind.iterable, a.batch_size, a.shuffle, a.sampler, a.batch_sampler,
+        a.drop_last, a.generator)
+    a.pin_memory, a.in_order = check_loader_options(
+        sampler=a.sampler, batch_sampler=a.batch_sampler, collate_fn=a.collate_fn,
+        worker_init_fn=a.worker_init_fn, generator=a.generator, pin_memory=a.pin_memory,
+        pin_memory_device=a.pin_memory_device, in_order=a.in_order)
+    if a.collate_fn is None:
+        a.collate_fn = default_collate if a.batch_sampler is not None else default_convert
+    a.dataset = wrap_datapipe(dataset)
+    a.device = torch.device(a.device) if a.device is not None else None
     return LoaderConfig(
-        dataset=wrap_datapipe(dataset), kind=kind, batch_size=batch_size, drop_last=drop_last,
-        sampler=sampler, batch_sampler=batch_sampler, collate_fn=collate_fn,
-        num_workers=num_workers, prefetch_factor=prefetch_factor,
-        persistent_workers=persistent_workers, pin_memory=pin_memory,
-        pin_memory_device=pin_memory_device, timeout=timeout, worker_init_fn=worker_init_fn,
-        mp_context=mp_context,
-        generator=generator, in_order=in_order, worker_method=worker_method,
-        fetch_concurrency=fetch_concurrency, fetch_threads=fetch_threads,
-        device=torch.device(device) if device is not None else None,
-        device_prefetch=device_prefetch, failure_policy=failure_policy,
-        collect_stats=collect, stats_interval=stats_interval,
-        snapshot_every_n_steps=snapshot_every_n_steps, ray_address=ray_address,
+        **{arg.field: getattr(a, arg.name) for arg in ARGUMENTS if arg.field is not None},
+        kind=kind, failure_policy=failure_policy, ray_address=ray_address,
         ray_actor_options=ray_actor_options, auto=auto)
+
+
+def loader_attributes(config: LoaderConfig, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The loader's public attributes at construction, by each argument's ``keep``.
+
+    As torch keeps them (frameworks re-create a loader from them): the checked values,
+    the arguments as given where torch keeps those; numbers of the failure policy made
+    plain (``"float"``, ``"int"``).
+    """
+    attributes: dict[str, Any] = {}
+    for arg in ARGUMENTS:
+        keep = arg.keep
+        if keep is None:
+            continue
+        value = given.get(arg.name, arg.default)
+        if keep == "config":
+            value = getattr(config, arg.field or arg.name)
+        elif keep == "policy":
+            value = getattr(config.failure_policy, arg.name)
+        elif keep == "float":
+            value = value if isinstance(value, (int, float)) else float(value)
+        elif keep == "int":
+            value = value if isinstance(value, bool) else int(value)
+        attributes[arg.name] = value
+    return attributes

@@ -1,13 +1,14 @@
 """The sync facade: ``for batch in loader``, and the public :class:`DataLoader`.
 
-The only module that knows about the facade's thread. Two ways to drive the pipeline:
+Two ways to drive the pipeline:
 
 * ``num_workers=0`` with a sync dataset (``device=`` included): batches are
   fetched in the calling thread, one per ``next()``, exactly as torch does.
   No event loop is involved, so it works anywhere, Jupyter included.
 * everything else: the same async pipeline as ``async for``, driven from a
   background thread that runs its own event loop (uvloop when installed)
-  through an anyio blocking portal. Worker processes are started from the
+  through an anyio blocking portal (:mod:`aioloader._facade_loop`, the only module
+  that knows about that thread). Worker processes are started from the
   calling thread *before* that thread exists (``fork`` stays safe). Works
   where an event loop already runs in the calling thread (Jupyter).
 
@@ -18,38 +19,24 @@ closes iterators still open at interpreter exit.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextvars
-import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
-from anyio.from_thread import BlockingPortal
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
+from ._aiter import _shutdown_persistent_pool, _worker_processes
+from ._facade_loop import PortalDriver, open_drivers
 from ._fetch.report import FailureReport
-from ._loader import DataLoaderCore, _shutdown_persistent_pool, _worker_processes
-from ._park import ParkableThread, forking_here, join_ending_threads, register, track_ending
-from ._pipeline.epoch import PipelineState, _PipelineCore, superseded_error
+from ._loader import DataLoaderCore
+from ._pipeline.epoch import _PipelineCore
 from ._pipeline.source_probe import HandOver
 
 __all__ = ["DataLoader", "SyncLoaderIter"]
 
-_LG = logging.getLogger(__name__)
 
 T_co = TypeVar("T_co", covariant=True)
-
-
-def _backend_options() -> dict[str, Any]:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return {}
-    return {"use_uvloop": True}
 
 
 class DataLoader(DataLoaderCore[T_co]):
@@ -157,310 +144,6 @@ def _iter_lock(loader: DataLoader[Any]) -> threading.Lock:
         return lock
 
 
-class _PortalDriver:
-    """Runs a pipeline core on a private event-loop thread (no reference to the iterator)."""
-
-    def __init__(self, core: _PipelineCore) -> None:
-        self.core = core
-        self.portal: BlockingPortal | None = None
-        #: The loop and its thread (``join``/``is_alive`` span the loop's whole life, parks
-        #: around other loaders' forks included).
-        self.thread: _FacadeLoop | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None  # that thread's loop
-        self.closed = False
-        self.lock = threading.Lock()
-        # The loop thread exists only in this process. A forked child (a worker of another
-        # loader) inherits this object and may run its finalizer when it collects garbage:
-        # there, closing must not wait on a loop thread that is not there.
-        self.pid = os.getpid()
-
-    def start_soon(self) -> None:
-        """Bring the loop thread up in the background while workers make the first batch."""
-        facade = _FacadeLoop()
-        self.thread, self.loop = facade, facade.loop
-        facade.start()
-
-    def start(self) -> BlockingPortal:
-        if self.thread is None:
-            self.start_soon()
-        if self.portal is None:
-            assert self.thread is not None
-            self.portal = self.thread.ready.result()  # raises what stopped the loop's start
-            _LG.debug("facade loop thread started")
-        return self.portal
-
-    def next(self) -> Any:
-        if self.closed:  # exhausted, closed, or ended by a fatal error: the loop is gone
-            self._raise_ended()
-        portal = self.start()
-        try:
-            ok, value = portal.call(_anext_boxed, self.core)
-        except RuntimeError:  # "This portal is not running": closed from another thread
-            if not self.closed:
-                raise
-            self._raise_ended()
-        if ok:
-            return value
-        if value is None:
-            self.close()
-            raise StopIteration
-        try:
-            raise value
-        finally:
-            del value  # no frame -> exception -> traceback -> frame cycle
-            if self.core.closed:  # a fatal error (a worker died): the epoch is over
-                # Raised at once: the teardown (the other workers may be in a long batch)
-                # finishes on the loop thread, which then ends (see close()).
-                self.close_soon()
-
-    def _raise_ended(self) -> NoReturn:
-        """What ``next()`` raises once the loop thread is gone, as ``async for`` would."""
-        if self.core.state is PipelineState.SUPERSEDED:
-            raise superseded_error()
-        raise StopIteration
-
-    def close(self) -> None:
-        """Tear the epoch down and end the loop thread; returns when both are done."""
-        self._close(wait=True)
-
-    def close_soon(self) -> None:
-        """Schedule :meth:`close` on the loop thread and return at once.
-
-        The loop thread is then one of the loader's ending threads, joined before the
-        next fork (:func:`aioloader._park.join_ending_threads`) and at interpreter exit.
-        """
-        self._close(wait=False)
-
-    def _close(self, wait: bool) -> None:
-        if os.getpid() != self.pid:
-            return  # a forked copy: the loop thread and the workers are the parent's
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-        facade = self.thread
-        if facade is None:
-            self.core.close_from_gc()
-            return
-        if facade.runs_here() or not wait or forking_here():
-            # Collected on the loop thread itself (a reference cycle that the cyclic GC
-            # broke there; never wait on ourselves), or in the thread that forks while the
-            # loop is parked (it runs again after the fork), or asked not to wait: schedule
-            # the teardown, then the end of the portal: the loop thread leaves and its
-            # loop's fds are closed.
-            track_ending(facade)
-            try:
-                facade.loop.call_soon_threadsafe(_spawn_closer, facade, self.core)
-            except RuntimeError:  # the loop is closed: the thread has ended
-                pass
-            return
-        try:
-            portal = self.start()
-        except BaseException:  # the loop never served: nothing runs on it
-            self.core.close_from_gc()
-            return
-        try:
-            portal.call(self.core.aclose)
-        except Exception:
-            _LG.debug("closing the pipeline failed", exc_info=True)
-        finally:
-            try:
-                portal.call(portal.stop, False)
-            except RuntimeError:  # already stopped
-                pass
-            except Exception:
-                _LG.debug("stopping the facade loop failed", exc_info=True)
-            facade.join()
-            _LG.debug("facade loop thread stopped")
-
-
-async def _anext_boxed(core: _PipelineCore) -> tuple[bool, Any]:
-    """``(True, batch)``, ``(False, None)`` at the end, or ``(False, exception)``.
-
-    Nothing is raised through the portal: an exception crossing it stays in a
-    reference cycle with the portal's future (future -> exception -> traceback
-    -> frame -> future), which would keep the consumer's frame, and so its
-    last batch and its shared memory, alive until the cyclic GC runs.
-    """
-    try:
-        return True, await core.anext()
-    except StopAsyncIteration:
-        return False, None
-    except Exception as exc:
-        return False, exc
-
-
-_closers: set[asyncio.Task[None]] = set()  # strong references until each task is done
-
-
-def _spawn_closer(facade: _FacadeLoop, core: _PipelineCore) -> None:
-    """On the facade's loop: tear the pipeline down, then stop the portal (and its thread)."""
-
-    async def close_then_stop() -> None:
-        try:
-            await core.aclose()
-        except Exception:
-            _LG.debug("closing the pipeline failed", exc_info=True)
-        finally:
-            if facade.portal is not None:
-                await facade.portal.stop(False)
-
-    task = facade.loop.create_task(close_then_stop())
-    _closers.add(task)
-    task.add_done_callback(_closers.discard)
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    """A new event loop: uvloop's when installed (see :func:`_backend_options`)."""
-    if _backend_options().get("use_uvloop"):
-        import uvloop
-
-        return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
-
-
-class _FacadeLoop(ParkableThread):
-    """The facade's event loop and the thread that runs it, parked around the loader's forks.
-
-    The loop runs one task that serves a blocking portal until the portal is stopped; that
-    task's end stops the loop, which is then shut down as ``asyncio.run`` does (leftover
-    tasks cancelled and awaited, async generators and the default executor shut down, the
-    loop closed). Parking (:mod:`aioloader._park`, while another loader forks) stops the
-    loop between two callbacks and ends its thread; its tasks stay as they are. Unparking
-    runs the same loop in a new thread of the same name. Calls through the portal while
-    parked are queued (``call_soon_threadsafe``) and run once it is unparked.
-    """
-
-    park_order = 0  # the loops first: parked, they hand no new work to the job threads
-    name = "aioloader-facade-loop"
-
-    def __init__(self) -> None:
-        self.loop = _new_loop()
-        self.ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
-        self.portal: BlockingPortal | None = None
-        self.ended = threading.Event()  # the loop is closed and its last thread gone
-        self._thread: threading.Thread | None = None
-        self._parked = False
-        self._lock = threading.Lock()  # orders parks, unparks and the thread's own exit
-        # In a fresh context, as a new thread's anyio.run() had it (not the caller's).
-        self._task = contextvars.Context().run(self.loop.create_task, self._serve())
-        self._task.add_done_callback(self._stop_loop)
-
-    async def _serve(self) -> None:
-        try:
-            async with BlockingPortal() as portal:
-                self.portal = portal
-                self.ready.set_result(portal)
-                await portal.sleep_until_stopped()
-        except BaseException as exc:
-            if not self.ready.done():
-                self.ready.set_exception(exc)
-            else:
-                _LG.debug("the facade loop ended with an error", exc_info=True)
-
-    def _stop_loop(self, _task: object) -> None:
-        self.loop.stop()
-
-    def start(self) -> None:
-        """Start the loop thread (once the fork is done, if a fork is under way)."""
-        with self._lock:
-            if register(self):
-                self._parked = True
-            else:
-                self._spawn()
-
-    def _spawn(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        loop = self.loop
-        while True:
-            portal = self.portal
-            # anyio's portal remembers the loop's thread (calls from it are refused): now
-            # this one (a thread started later may get the ident of the one that ended).
-            if portal is not None and getattr(portal, "_event_loop_thread_id", None) is not None:
-                portal._event_loop_thread_id = threading.get_ident()
-            try:
-                loop.run_forever()
-            except BaseException:
-                _LG.debug("the facade loop ended with an error", exc_info=True)
-                break
-            with self._lock:
-                if self._task.done():
-                    break
-                if self._parked:
-                    self._thread = None
-                    return
-        self._shutdown()
-
-    def _shutdown(self) -> None:
-        loop = self.loop
-        try:
-            tasks = asyncio.all_tasks(loop)
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            for task in tasks:
-                if not task.cancelled() and task.exception() is not None:
-                    loop.call_exception_handler({
-                        "message": "unhandled exception in the facade loop's shutdown",
-                        "exception": task.exception(), "task": task})
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            shutdown_executor = getattr(loop, "shutdown_default_executor", None)
-            if shutdown_executor is not None:
-                loop.run_until_complete(shutdown_executor())
-        except BaseException:
-            _LG.debug("shutting the facade loop down failed", exc_info=True)
-        finally:
-            loop.close()
-            if not self.ready.done():
-                self.ready.set_exception(RuntimeError("the facade's event loop ended"))
-            self.ended.set()
-
-    def _ask_to_end(self) -> None:
-        """Parking: stop the loop between two callbacks; its thread then ends (:meth:`_run`)."""
-        try:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        except RuntimeError:  # closed: the thread is ending
-            pass
-
-    def _restart(self) -> None:
-        """Unparking: run the loop again in a new thread (unless it has ended)."""
-        if not self.ended.is_set():
-            self._spawn()
-
-    def runs_here(self) -> bool:
-        """True on the loop's thread."""
-        return self._thread is threading.current_thread()
-
-    def join(self, timeout: float | None = None) -> None:
-        """Wait until the loop has ended (not just parked)."""
-        self.ended.wait(timeout)
-
-    def is_alive(self) -> bool:
-        """True until the loop has ended."""
-        return not self.ended.is_set()
-
-
-_open_drivers: weakref.WeakSet[_PortalDriver] = weakref.WeakSet()
-
-
-def _close_open_drivers() -> None:
-    for driver in list(_open_drivers):
-        driver.close()
-    join_ending_threads()  # teardowns that were left to finish on their loop threads
-
-
-try:  # run at exit before threads are joined or abandoned (the loop threads are daemons)
-    threading._register_atexit(_close_open_drivers)  # type: ignore[attr-defined]
-except (AttributeError, RuntimeError):  # pragma: no cover
-    import atexit
-
-    atexit.register(_close_open_drivers)
-
-
 class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
     """One epoch of ``for batch in loader``.
 
@@ -475,7 +158,7 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
         # One next() at a time: threads sharing the iterator take turns, each batch goes to
         # one of them, and once the epoch ends every one of them gets StopIteration.
         self._lock = threading.RLock()  # re-entered from the same thread: no deadlock
-        self._driver: _PortalDriver | None = None
+        self._driver: PortalDriver | None = None
         self._worker = core.inline_source  # the in-process worker: batches made in this thread
         self._me = weakref.ref(self)  # for a hand-over to workers (HandOver)
         if self._worker is None:
@@ -486,10 +169,10 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
     def _drive(self, core: _PipelineCore) -> None:
         """Run ``core`` (an epoch with workers or an async source) on a loop thread."""
         core.start_workers_sync()  # fork from this thread, before the loop thread exists
-        driver = _PortalDriver(core)
+        driver = PortalDriver(core)
         driver.start_soon()
         self._driver = driver
-        _open_drivers.add(driver)
+        open_drivers.add(driver)
         self._finalizer = weakref.finalize(self, driver.close)
 
     def _hand_over(self, workers: int) -> None:

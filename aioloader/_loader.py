@@ -1,4 +1,4 @@
-"""The DataLoader core: wiring the pieces together, and ``async for``.
+"""The DataLoader core: its arguments, its epochs, its state and statistics.
 
 :class:`DataLoaderCore` keeps the arguments (checked by :mod:`aioloader._config`) and,
 per epoch, builds the pipeline (:mod:`aioloader._pipeline.epoch`). With workers, or an async
@@ -11,8 +11,9 @@ each batch inside the call that drew it, as torch does: in the iterator's own th
 the loop when batches are measured to be tiny (:mod:`aioloader._pipeline.offload`); no
 background task, nothing runs between calls.
 
-The sync facade (``for batch in loader``) is added on top by :mod:`aioloader._facade`,
-the only module that knows about its thread.
+The arguments' rules are the table of :mod:`aioloader._arguments` (the signature below
+is its public face); an epoch's ``async for`` iterator is :mod:`aioloader._aiter`. The
+sync facade (``for batch in loader``) is added on top by :mod:`aioloader._facade`.
 """
 
 from __future__ import annotations
@@ -21,31 +22,22 @@ import math
 import multiprocessing
 import multiprocessing.context
 import os
-import time
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
-import anyio
 import torch
 
 from . import _torch_data as _tud
-from ._config import (
-    ASSIGNABLE,
-    DEFAULT_FETCH_CONCURRENCY,
-    LoaderConfig,
-    make_config,
-    resolve_mp_context,
-)
+from ._aiter import AsyncLoaderIter
+from ._arguments import ARGUMENTS, DEFAULT_FETCH_CONCURRENCY
+from ._coerce import as_int
+from ._config import ASSIGNABLE, LoaderConfig, loader_attributes, make_config, resolve_mp_context
 from ._fetch.policy import DEFAULT_RETRY_DELAY
 from ._fetch.report import FailureReport
-from ._pipeline.backend import backend_pending, load_backend
 from ._pipeline.epoch import _PipelineCore
-from ._pipeline.source_inline import InlineSource
-from ._pipeline.source_probe import HandOver
 from ._pools.lease import PoolKeeper
 from ._resume import state as _state
 from ._resume.tracker import EpochTracker
@@ -56,10 +48,9 @@ from ._stats.report import LoaderStats
 from ._tune.state import EpochSummary, TuneState
 from .sampler import Sampler
 
-__all__ = ["AsyncLoaderIter", "DataLoaderCore"]
+__all__ = ["DataLoaderCore"]
 
 T_co = TypeVar("T_co", covariant=True)
-_ns = time.perf_counter_ns
 _LoaderT = TypeVar("_LoaderT", bound="DataLoaderCore[Any]")
 
 
@@ -113,55 +104,18 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         collect_stats: bool = True,
         stats_interval: float | None = None,
     ) -> None:
-        config = make_config(
-            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
-            pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device, in_order=in_order,
-            worker_method=worker_method, fetch_concurrency=fetch_concurrency,
-            fetch_threads=fetch_threads, device=device, device_prefetch=device_prefetch,
-            on_error=on_error, max_failures=max_failures, retries=retries,
-            retry_delay=retry_delay, respawn_workers=respawn_workers,
-            snapshot_every_n_steps=snapshot_every_n_steps, ray_options=ray_options,
-            collect_stats=collect_stats, stats_interval=stats_interval)
+        # Everything after the signature comes from the table of aioloader._arguments
+        # (tests/test_arguments.py checks that the signature is the table's).
+        given = locals()
+        given = {arg.name: given[arg.name] for arg in ARGUMENTS}
+        config = make_config(given)
         # Every epoch is built from this; assigning an attribute torch lets a user change
         # after construction makes a new one (__setattr__).
         self._config = config
         # torch's public attributes, as torch keeps them (frameworks re-create a loader
         # from them): the checked values, the arguments as given where torch keeps those.
-        self.dataset = config.dataset
-        self.num_workers = config.num_workers
-        self.prefetch_factor = config.prefetch_factor
-        self.pin_memory = config.pin_memory
-        self.pin_memory_device = pin_memory_device
-        self.timeout = config.timeout
-        self.worker_init_fn = worker_init_fn
-        self.in_order = config.in_order
-        self.worker_method = config.worker_method
-        self.fetch_concurrency = config.fetch_concurrency
-        self.fetch_threads = config.fetch_threads
-        self.device = config.device
-        self.device_prefetch = config.device_prefetch
-        self.snapshot_every_n_steps = config.snapshot_every_n_steps
-        self.ray_options = ray_options
-        policy = config.failure_policy
-        self.on_error = on_error
-        # Kept as given (re-created loaders get the same arguments), numpy numbers as plain.
-        self.max_failures = policy.max_failures
-        self.retries = policy.retries
-        self.retry_delay = retry_delay if isinstance(retry_delay, (int, float)) else float(
-            retry_delay)
-        self.respawn_workers = (respawn_workers if isinstance(respawn_workers, bool)
-                                else int(respawn_workers))
-        self.collect_stats = config.collect_stats
-        self.stats_interval = config.stats_interval
-        self.batch_size = config.batch_size
-        self.drop_last = config.drop_last
-        self.sampler = config.sampler
-        self.batch_sampler = config.batch_sampler
-        self.generator = generator
-        self.collate_fn = config.collate_fn
-        self.persistent_workers = config.persistent_workers
+        for name, value in loader_attributes(config, given).items():
+            setattr(self, name, value)
 
         # Per-stage statistics (docs/stats.md): loader.stats(); logged every stats_interval s.
         self._stats_book = StatsBook(config.num_workers, config.kind.is_async,
@@ -282,7 +236,7 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         stats = self._stats_book.snapshot(cumulative)
         if self._tune is not None and self._tune.decisions:  # docs/autotune.md
             stats = LoaderStats(**{**stats.__dict__, "autotune": list(self._tune.decisions)})
-        if not self.collect_stats:
+        if not self._config.collect_stats:
             stats = LoaderStats(**{**stats.__dict__, "hint": "statistics are off "
                                    "(collect_stats=False)"})
         if all_ranks:
@@ -298,16 +252,13 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         (with ``num_workers=0`` otherwise 1 in 16 is). See docs/stats.md, "Trace".
 
         Raises:
-            TypeError: ``last_n_batches`` is not an int; ValueError: it is negative, or
-                statistics are off (``collect_stats=False``).
+            TypeError: ``last_n_batches`` is not an integer (Python and numpy integers
+                are; a bool is not).
+            ValueError: it is negative, or statistics are off (``collect_stats=False``).
         """
-        if isinstance(last_n_batches, bool) or not isinstance(last_n_batches, int):
-            raise TypeError(f"record_trace(last_n_batches=) takes an int (batches to keep), "
-                            f"not {type(last_n_batches).__name__}")
-        if last_n_batches < 0:
-            raise ValueError(f"record_trace(last_n_batches={last_n_batches}): pass a "
-                             f"number of batches >= 0 (0 turns tracing off)")
-        if last_n_batches and not self.collect_stats:
+        last_n_batches = as_int("last_n_batches", last_n_batches, "record_trace()'s batches "
+                                "to keep; 0 turns tracing off", minimum=0)
+        if last_n_batches and not self._config.collect_stats:
             raise ValueError("record_trace() needs statistics: construct the DataLoader "
                              "with collect_stats=True (the default)")
         self._stats_book.record_trace(last_n_batches)
@@ -325,19 +276,16 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         batch is timed (see docs/stats.md, "Cost").
 
         Raises:
-            TypeError: ``hook`` is not callable or ``every_n_batches`` is not an int.
+            TypeError: ``hook`` is not callable or ``every_n_batches`` is not an integer
+                (Python and numpy integers are; a bool is not).
             ValueError: ``every_n_batches < 1``, or statistics are off.
         """
         if not callable(hook):
             raise TypeError(f"register_stats_hook(hook=) takes a callable, not "
                             f"{type(hook).__name__}")
-        if isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int):
-            raise TypeError(f"register_stats_hook(every_n_batches=) takes an int, not "
-                            f"{type(every_n_batches).__name__}")
-        if every_n_batches < 1:
-            raise ValueError(f"register_stats_hook(every_n_batches={every_n_batches}): "
-                             f"pass a number of batches >= 1")
-        if not self.collect_stats:
+        every_n_batches = as_int("every_n_batches", every_n_batches, "register_stats_hook()'s "
+                                 "delivered batches between two calls", minimum=1)
+        if not self._config.collect_stats:
             raise ValueError("register_stats_hook() needs statistics: construct the "
                              "DataLoader with collect_stats=True (the default)")
         return self._stats_book.register_hook(hook, every_n_batches)
@@ -483,162 +431,3 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-
-
-def _worker_processes(core: _PipelineCore) -> list[Any]:
-    """The worker ``Process`` objects of an iterator (empty without workers)."""
-    lease = core.lease
-    return list(lease.pool.processes) if lease is not None and lease.started else []
-
-
-def _shutdown_persistent_pool(core: _PipelineCore, _getpid: Callable[[], int] = os.getpid) -> None:
-    """torch's ``iterator._shutdown_workers()`` for persistent workers: stop the pool too.
-
-    Only while ``core`` is the epoch that holds the pool: an older epoch's iterator being
-    shut down (or collected) must not stop the workers a newer epoch uses. The loader then
-    starts a fresh pool (and draws a new base seed) at its next ``iter()``, as torch does.
-    ``os.getpid`` is bound at definition: an iterator's ``__del__`` can run this while the
-    interpreter is clearing module globals at exit (``os`` is then ``None``).
-    """
-    lease = core.lease
-    if (lease is None or not core.persistent
-            or _getpid() != core.pid
-            or lease.holder is None or lease.holder() is not core):
-        return
-    lease.close()
-
-
-class _Turns:
-    """One task at a time in an iterator's ``__anext__``; the others wait, first come first.
-
-    Tasks sharing one iterator each get different batches, every batch once, and all of
-    them ``StopAsyncIteration`` once the epoch ends. A turn ends by handing it to the
-    first waiter (:attr:`busy` stays set, so a newcomer cannot slip in between);
-    a waiter cancelled after it was handed the turn passes it on.
-    """
-
-    __slots__ = ("busy", "waiters")
-
-    def __init__(self) -> None:
-        self.busy = False
-        self.waiters: deque[anyio.Event] = deque()
-
-    async def wait(self) -> None:
-        """Wait until the turn is handed to this task (it then holds it: ``busy``)."""
-        event = anyio.Event()
-        self.waiters.append(event)
-        try:
-            await event.wait()
-        except BaseException:
-            if event.is_set():  # handed the turn, but leaving: pass it on
-                self.release()
-            else:
-                self.waiters.remove(event)
-            raise
-
-    def release(self) -> None:
-        """End the turn: hand it to the first waiter, or free it when nobody waits."""
-        if self.waiters:
-            self.waiters.popleft().set()
-        else:
-            self.busy = False
-
-
-class AsyncLoaderIter(Generic[T_co]):
-    """One epoch of ``async for batch in loader``.
-
-    Closing it (``aclose()``, ``async with``, ``break`` then garbage collection,
-    cancellation) stops every task, thread and worker process it started.
-    """
-
-    def __init__(self, core: _PipelineCore) -> None:
-        self._core = core
-        self._turns = _Turns()
-        # Where batches come from: the in-process worker itself when there is one (its
-        # few attributes are read faster per batch than the core's), else the core.
-        self._source: _PipelineCore | InlineSource = (
-            core.inline_source if core.inline_source is not None else core)
-        self._me = weakref.ref(self)  # for a hand-over to workers (HandOver)
-
-    def __aiter__(self) -> AsyncLoaderIter[T_co]:
-        return self
-
-    async def __anext__(self) -> T_co:
-        core, turns, me = self._source, self._turns, self._me
-        if backend_pending():  # a trio loop's first batch: anyio's backend off the loop
-            await load_backend(self._core.runner)
-        del self  # tracebacks must not keep the iterator (and its workers) alive
-        if turns.busy:  # another task is in __anext__: wait for its turn to end
-            await turns.wait()
-        else:
-            turns.busy = True
-        try:
-            rec = core.rec
-            if rec is None:
-                return await core.anext()  # type: ignore[no-any-return]
-            if core.sampled_waits:  # num_workers=0, plain batches: time 1 wait in time_every
-                rec.wait_countdown -= 1
-                timed = rec.wait_countdown <= 0  # sampled_wait() sets the next countdown
-                t0 = _ns() if timed else 0
-                try:
-                    batch = await core.anext()
-                except BaseException:
-                    rec.inline_end(_ns())  # the wall time ends here (or pauses: cancelled)
-                    raise
-                if timed:
-                    rec.sampled_wait(t0, _ns())
-                return batch  # type: ignore[no-any-return]
-            with rec.waiting():
-                return await core.anext()  # type: ignore[no-any-return]
-        except HandOver as handover:  # a probing first epoch under "auto": workers go on
-            workers = handover.workers
-            del handover
-            it = me()
-            assert it is not None  # its caller holds it
-            source = it._hand_over(workers)
-            del it
-            if source.rec is None:
-                return await source.anext()  # type: ignore[no-any-return]
-            with source.rec.waiting():
-                return await source.anext()  # type: ignore[no-any-return]
-        finally:
-            turns.release()
-
-    def _hand_over(self, workers: int) -> _PipelineCore:
-        """The epoch goes on with ``workers`` workers (docs/autotune.md)."""
-        core = self._core.hand_over(workers)
-        self._core = self._source = core
-        return core
-
-    async def aclose(self) -> None:
-        """Stop the epoch and release everything it holds. Idempotent."""
-        await self._core.aclose()
-
-    async def __aenter__(self) -> AsyncLoaderIter[T_co]:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    def __len__(self) -> int:
-        return len(self._core.index_sampler)
-
-    @property
-    def failures(self) -> FailureReport:
-        """This epoch's failure report (skipped samples, retries, respawns)."""
-        return self._core.failures
-
-    # torch's own tests reach into these two; kept for drop-in compatibility.
-    @property
-    def _workers(self) -> list[Any]:
-        return _worker_processes(self._core)
-
-    def _shutdown_workers(self) -> None:
-        self._core.close_from_gc()
-
-    def __del__(self) -> None:
-        core = getattr(self, "_core", None)
-        if core is not None:
-            core.close_from_gc()
-

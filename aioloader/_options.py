@@ -3,8 +3,9 @@
 Each check takes what the user passed and returns it as the configuration keeps it
 (plain Python values, the default samplers built); :func:`aioloader._config.make_config`
 calls them in the order torch checks its arguments, so the first bad argument is the
-one reported, with torch's exception type. Flags, integers and seconds follow the one
-rule of :mod:`aioloader._coerce`.
+one reported, with torch's exception type. An argument's own type and range are its rule
+in the table of :mod:`aioloader._arguments` (flags, integers and seconds by the one rule
+of :mod:`aioloader._coerce`); the checks here add torch's cross-argument ones.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 
 from . import _torch_data as _tud
+from ._arguments import ARGUMENT
 from ._checks import check_batch_list, check_timeout_range, iterable_or_none, not_a_str
-from ._coerce import as_flag, as_int, as_seconds
 from ._datapipes import apply_shuffle, is_iter_datapipe
 from ._errors import PrefetchFactorError
 from ._fetch.sync import DatasetKind, dataset_kind
@@ -101,23 +102,20 @@ def check_worker_options(
     # torch compares num_workers/timeout/prefetch_factor with 0 (TypeError for None or a
     # str) and passes num_workers/prefetch_factor to range() at iter() (TypeError for a
     # float): the same types, raised here. bool is an int there: num_workers=True is 1.
-    num_workers = as_int("num_workers", num_workers, "how many worker processes; 0 loads "
-                         "in the main process", allow_bool=True)
+    num_workers = ARGUMENT["num_workers"].check(num_workers)
     if num_workers < 0:
         raise ValueError(
             "num_workers option should be non-negative; "
             f"use num_workers=0 to disable multiprocessing (got num_workers={num_workers})."
         )
-    timeout = as_seconds("timeout", timeout, "how long to wait for a batch from the "
-                         "workers; 0 waits forever", allow_bool=True)
+    timeout = ARGUMENT["timeout"].check(timeout)
     if timeout < 0:
         raise ValueError(f"timeout option should be non-negative (0 waits forever), but got "
                          f"timeout={timeout}")
     if num_workers > 0:  # without workers, check_at_iter: torch's AssertionError first
         check_timeout_range(timeout)
     if prefetch_factor is not None:
-        prefetch_factor = as_int("prefetch_factor", prefetch_factor, "batches requested "
-                                 "ahead per worker", allow_bool=True)
+        prefetch_factor = ARGUMENT["prefetch_factor"].check(prefetch_factor)
     if num_workers == 0 and prefetch_factor is not None:
         raise ValueError(
             "prefetch_factor option could only be specified in multiprocessing. "
@@ -132,7 +130,7 @@ def check_worker_options(
     elif prefetch_factor == 0:
         # torch asserts this at iter(); PrefetchFactorError is an AssertionError too.
         raise no_prefetch_error()
-    persistent = as_flag("persistent_workers", persistent_workers)
+    persistent = ARGUMENT["persistent_workers"].check(persistent_workers)
     if persistent and num_workers == 0:
         raise ValueError("persistent_workers option needs num_workers > 0")
     return num_workers, timeout, prefetch_factor, bool(persistent)
@@ -158,13 +156,13 @@ def check_loader_options(
         raise TypeError(f"generator should be a torch.Generator or None, but got "
                         f"{type(generator).__name__} generator={generator!r}; e.g. "
                         f"generator=torch.Generator().manual_seed(0)")
-    pin = as_flag("pin_memory", pin_memory)
+    pin = ARGUMENT["pin_memory"].check(pin_memory)
     if not isinstance(pin_memory_device, (str, torch.device)):
         raise TypeError(f"pin_memory_device should be a str, but got "
                         f"{type(pin_memory_device).__name__} "
                         f"pin_memory_device={pin_memory_device!r}; it is deprecated in torch "
                         f"(the current accelerator is used): leave it out")
-    order = as_flag("in_order", in_order)
+    order = ARGUMENT["in_order"].check(in_order)
     if isinstance(batch_sampler, (list, tuple)):
         check_batch_list(batch_sampler, collate_fn is None or collate_fn is default_collate)
     return bool(pin), bool(order)
@@ -184,15 +182,9 @@ def check_extra_options(
             f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, "
             f"but got worker_method={worker_method!r}"
         )
-    fetch_concurrency = as_int(
-        "fetch_concurrency", fetch_concurrency,
-        "the most fetches of an async dataset in flight per process", minimum=1)
-    fetch_threads = as_int(
-        "fetch_threads", fetch_threads, "threads reading the samples of a batch; 0 disables "
-        "the fetch thread pool", minimum=0)
-    device_prefetch = as_int(
-        "device_prefetch", device_prefetch, "batches the device stage keeps in flight",
-        minimum=1)
+    fetch_concurrency = ARGUMENT["fetch_concurrency"].check(fetch_concurrency)
+    fetch_threads = ARGUMENT["fetch_threads"].check(fetch_threads)
+    device_prefetch = ARGUMENT["device_prefetch"].check(device_prefetch)
     return worker_method, fetch_concurrency, fetch_threads, device_prefetch
 
 
@@ -268,8 +260,7 @@ def check_ray_args(
 
 def check_snapshot_every(snapshot_every_n_steps: Any) -> int:
     """``snapshot_every_n_steps`` (resume, docs/resume.md) is a positive int; returned plain."""
-    return as_int("snapshot_every_n_steps", snapshot_every_n_steps,
-                  "torchdata's snapshot interval; accepted, changes nothing", minimum=1)
+    return int(ARGUMENT["snapshot_every_n_steps"].check(snapshot_every_n_steps))
 
 
 def check_thread_workers(worker_method: str, num_workers: int, is_async: bool) -> None:
@@ -286,9 +277,7 @@ def check_stats_interval(stats_interval: Any) -> float | None:
     """``stats_interval`` is a positive, finite number of seconds, or ``None``."""
     if stats_interval is None:
         return None
-    seconds = as_seconds("stats_interval", stats_interval, "between stats log lines; None "
-                         "for no logging", least="positive", finite=True)
-    return float(seconds)
+    return float(ARGUMENT["stats_interval"].check(stats_interval))
 
 
 def resolve_sampling(
@@ -345,7 +334,7 @@ def resolve_sampling(
             "exclusive with drop_last"
         )
     if not iterable:
-        shuffle = bool(as_flag("shuffle", shuffle, allow_none=True))
+        shuffle = bool(ARGUMENT["shuffle"].check(shuffle))
 
     if sampler is None:
         if iterable:

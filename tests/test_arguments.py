@@ -16,9 +16,12 @@ the window of a huge ``prefetch_factor``, torch's too-many-workers warning, a
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import multiprocessing
 import multiprocessing.process
+import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -33,6 +36,8 @@ import torch.utils.data as tud
 import aioloader
 from aioloader import DataLoader, PrefetchFactorError
 from aioloader import sampler as samplers
+from aioloader._arguments import ARGUMENT, ARGUMENTS, DEFAULT_FETCH_CONCURRENCY
+from aioloader._config import ASSIGNABLE, LoaderConfig, make_config
 from aioloader._options import _task_limit
 from aioloader._pipeline.epoch import MAX_UNSIZED_WINDOW, bound_window
 
@@ -301,6 +306,72 @@ def test_torch_raises_the_same_type_where_it_raises(case: Case) -> None:
                 build(case, aioloader)
     else:
         assert theirs is case.torch, f"torch raised {theirs!r}"
+
+
+# --------------------------------------------------------------- the table of arguments
+
+
+def test_public_signature_is_the_argument_table() -> None:
+    """Issue 33: DataLoader's explicit signature (what Lightning and readers inspect) has
+    the table's names, order, defaults and kinds, and torch's arguments are torch's."""
+    params = list(inspect.signature(DataLoader).parameters.values())
+    assert [p.name for p in params] == [a.name for a in ARGUMENTS]
+    for param, arg in zip(params, ARGUMENTS, strict=True):
+        assert param.default is arg.default or param.default == arg.default, arg.name
+        assert param.kind == (inspect.Parameter.POSITIONAL_OR_KEYWORD if arg.positional
+                              else inspect.Parameter.KEYWORD_ONLY), arg.name
+    theirs = list(inspect.signature(tud.DataLoader).parameters.values())
+    ours = [(p.name, p.default, p.kind) for p in params[:len(theirs)]]
+    assert ours == [(p.name, p.default, p.kind) for p in theirs]
+
+
+def test_config_fields_are_the_tables_plus_what_several_arguments_make() -> None:
+    """Issue 33: every LoaderConfig field is an argument's ``field`` or derived from
+    several (no argument silently dropped on the way to an epoch)."""
+    derived = {"kind", "failure_policy", "ray_address", "ray_actor_options", "auto"}
+    fields = {f.name for f in dataclasses.fields(LoaderConfig)}
+    assert fields == {a.field for a in ARGUMENTS if a.field is not None} | derived
+
+
+def test_loader_attributes_and_assignment_rules_follow_the_table() -> None:
+    """Issue 33: each kept argument is a loader attribute; the assignable ones are
+    ASSIGNABLE, and torch's refused ones still raise torch's ValueError."""
+    loader = DataLoader(range(4), batch_size=2, retry_delay=np.float32(0.5),
+                        respawn_workers=np.int64(0))
+    kept = [a.name for a in ARGUMENTS if a.keep is not None]
+    assert all(name in vars(loader) for name in kept)
+    assert type(loader.retry_delay) is float and type(loader.respawn_workers) is int
+    assert {  # what torch reads at iter(), and aioloader's knobs an epoch reads
+        "num_workers", "prefetch_factor", "pin_memory", "pin_memory_device", "timeout",
+        "worker_init_fn", "generator", "in_order", "collate_fn", "fetch_concurrency",
+        "fetch_threads", "device_prefetch", "collect_stats"} == ASSIGNABLE
+    for name in ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset",
+                 "persistent_workers"):
+        assert not ARGUMENT[name].assignable
+        with pytest.raises(ValueError, match=f"{name} attribute should not be set"):
+            setattr(loader, name, getattr(loader, name))
+
+
+def _argument_of(case: Case) -> str:
+    return re.split(r"[= ]", case.id, maxsplit=1)[0]
+
+
+CONSTRUCTION = [c for c in CASES if c.sampler is None]
+
+
+@pytest.mark.parametrize("case", CONSTRUCTION, ids=[c.id for c in CONSTRUCTION])
+def test_the_tables_exception_types_are_what_bad_values_raise(case: Case) -> None:
+    """Issue 33: the table's ``errors`` for an argument covers what each bad value of
+    it raises (the table of this file holds torch's types)."""
+    assert issubclass(case.exc, ARGUMENT[_argument_of(case)].errors), case.id
+
+
+def test_make_config_refuses_unknown_and_missing_arguments() -> None:
+    with pytest.raises(TypeError, match="nope"):
+        make_config({"dataset": [1], "nope": 1})
+    with pytest.raises(TypeError, match="dataset"):
+        make_config({})
+    assert make_config({"dataset": [1]}).fetch_concurrency == DEFAULT_FETCH_CONCURRENCY
 
 
 # --------------------------------------------------------------------------- numpy numbers

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import free_port, run_processes
@@ -435,6 +436,11 @@ def test_record_trace_and_hook_arguments_are_checked() -> None:
         loader.register_stats_hook(print, every_n_batches="10")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="every_n_batches"):
         loader.register_stats_hook(print, every_n_batches=0)
+    with pytest.raises(TypeError, match="every_n_batches"):
+        loader.register_stats_hook(print, every_n_batches=True)  # a bool is not a count
+    # Issue 33: the one rule of aioloader._coerce: a numpy integer is an integer here too.
+    loader.record_trace(np.int64(4))
+    loader.register_stats_hook(print, every_n_batches=np.int64(10)).remove()
     off = DataLoader(Slow(4, 0.0), collect_stats=False)
     with pytest.raises(ValueError, match="collect_stats"):
         off.record_trace(10)
