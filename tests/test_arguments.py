@@ -34,7 +34,7 @@ import aioloader
 from aioloader import DataLoader, PrefetchFactorError
 from aioloader import sampler as samplers
 from aioloader._options import _task_limit
-from aioloader._pipeline.epoch import MAX_UNSIZED_WINDOW, bound_window
+from aioloader._pipeline.epoch_setup import MAX_UNSIZED_WINDOW, bound_window
 
 SAME = "same"
 ACCEPTS = "accepts"
