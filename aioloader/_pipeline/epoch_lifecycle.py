@@ -121,6 +121,8 @@ class EpochLifecycle:
         self.fatal: BaseException | None = None
         self.inline_source = None
 
+    # -- the state -----------------------------------------------------------------------------
+
     def _to(self, new: PipelineState) -> PipelineState | None:
         """The one place the state changes; returns the state left, None for a no-op.
 
@@ -149,6 +151,8 @@ class EpochLifecycle:
         """The consumer closed the epoch: a pending error is no longer raised."""
         self.fatal = None
         self.closed = self.state.value >= _STOPPING.value
+
+    # -- the background task on the consumer's loop --------------------------------------------
 
     def _prime(self) -> None:
         """Draw the window's first batches (iter() with workers, first next() without).
@@ -232,6 +236,8 @@ class EpochLifecycle:
         if self.cmd_ready is not None:
             self.cmd_ready.set()
 
+    # -- the pool lease and the one teardown ---------------------------------------------------
+
     def _wait_for_previous(self) -> None:
         """Block until the superseded epoch of a persistent pool stopped using it."""
         if self.after is not None and not self.after.wait(PREVIOUS_EPOCH_WAIT_S):
@@ -283,6 +289,8 @@ class EpochLifecycle:
         if lease is not None:
             lease.close()
         self._to(_CLOSED)
+
+    # -- stopping, from any thread -------------------------------------------------------------
 
     def _stop(self, target: PipelineState) -> None:
         """Ask to stop from any thread (garbage collection included); returns at once."""
