@@ -39,7 +39,7 @@ from aioloader import sampler as samplers
 from aioloader._arguments import ARGUMENT, ARGUMENTS, DEFAULT_FETCH_CONCURRENCY
 from aioloader._config import ASSIGNABLE, LoaderConfig, make_config
 from aioloader._options import _task_limit
-from aioloader._pipeline.epoch import MAX_UNSIZED_WINDOW, bound_window
+from aioloader._pipeline.epoch_setup import MAX_UNSIZED_WINDOW, bound_window
 
 SAME = "same"
 ACCEPTS = "accepts"

@@ -539,7 +539,8 @@ def test_warning_filter_clean() -> None:
 def test_one_iterator_shape_in_process_worker() -> None:
     """num_workers=0 with a sync dataset is the same pipeline core, driven by its
     in-process worker: no background task (the epoch stays NEW), one teardown."""
-    from aioloader._pipeline.epoch import PipelineState, _PipelineCore
+    from aioloader._pipeline.epoch import _PipelineCore
+    from aioloader._pipeline.epoch_lifecycle import PipelineState
 
     loader = DataLoader(list(range(5)), batch_size=2)
     it = iter(loader)

@@ -27,7 +27,7 @@ from conftest import open_fds
 
 import aioloader
 from aioloader._worker import wire
-from aioloader._worker.codec import close_fds
+from aioloader._worker.fds import close_fds
 from aioloader._worker.wire import SCM_MAX_FD, FrameReader, FrameWriter, send_frame
 
 ELEMS = 16384  # float32: 64 KiB per tensor, the size that travels out of band

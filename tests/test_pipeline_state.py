@@ -10,7 +10,8 @@ import pytest
 
 import aioloader
 from aioloader._errors import EpochSupersededError, IteratorClosedError
-from aioloader._pipeline.epoch import PipelineState, _PipelineCore
+from aioloader._pipeline.epoch import _PipelineCore
+from aioloader._pipeline.epoch_lifecycle import PipelineState
 
 
 class AsyncRange:

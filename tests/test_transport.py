@@ -21,10 +21,10 @@ from aioloader._worker.codec import (
     LARGE_PAYLOAD,
     MAX_FDS_PER_MESSAGE,
     SHARE_THRESHOLD,
-    close_fds,
     decode,
     encode,
 )
+from aioloader._worker.fds import close_fds
 from aioloader._worker.wire import HEADER, FrameReader, FrameWriter, send_message
 
 

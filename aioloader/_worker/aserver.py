@@ -21,8 +21,9 @@ from typing import Any
 from .._errors import RemoteError
 from .._fetch.sync import DatasetKind
 from .._stats.recorder import WorkerClock
-from .codec import close_fds, decode
+from .codec import decode
 from .config import WorkerConfig, _where
+from .fds import close_fds
 from .loop import _encode_reply, _error_reply
 from .wire import FrameReader, FrameWriter
 

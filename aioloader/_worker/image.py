@@ -44,7 +44,8 @@ from multiprocessing import reduction
 from typing import Any
 
 from .._datapipes import GRAPH_LOCK
-from .codec import close_fds, decode, encode
+from .codec import decode, encode
+from .fds import close_fds
 
 __all__ = ["DatasetImage"]
 

@@ -26,9 +26,10 @@ from .._resume.dataset_state import (
 )
 from .._stats.recorder import WorkerClock
 from .._worker_info import get_worker_info
-from .codec import encode, unlink_failed_segments
+from .codec import encode
 from .config import WorkerConfig, _where, reseed_datapipe
 from .fdlimit import TOO_MANY_FDS, is_out_of_files, too_many_open_files
+from .fds import unlink_failed_segments
 from .rng import RngTracker, restore_at_start
 
 __all__ = ["serve_commands"]

@@ -39,8 +39,9 @@ import struct
 from typing import Any, NamedTuple
 
 from .._errors import TransportError
-from .codec import close_fds, encode
+from .codec import encode
 from .fdlimit import out_of_files_error
+from .fds import close_fds
 
 __all__ = [
     "HEADER",

@@ -1,0 +1,71 @@
+"""Descriptors a message owns, and shared-memory files a failed allocation left behind.
+
+:func:`close_fds` closes every descriptor of a message that was not (or will not be)
+sent; :func:`unlink_failed_segments` removes the ``/dev/shm`` file torch's allocator
+made and left when sizing or mapping it failed (``/dev/shm`` full), for the codec
+(:mod:`aioloader._worker.codec`) and for every failed batch of a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterable
+
+try:
+    import _posixshmem  # CPython's shm_open/shm_unlink (multiprocessing.shared_memory)
+except ImportError:  # pragma: no cover - not POSIX
+    _posixshmem = None
+
+__all__ = ["close_fds", "unlink_failed_segments"]
+
+logger = logging.getLogger(__name__)
+
+# torch's MapAllocator creates ``/dev/shm/torch_<pid>_<n>_<k>`` and unlinks it once mapped; a
+# failure after the creation (``/dev/shm`` full: posix_fallocate's ENOSPC) leaves it there.
+_FAILED_SEGMENT = re.compile(
+    r"(?:unable to stat the file|unable to resize file|"
+    r"unable to allocate shared memory\(shm\) for file|bytes from file) <(/torch_(\d+)_[^>/]+)>")
+
+
+def unlink_failed_segments(exc: BaseException | None) -> list[str]:
+    """Remove the shared-memory files a failed torch allocation in this process left behind.
+
+    Looks through ``exc``, its cause and context for torch's allocation errors (the
+    file was created, then sizing or mapping it failed) and unlinks the file they name
+    when it is this process's (torch names it after the pid). Returns the names removed.
+    """
+    removed: list[str] = []
+    seen: set[int] = set()
+    me = str(os.getpid())
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RuntimeError):
+            for match in _FAILED_SEGMENT.finditer(str(exc)):
+                name, pid = match.group(1), match.group(2)
+                if pid == me and _shm_unlink(name):
+                    removed.append(name)
+        exc = exc.__cause__ or exc.__context__
+    return removed
+
+
+def _shm_unlink(name: str) -> bool:
+    try:
+        if _posixshmem is not None:
+            _posixshmem.shm_unlink(name)
+        else:  # pragma: no cover - CPython always has it on POSIX
+            os.unlink("/dev/shm" + name)
+    except OSError:  # already gone (or never created)
+        return False
+    logger.debug("removed %s, left in /dev/shm by a failed shared-memory allocation", name)
+    return True
+
+
+def close_fds(fds: Iterable[int]) -> None:
+    """Close every descriptor in ``fds``, ignoring ones already closed."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
