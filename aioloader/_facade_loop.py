@@ -23,7 +23,8 @@ from typing import Any, NoReturn
 from anyio.from_thread import BlockingPortal
 
 from ._park import ParkableThread, forking_here, join_ending_threads, register, track_ending
-from ._pipeline.epoch import PipelineState, _PipelineCore, superseded_error
+from ._pipeline.epoch import _PipelineCore
+from ._pipeline.epoch_lifecycle import PipelineState, superseded_error
 
 __all__ = ["PortalDriver", "open_drivers"]
 

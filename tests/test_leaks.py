@@ -81,7 +81,7 @@ def test_sync_for_in_a_thread_with_a_killed_worker_leaves_nothing() -> None:
 
 
 class BigStrings(aioloader.Dataset[list[str]]):
-    """Samples that pickle to more than LARGE_PAYLOAD: decoded off the loop."""
+    """Samples that pickle to more than 1 MiB each (a reply spans many socket reads)."""
 
     def __len__(self) -> int:
         return 4

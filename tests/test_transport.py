@@ -18,7 +18,6 @@ from conftest import open_fds, shm_entries
 
 from aioloader._errors import TransportError
 from aioloader._worker.codec import (
-    LARGE_PAYLOAD,
     MAX_FDS_PER_MESSAGE,
     SHARE_THRESHOLD,
     decode,
@@ -26,6 +25,9 @@ from aioloader._worker.codec import (
 )
 from aioloader._worker.fds import close_fds
 from aioloader._worker.wire import HEADER, FrameReader, FrameWriter, send_message
+
+#: A payload big enough to span many socket reads (1 MiB).
+LARGE_PAYLOAD = 1 << 20
 
 
 @pytest.fixture

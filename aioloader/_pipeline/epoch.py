@@ -65,12 +65,7 @@ from .source_inline import InlineSource
 
 _ns = time.perf_counter_ns
 
-# The epoch's states and what a superseded epoch raises, defined in epoch_lifecycle (which
-# owns the state machine); named here too for the modules that import them from the epoch.
-PipelineState = lifecycle.PipelineState
-superseded_error = lifecycle.superseded_error
-
-_NEW, _RUNNING, _STOPPING, _CLOSED, _SUPERSEDED = PipelineState
+_NEW, _RUNNING, _STOPPING, _CLOSED, _SUPERSEDED = lifecycle.PipelineState
 
 #: What a probing first epoch assumes is left of it when its sampler has no length.
 UNSIZED_REMAINING = 1 << 10
@@ -205,7 +200,7 @@ class _PipelineCore(lifecycle.EpochLifecycle):
             if self.state is _NEW:
                 self._start()
             if self.state is _SUPERSEDED:
-                raise superseded_error()
+                raise lifecycle.superseded_error()
             if self.state is not _RUNNING and self.fatal is None:
                 raise StopAsyncIteration
         if self.track.discard and not self.track.replaying:
@@ -226,7 +221,7 @@ class _PipelineCore(lifecycle.EpochLifecycle):
             raise
         except IteratorClosedError:
             if self.state is _SUPERSEDED:  # superseded while this call waited for a batch
-                raise superseded_error() from None
+                raise lifecycle.superseded_error() from None
             raise
         except (TooManyFailuresError, WorkerDiedError):
             # Raised now, and the epoch is over. The teardown (the background task's, already

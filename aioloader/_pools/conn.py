@@ -27,9 +27,10 @@ from anyio.abc import ObjectSendStream
 
 from .._errors import WorkerDiedError
 from .._threads import ThreadRunner
-from .._worker.codec import close_fds, decode
+from .._worker.codec import decode
 from .._worker.config import WorkerConfig
 from .._worker.fdlimit import is_out_of_files, out_of_files_error
+from .._worker.fds import close_fds
 from .._worker.main import worker_main
 from .._worker.segments import SegmentMaps
 from .._worker.wire import Frame, FrameReader, FrameWriter

@@ -66,7 +66,6 @@ from .pickler import Pickler
 from .unpickler import Unpickler
 
 __all__ = [
-    "LARGE_PAYLOAD",
     "MAX_FDS_PER_MESSAGE",
     "SHARE_THRESHOLD",
     "decode",
@@ -80,9 +79,6 @@ Not a limit of the wire, which carries any number of descriptors per message."""
 
 SHARE_THRESHOLD = 64 * 1024
 """Storages of at least this many bytes are moved to shared memory and sent by fd."""
-
-LARGE_PAYLOAD = 1 << 20
-"""Payloads of at least this many bytes should be decoded off the event loop."""
 
 
 def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
