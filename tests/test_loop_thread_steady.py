@@ -32,6 +32,8 @@ from aioloader import DataLoader
 from aioloader._pipeline import device as _device
 from aioloader._pipeline import pin as _pin
 from aioloader._worker import codec as _codec
+from aioloader._worker import pickler as _pickler
+from aioloader._worker import unpickler as _unpickler
 from aioloader._worker import wire as _wire
 
 N, BS = 48, 4
@@ -84,7 +86,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Any:
     if not _hooked:
         sys.addaudithook(_audit)
         _hooked = True
-    rebuild = _codec._rebuild_tensor
+    rebuild = _unpickler.rebuild_tensor
 
     def recording_rebuild(*args: Any) -> torch.Tensor:
         _calls.add("rebuild")
@@ -93,7 +95,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Any:
     # Pickled by name in forked workers: the patched function must be found under it.
     recording_rebuild.__module__ = rebuild.__module__
     recording_rebuild.__qualname__ = recording_rebuild.__name__ = rebuild.__name__
-    monkeypatch.setattr(_codec, "_rebuild_tensor", recording_rebuild)
+    monkeypatch.setattr(_unpickler, "rebuild_tensor", recording_rebuild)
+    monkeypatch.setattr(_pickler, "rebuild_tensor", recording_rebuild)  # what pickles name
     flush = _wire.FrameWriter.flush
 
     def recording_flush(self: Any) -> bool:
