@@ -91,35 +91,40 @@ class Trainer:
             torch.cuda.synchronize()
 
 
+class _Meter:
+    """Trains on each batch and times the steps after the first ``skip`` (images/s)."""
+
+    def __init__(self, trainer: Trainer, skip: int, batch: int) -> None:
+        self.trainer, self.skip, self.batch = trainer, skip, batch
+        self.seen = 0
+        self.t0 = 0.0
+
+    def step(self, images: Any, labels: Any) -> None:
+        if self.seen == self.skip:
+            self.trainer.sync()
+            self.t0 = time.perf_counter()
+        self.trainer.step(images, labels)
+        self.seen += 1
+
+    def rate(self) -> float:
+        self.trainer.sync()
+        return (self.seen - self.skip) * self.batch / (time.perf_counter() - self.t0)
+
+
 def _timed(trainer: Trainer, batches: Any, skip: int, batch: int) -> float:
     """images/s over the steps after the first ``skip`` (a sync iterable of batches)."""
-    t0 = 0.0
-    steps = 0
-    for i, (images, labels) in enumerate(batches):
-        if i == skip:
-            trainer.sync()
-            t0 = time.perf_counter()
-        trainer.step(images, labels)
-        if i >= skip:
-            steps += 1
-    trainer.sync()
-    return steps * batch / (time.perf_counter() - t0)
+    meter = _Meter(trainer, skip, batch)
+    for images, labels in batches:
+        meter.step(images, labels)
+    return meter.rate()
 
 
 async def _timed_async(trainer: Trainer, loader: Any, skip: int, batch: int) -> float:
-    t0 = 0.0
-    steps = 0
-    i = 0
+    """The same over an ``async for``."""
+    meter = _Meter(trainer, skip, batch)
     async for images, labels in loader:
-        if i == skip:
-            trainer.sync()
-            t0 = time.perf_counter()
-        trainer.step(images, labels)
-        if i >= skip:
-            steps += 1
-        i += 1
-    trainer.sync()
-    return steps * batch / (time.perf_counter() - t0)
+        meter.step(images, labels)
+    return meter.rate()
 
 
 def main(argv: list[str] | None = None) -> None:
