@@ -193,13 +193,13 @@ def move_to_device(
     target = torch.device(device)
 
     def on_tensor(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(device, non_blocking=non_blocking)
+        return tensor.to(target, non_blocking=non_blocking)
 
-    def on_method(obj: Any) -> Any:
+    def on_method(obj: Any) -> Any:  # given a torch.device (torch 2.4's storages need one)
         to = obj.to
         by_keyword, takes_nb = _to_style(to)
         kwargs = {"non_blocking": non_blocking} if takes_nb else {}
-        return to(device=device, **kwargs) if by_keyword else to(device, **kwargs)
+        return to(device=target, **kwargs) if by_keyword else to(target, **kwargs)
 
     def on_other(obj: Any) -> Any:
         _refuse_unmovable(obj, target)
