@@ -206,22 +206,6 @@ class ThreadRunner(ParkableThread):
             return waiter.value
         raise waiter.value
 
-    def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` in the thread and block the caller until it returns."""
-        done = threading.Event()
-        box: list[Any] = []
-
-        def deliver(ok: bool, value: Any) -> None:
-            box.append((ok, value))
-            done.set()
-
-        self._submit((fn, args, deliver))
-        done.wait()
-        ok, value = box[0]
-        if ok:
-            return value
-        raise value
-
     def close(self) -> None:
         """Ask the thread to exit after its current call (never blocks)."""
         with self._lock:
