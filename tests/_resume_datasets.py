@@ -1,4 +1,5 @@
-"""Datasets and samplers of tests/test_resume.py (importable by spawned workers)."""
+"""Datasets and samplers of tests/test_resume.py (importable by spawned workers), and the
+torchdata states the resume tests load."""
 
 from __future__ import annotations
 
@@ -251,3 +252,26 @@ class AugmentFails(Augment):
         if i % 7 == 3 or i in (20, 21, 22, 23):
             raise ValueError(f"bad sample {i}")
         return item
+
+
+def td_inline(**kw: Any) -> dict[str, Any]:
+    """A torchdata 0.11 single-process state (its layout, written out) after 1 batch of 4."""
+    st: dict[str, Any] = {
+        "_IterableDataset_len_called": None, "_index_sampler_state": None,
+        "_iterator_finished": False, "_num_yielded": 1,
+        "_sampler_iter_state": {"samples_yielded": 4}, "_sampler_iter_yielded": 1,
+        "_shared_seed": None, "dataset_state": None, "fetcher_state": None}
+    st.update(kw)
+    return st
+
+
+def td_workers() -> dict[str, Any]:
+    """A torchdata 0.11 multi-process state (2 workers) after 1 batch of 4."""
+    main = {"_IterableDataset_len_called": None, "_base_seed": 123,
+            "_index_sampler_state": None, "_num_workers": 2,
+            "_sampler_iter_state": {"samples_yielded": 4}, "_sampler_iter_yielded": 1,
+            "_shared_seed": None}
+    return {"_iterator_finished": False, "_steps_since_snapshot": 0, "_snapshot": {
+        "_last_yielded_worker_id": 0, "_main_snapshot": main, "_snapshot_step": 1,
+        "_worker_snapshots": {f"worker_{i}": {"dataset_state": None, "fetcher_state": None,
+                                              "worker_id": i} for i in range(2)}}}

@@ -156,6 +156,11 @@ def count_fds(table: Mapping[int, str]) -> int:
     return sum(1 for target in table.values() if not is_driver_fd(target))
 
 
+def segment_fds() -> list[str]:
+    """The worker segments (memfds) this process holds open: one per mapping it keeps."""
+    return [t for t in fd_table().values() if t.startswith("/memfd:aioloader-")]
+
+
 def open_fds() -> int:
     """This process's open fds, the accelerator driver's left out (CUDA's first use opens
     some in whichever test makes it)."""

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import open_fds
+from conftest import open_fds, segment_fds
 
 import aioloader
 from aioloader._worker import wire
@@ -253,20 +253,7 @@ def test_a_reply_of_many_storages_arrives_exactly(method: str, count: int) -> No
     for i, sample in enumerate(batches):
         _check_sample(sample, i, count)
     # Held, they keep a mapping per segment (a few, of doubling sizes), not one per storage.
-    assert len(_segment_mappings()) <= 2 * 16, len(_segment_mappings())
-
-
-def _segment_mappings() -> list[str]:
-    """The worker segments this process holds mapped (each mapping keeps a descriptor)."""
-    out = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:  # the listing's own fd, closed
-            continue
-        if target.startswith("/memfd:aioloader-"):
-            out.append(target)
-    return out
+    assert len(segment_fds()) <= 2 * 16, len(segment_fds())
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])

@@ -18,7 +18,14 @@ from typing import Any
 
 import pytest
 import torch
-from _resume_datasets import InfoMap, PlainRange, StatefulIterRange, StatefulPermSampler
+from _resume_datasets import (
+    InfoMap,
+    PlainRange,
+    StatefulIterRange,
+    StatefulPermSampler,
+    td_inline,
+    td_workers,
+)
 from torch.utils.data.datapipes.iter import IterableWrapper
 
 import aioloader
@@ -311,36 +318,20 @@ def test_elastic_source_that_contains_itself_is_refused() -> None:
     loader.close()
 
 
-def _td_inline(**kw: Any) -> State:
-    """A torchdata 0.11 single-process state after 1 batch of 4 (tests/test_resume_validation)."""
-    st: State = {"_IterableDataset_len_called": None, "_index_sampler_state": None,
-                 "_iterator_finished": False, "_num_yielded": 1,
-                 "_sampler_iter_state": {"samples_yielded": 4}, "_sampler_iter_yielded": 1,
-                 "_shared_seed": None, "dataset_state": None, "fetcher_state": None}
-    st.update(kw)
-    return st
-
-
 def test_torchdata_finished_with_batches_left_is_refused() -> None:
     """Regression test for issue 31: a torchdata state is checked on the keys it has."""
     def make() -> DataLoader[Any]:
         return DataLoader(list(range(30)), batch_size=4)
-    _refused(make, _td_inline(_iterator_finished=True), re.escape("state['_iterator_finished']"),
+    _refused(make, td_inline(_iterator_finished=True), re.escape("state['_iterator_finished']"),
              re.escape("state['_num_yielded']=1"))
-    main = {"_IterableDataset_len_called": None, "_base_seed": 123,
-            "_index_sampler_state": None, "_num_workers": 2,
-            "_sampler_iter_state": {"samples_yielded": 4}, "_sampler_iter_yielded": 1,
-            "_shared_seed": None}
-    workers = {"_iterator_finished": True, "_steps_since_snapshot": 0, "_snapshot": {
-        "_last_yielded_worker_id": 0, "_main_snapshot": main, "_snapshot_step": 1,
-        "_worker_snapshots": {f"worker_{i}": {"dataset_state": None, "fetcher_state": None,
-                                              "worker_id": i} for i in range(2)}}}
+    workers = td_workers()
+    workers["_iterator_finished"] = True
     _refused(lambda: DataLoader(list(range(30)), batch_size=4, num_workers=2), workers,
              re.escape("state['_iterator_finished']"),
              re.escape("state['_snapshot']['_snapshot_step']=1"))
     loader = make()
-    end = _td_inline(_iterator_finished=True, _num_yielded=8, _sampler_iter_yielded=8,
-                     _sampler_iter_state={"samples_yielded": 30})
+    end = td_inline(_iterator_finished=True, _num_yielded=8, _sampler_iter_yielded=8,
+                    _sampler_iter_state={"samples_yielded": 30})
     loader.load_state_dict(end)  # consistent: the next epoch, whole
     assert len(list(loader)) == 8
     loader.close()

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from _resume_datasets import InfoMap, StatefulIterRange, StatefulPermSampler
+from _resume_datasets import InfoMap, StatefulIterRange, StatefulPermSampler, td_inline, td_workers
 
 from aioloader import DataLoader
 
@@ -492,35 +492,13 @@ def test_stateful_sampler_state_is_passed_unread() -> None:
 # ---------------------------------------------------------------------------- torchdata
 
 
-def _td_inline(**kw: Any) -> State:
-    """A torchdata 0.11 single-process state (its layout, written out) after 1 batch of 4."""
-    st: State = {"_IterableDataset_len_called": None, "_index_sampler_state": None,
-                 "_iterator_finished": False, "_num_yielded": 1,
-                 "_sampler_iter_state": {"samples_yielded": 4}, "_sampler_iter_yielded": 1,
-                 "_shared_seed": None, "dataset_state": None, "fetcher_state": None}
-    st.update(kw)
-    return st
-
-
-def _td_workers() -> State:
-    """A torchdata 0.11 multi-process state (2 workers) after 1 batch of 4."""
-    main = {"_IterableDataset_len_called": None, "_base_seed": 123,
-            "_index_sampler_state": None, "_num_workers": 2,
-            "_sampler_iter_state": {"samples_yielded": 4}, "_sampler_iter_yielded": 1,
-            "_shared_seed": None}
-    return {"_iterator_finished": False, "_steps_since_snapshot": 0, "_snapshot": {
-        "_last_yielded_worker_id": 0, "_main_snapshot": main, "_snapshot_step": 1,
-        "_worker_snapshots": {f"worker_{i}": {"dataset_state": None, "fetcher_state": None,
-                                              "worker_id": i} for i in range(2)}}}
-
-
 def _seq(**kw: Any) -> DataLoader[Any]:
     return DataLoader(list(range(30)), batch_size=4, **kw)
 
 
 def test_torchdata_layout_loads_and_ignores_unknown_keys() -> None:
     """Regression test for issue 18: torchdata states load; keys aioloader skips are ignored."""
-    for state, kw in ((_td_inline(), {}), (_td_workers(), {"num_workers": 2})):
+    for state, kw in ((td_inline(), {}), (td_workers(), {"num_workers": 2})):
         state["_some_future_torchdata_key"] = _PICKLED  # ignored, as torchdata ignores it
         loader = _seq(**kw)
         with _nothing_executed():
@@ -532,62 +510,62 @@ def test_torchdata_layout_loads_and_ignores_unknown_keys() -> None:
 
 _MAIN = ("_snapshot", "_main_snapshot")
 _TD_TABLE: list[Any] = [
-    pytest.param(_td_inline, _del(("_num_yielded",)), {}, ValueError, "_num_yielded",
+    pytest.param(td_inline, _del(("_num_yielded",)), {}, ValueError, "_num_yielded",
                  id="missing-num_yielded"),
-    pytest.param(_td_inline, _del(("_sampler_iter_yielded",)), {}, ValueError,
+    pytest.param(td_inline, _del(("_sampler_iter_yielded",)), {}, ValueError,
                  _p(("_sampler_iter_yielded",)), id="missing-sampler_iter_yielded"),
-    pytest.param(_td_inline, _set(("_num_yielded",), -1), {}, ValueError, _p(("_num_yielded",)),
+    pytest.param(td_inline, _set(("_num_yielded",), -1), {}, ValueError, _p(("_num_yielded",)),
                  id="num_yielded-negative"),
-    pytest.param(_td_inline, _set(("_num_yielded",), 0.5), {}, ValueError,
+    pytest.param(td_inline, _set(("_num_yielded",), 0.5), {}, ValueError,
                  _p(("_num_yielded",)), id="num_yielded-fraction"),
-    pytest.param(_td_inline, _set(("_num_yielded",), "1"), {}, TypeError,
+    pytest.param(td_inline, _set(("_num_yielded",), "1"), {}, TypeError,
                  _p(("_num_yielded",)), id="num_yielded-str"),
-    pytest.param(_td_inline, _set(("_num_yielded",), 9), {}, ValueError,
+    pytest.param(td_inline, _set(("_num_yielded",), 9), {}, ValueError,
                  _p(("_num_yielded",)) + ".*9 batches",
                  id="num_yielded-past-end"),
-    pytest.param(_td_inline, _set(("_sampler_iter_state", "samples_yielded"), -4), {},
+    pytest.param(td_inline, _set(("_sampler_iter_state", "samples_yielded"), -4), {},
                  ValueError, _p(("_sampler_iter_state", "samples_yielded")),
                  id="samples_yielded-negative"),
-    pytest.param(_td_inline, _set(("_sampler_iter_state", "samples_yielded"), 8), {},
+    pytest.param(td_inline, _set(("_sampler_iter_state", "samples_yielded"), 8), {},
                  ValueError, _p(("_sampler_iter_state", "samples_yielded")) + ".*batch_size",
                  id="samples_yielded-other-batch_size"),
-    pytest.param(_td_inline, _set(("_sampler_iter_state",), "x"), {}, TypeError,
+    pytest.param(td_inline, _set(("_sampler_iter_state",), "x"), {}, TypeError,
                  _p(("_sampler_iter_state",)), id="type-sampler_iter_state"),
-    pytest.param(_td_inline, _set(("_index_sampler_state",), _PICKLED), {}, TypeError,
+    pytest.param(td_inline, _set(("_index_sampler_state",), _PICKLED), {}, TypeError,
                  _p(("_index_sampler_state",)), id="pickled-index_sampler_state"),
-    pytest.param(_td_inline, _set(("_iterator_finished",), "no"), {}, TypeError,
+    pytest.param(td_inline, _set(("_iterator_finished",), "no"), {}, TypeError,
                  _p(("_iterator_finished",)), id="type-iterator_finished"),
-    pytest.param(_td_inline, _set(("fetcher_state",), []), {}, TypeError,
+    pytest.param(td_inline, _set(("fetcher_state",), []), {}, TypeError,
                  _p(("fetcher_state",)), id="type-fetcher_state"),
-    pytest.param(_td_inline, lambda s: s, {"shuffle": True}, ValueError,
+    pytest.param(td_inline, lambda s: s, {"shuffle": True}, ValueError,
                  "RandomSampler, whose order", id="sequential-state-into-shuffle"),
-    pytest.param(_td_inline, lambda s: s, {"num_workers": 2}, ValueError,
+    pytest.param(td_inline, lambda s: s, {"num_workers": 2}, ValueError,
                  "num_workers=0, this loader has num_workers=2", id="inline-into-workers"),
-    pytest.param(_td_workers, _set((*_MAIN, "_num_workers"), 3), {"num_workers": 2},
+    pytest.param(td_workers, _set((*_MAIN, "_num_workers"), 3), {"num_workers": 2},
                  ValueError, _p((*_MAIN, "_num_workers")), id="workers-mismatch"),
-    pytest.param(_td_workers, _set((*_MAIN, "_base_seed"), -5), {"num_workers": 2},
+    pytest.param(td_workers, _set((*_MAIN, "_base_seed"), -5), {"num_workers": 2},
                  ValueError, _p((*_MAIN, "_base_seed")), id="base_seed-negative"),
-    pytest.param(_td_workers, _del((*_MAIN, "_sampler_iter_yielded")), {"num_workers": 2},
+    pytest.param(td_workers, _del((*_MAIN, "_sampler_iter_yielded")), {"num_workers": 2},
                  ValueError, _p((*_MAIN, "_sampler_iter_yielded")), id="missing-main-key"),
-    pytest.param(_td_workers, _set(("_snapshot", "_last_yielded_worker_id"), 2),
+    pytest.param(td_workers, _set(("_snapshot", "_last_yielded_worker_id"), 2),
                  {"num_workers": 2}, ValueError, _p(("_snapshot", "_last_yielded_worker_id")),
                  id="last_worker-out-of-range"),
-    pytest.param(_td_workers, _set(("_snapshot", "_snapshot_step"), -1), {"num_workers": 2},
+    pytest.param(td_workers, _set(("_snapshot", "_snapshot_step"), -1), {"num_workers": 2},
                  ValueError, _p(("_snapshot", "_snapshot_step")), id="snapshot_step-negative"),
-    pytest.param(_td_workers, _set(("_snapshot", "_worker_snapshots", "worker_7"), None),
+    pytest.param(td_workers, _set(("_snapshot", "_worker_snapshots", "worker_7"), None),
                  {"num_workers": 2}, ValueError, _p(("_snapshot", "_worker_snapshots")),
                  id="worker-keys"),
-    pytest.param(_td_workers, _set(("_snapshot", "_worker_snapshots", "worker_1",
+    pytest.param(td_workers, _set(("_snapshot", "_worker_snapshots", "worker_1",
                                     "worker_id"), 0), {"num_workers": 2}, ValueError,
                  _p(("_snapshot", "_worker_snapshots", "worker_1", "worker_id")),
                  id="worker_id-mismatch"),
-    pytest.param(_td_workers, _set(("_snapshot", "_worker_snapshots", "worker_0",
+    pytest.param(td_workers, _set(("_snapshot", "_worker_snapshots", "worker_0",
                                     "dataset_state"), _PICKLED), {"num_workers": 2},
                  TypeError, _p(("_snapshot", "_worker_snapshots", "worker_0", "dataset_state")),
                  id="pickled-worker-dataset_state"),
-    pytest.param(_td_workers, _set(("_steps_since_snapshot",), 2), {"num_workers": 2},
+    pytest.param(td_workers, _set(("_steps_since_snapshot",), 2), {"num_workers": 2},
                  ValueError, "snapshot_every_n_steps", id="between-snapshots"),
-    pytest.param(_td_workers, _set(("_snapshot",), _PICKLED), {"num_workers": 2},
+    pytest.param(td_workers, _set(("_snapshot",), _PICKLED), {"num_workers": 2},
                  TypeError, _p(("_snapshot",)), id="pickled-snapshot"),
 ]
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import open_fds, shm_entries
+from conftest import open_fds, segment_fds, shm_entries
 
 from aioloader._errors import TransportError
 from aioloader._worker.codec import (
@@ -525,19 +525,6 @@ def test_dropped_batches_recycle_within_the_bound() -> None:
             _check_sample({key: value[j] for key, value in batch.items()}, i, torch.Tensor)
 
 
-def _segment_fds() -> list[str]:
-    """The memfd segments this process holds open (one per mapping kept)."""
-    out = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:  # the listing's own fd, closed
-            continue
-        if target.startswith("/memfd:aioloader-"):
-            out.append(target)
-    return out
-
-
 def test_pinned_batches_give_their_segments_back_at_once(monkeypatch: Any) -> None:
     """Regression test for issue 20: with pin_memory=True (pinning faked on CPU by a copy)
     a kept pinned batch holds no segment: the segment went back when the copy was made,
@@ -559,7 +546,7 @@ def test_pinned_batches_give_their_segments_back_at_once(monkeypatch: Any) -> No
     kept = list(it)
     assert [b["i"].tolist() for b in kept] == [[i, i + 1] for i in range(0, 24, 2)]
     assert all((b["t"][:, 0, 0, 0] == b["i"].float()).all() for b in kept)
-    assert len(_segment_fds()) <= POOL_LIMIT  # the pool's own mappings, no orphan for a kept batch
+    assert len(segment_fds()) <= POOL_LIMIT  # the pool's own mappings, no orphan for a kept batch
     it.close()
 
 
@@ -594,7 +581,7 @@ def test_file_system_sharing_strategy_takes_the_old_path() -> None:
         loader = DataLoader(_Payloads(), batch_size=4, num_workers=2,
                             multiprocessing_context="fork")
         batches = list(loader)
-        assert _segment_fds() == []
+        assert segment_fds() == []
         for k, batch in enumerate(batches):
             assert batch["i"].tolist() == list(range(k * 4, k * 4 + 4))
             assert (batch["t"][:, 0, 0, 0] == batch["i"].float()).all()
