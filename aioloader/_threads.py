@@ -31,7 +31,7 @@ import sniffio
 
 from ._park import ParkableThread, register, track_ending
 
-__all__ = ["ThreadRunner", "close_at_exit"]
+__all__ = ["ThreadRunner", "close_at_exit", "run_in_own_thread"]
 
 _LG = logging.getLogger(__name__)
 
@@ -241,6 +241,22 @@ class ThreadRunner(ParkableThread):
         self.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+
+async def run_in_own_thread(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a thread started for this call and ended before it returns: a
+    one-off blocking call (unmapping a pool's segments, closing its fds) kept off the loop.
+
+    Example:
+        >>> import anyio
+        >>> anyio.run(run_in_own_thread, "demo", sum, [1, 2])
+        3
+    """
+    runner = ThreadRunner(name)
+    try:
+        return await runner.run(fn, *args)
+    finally:
+        await runner.aclose()
 
 
 def close_at_exit(pools: weakref.WeakSet[Any], **close_kwargs: Any) -> None:

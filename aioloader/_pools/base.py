@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import anyio
 
 from .._errors import IteratorClosedError, add_note
-from .._threads import ThreadRunner, close_at_exit
+from .._threads import ThreadRunner, close_at_exit, run_in_own_thread
 from .._worker.config import WorkerConfig
 
 __all__ = ["ConfigSource", "PoolBase"]
@@ -286,7 +286,10 @@ class PoolBase(Generic[W]):
                 if self._serving == 0:
                     await self._await_helpers()
             finally:
-                self._release(close_fds=self._serving == 0)
+                # Unmapping the segments and closing the fds can take tens of ms: not on
+                # the loop (nothing of the pool runs there any more).
+                await run_in_own_thread("aioloader-release", self._release,
+                                        self._serving == 0)
 
     async def _await_helpers(self) -> None:
         """Wait on the loop for the pool's helper processes (a zygote) to leave, its
