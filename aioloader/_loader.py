@@ -351,8 +351,9 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
             work_s=stages["fetch"].seconds + stages["collate"].seconds)
         tune.switch_inline(summary)
 
-    def _make_core(self) -> _PipelineCore:
-        """A new epoch, built from the config and what the loader keeps for it.
+    def _make_core(self, on_loop: bool = False) -> _PipelineCore:
+        """A new epoch, built from the config and what the loader keeps for it
+        (``on_loop``: built on the caller's event loop, by ``async for``).
 
         The epoch hands back its failure report and resume position; the loader keeps
         them (``loader.failures``, ``state_dict()``).
@@ -364,14 +365,15 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
             config, tune = self._tuned_config(config, pending is not None)
         rec = self._stats_book.new_epoch(config.num_workers) if config.collect_stats else None
         core = _PipelineCore(config, keeper=self._pools, resume=pending, rec=rec,
-                             len_called=self._IterableDataset_len_called, tune=tune)
+                             len_called=self._IterableDataset_len_called, tune=tune,
+                             on_loop=on_loop)
         self._failure_report = core.failures
         self._resume_tracker = core.track
         return core
 
     def __aiter__(self) -> AsyncLoaderIter[T_co]:
         """Start an epoch: ``async for batch in loader``."""
-        return AsyncLoaderIter(self._make_core())
+        return AsyncLoaderIter(self._make_core(on_loop=True))
 
     def state_dict(self) -> dict[str, Any]:
         """Where the latest epoch stands: resume it exactly with :meth:`load_state_dict`.

@@ -294,6 +294,26 @@ def pytest_configure(config: Any) -> None:
         "the test (say why where it is used)")
 
 
+_CUDA_STARTED: list[bool] = []
+
+
+def _start_cuda_once() -> None:
+    """Create this process's CUDA context and pinned-memory allocator, once.
+
+    Their start opens descriptors the runtime keeps for the life of the process (eventfds
+    and a pipe besides the device nodes), which would otherwise count as the first GPU
+    test's leak. ``gpu`` tests call it before their snapshot.
+    """
+    if not _CUDA_STARTED:
+        _CUDA_STARTED.append(True)
+        import torch
+
+        if torch.cuda.is_available():
+            torch.empty(1, device="cuda")
+            torch.empty(1).pin_memory()
+            torch.cuda.synchronize()
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks(request: Any) -> Iterator[None]:
     """Every test must leave no process, thread, fd or /dev/shm entry of its own behind.
@@ -307,6 +327,8 @@ def _no_leaks(request: Any) -> Iterator[None]:
     reported (a half-consumed iterator in a reference cycle).
     """
     no_gc = request.node.get_closest_marker("gc_off") is not None
+    if request.node.get_closest_marker("gpu") is not None:
+        _start_cuda_once()
     prefixes = tuple(m.args[0] for m in request.node.iter_markers("keeps_threads"))
 
     def allowed(t: threading.Thread) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import warnings
 from collections import namedtuple
 from typing import Any
 
@@ -270,3 +271,45 @@ def test_device_stage_cuda_path_with_faked_cuda(monkeypatch: pytest.MonkeyPatch)
     assert recorded == [fake.current] * 3
     side = [entry for entry in fake.log if entry[0] == "stream" and entry[1] != "current"]
     assert len(side) == 1  # one side stream, reused
+
+
+@pytest.mark.parametrize("available", [True, False])
+@pytest.mark.parametrize("workers", [0, 2])
+async def test_async_for_asks_the_accelerator_off_the_loop(
+        monkeypatch: pytest.MonkeyPatch, available: bool, workers: int) -> None:
+    """``async for`` with pin_memory=True and a driver that may still have to start: the
+    accelerator is asked in the epoch's thread, not on the loop (its first answer can take
+    tens of ms); a missing accelerator's warning comes with the first batch, once."""
+    asked_on: list[threading.Thread] = []
+
+    def ask() -> bool:
+        asked_on.append(threading.current_thread())
+        return available
+
+    monkeypatch.setattr(_pin, "_availability_is_quick", lambda: False)
+    monkeypatch.setattr(_pin, "pin_available", ask)
+    monkeypatch.setattr(_pin, "_accelerator_type", lambda: "cpu")
+    monkeypatch.setattr(_pin, "pin_memory", lambda data, device: data)
+    kw: dict[str, Any] = {"multiprocessing_context": "fork"} if workers else {}
+    loader = DataLoader(Structured(), batch_size=4, pin_memory=True, num_workers=workers, **kw)
+    it = aiter(loader)
+    assert asked_on == []  # not while the iterator was made on the loop
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = await anext(it)
+        rest = [b async for b in it]
+    messages = [str(w.message) for w in caught
+                if str(w.message) == _pin.PIN_WITHOUT_ACCELERATOR_WARNING]
+    assert messages == ([] if available else [_pin.PIN_WITHOUT_ACCELERATOR_WARNING])
+    assert len(asked_on) == 1 and asked_on[0] is not threading.main_thread()
+    assert first["name"] == ["n0", "n1", "n2", "n3"] and len(rest) == 1
+
+
+def test_for_warns_at_iter_as_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sync facade decides at ``iter(loader)``, as torch does (its warning there)."""
+    monkeypatch.setattr(_pin, "_availability_is_quick", lambda: False)
+    monkeypatch.setattr(_pin, "pin_available", lambda: False)
+    loader = DataLoader(Structured(), batch_size=4, pin_memory=True)
+    with pytest.warns(UserWarning, match="no accelerator is found"):
+        it = iter(loader)
+    assert len(list(it)) == 2

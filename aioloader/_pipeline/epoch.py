@@ -82,7 +82,7 @@ class _PipelineCore(lifecycle.EpochLifecycle):
     def __init__(self, config: LoaderConfig, *, keeper: PoolKeeper,
                  resume: dict[str, Any] | None, rec: Recorder | None,
                  len_called: int | None, tune: TuneState | None = None,
-                 carry: setup.Carry | None = None) -> None:
+                 carry: setup.Carry | None = None, on_loop: bool = False) -> None:
         """Build the epoch (torch's ``iter()``): draw its seeds, prime the window.
 
         Args:
@@ -94,6 +94,8 @@ class _PipelineCore(lifecycle.EpochLifecycle):
             tune: the loader's autotuning state (``"auto"`` arguments; docs/autotune.md).
             carry: an epoch handed over to workers mid-way: its sampler iterator, tracker
                 and delivery, which this one continues (:meth:`hand_over`).
+            on_loop: built on the consumer's event loop (``async for``): a first ask of
+                the accelerator for pinning is made in the epoch's thread.
         """
         super().__init__()
         self.config = config  # what hand_over() builds the pool epoch from
@@ -107,7 +109,10 @@ class _PipelineCore(lifecycle.EpochLifecycle):
         self.persistent = config.persistent
         self.timeout = config.timeout
         self.inline = num_workers == 0 and not config.kind.is_async
-        self.pin = PinPolicy(config.pin_memory, config.pin_memory_device)
+        # On the caller's loop, a first ask of the accelerator (its driver's start-up) is left
+        # to the epoch's thread (inline: its first fetch).
+        self.pin = PinPolicy(config.pin_memory, config.pin_memory_device,
+                             defer=on_loop)
         self.track, self.delivery, sampler_iter = setup.books(config, resume, rec, len_called,
                                                               carry)
         self.failures = self.delivery.failures
@@ -235,6 +240,8 @@ class _PipelineCore(lifecycle.EpochLifecycle):
             raise
         self.delivery.count_yield()
         self.delivery.release()
+        if self.pin.due:  # a deferred pin decision's warnings, raised on the caller's thread
+            self.pin.warn_due()
         if self.tuner is not None:
             self.tuner.delivered(t_ask, _ns(), data)
         return data

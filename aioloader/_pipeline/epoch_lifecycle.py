@@ -35,6 +35,7 @@ from .backend import _LoopHandle
 from .device import DeviceStage
 from .dispatch import Dispatcher, ReorderBuffer
 from .offload import _unwrap
+from .pin import PinPolicy
 from .source_async import AsyncFetchSource
 from .source_inline import InlineSource
 from .source_pool import PoolSource
@@ -91,6 +92,7 @@ class EpochLifecycle:
     runner: ThreadRunner
     failures: FailureReport
     device_stage: DeviceStage | None
+    pin: PinPolicy
     window: int
     dispatch: Dispatcher
     buffer: ReorderBuffer
@@ -188,6 +190,8 @@ class EpochLifecycle:
             with self.scope:
                 if self.after is not None and not self.after.is_set():
                     await self.runner.run(self._wait_for_previous)
+                if self.pin.requested:
+                    await self.runner.run(self.pin.resolve)  # may start the driver
                 async with anyio.create_task_group() as tg:
                     await source.start(tg)
                     tg.start_soon(self._sender, source)

@@ -73,17 +73,29 @@ def pin_available() -> bool:
     """Whether an accelerator that can pin host memory is available.
 
     Uses ``torch.accelerator.is_available()`` where this torch has it (as
-    torch's ``DataLoader`` does), else ``torch.cuda.is_available()``.
+    torch's ``DataLoader`` does), else ``torch.cuda.is_available()``. The first
+    call in a process may start the accelerator's driver (tens of ms with CUDA).
 
     Example:
         >>> isinstance(pin_available(), bool)
         True
     """
+    global _ASKED
     accelerator = getattr(torch, "accelerator", None)
     is_available = getattr(accelerator, "is_available", None)
-    if is_available is not None:
-        return bool(is_available())
-    return bool(torch.cuda.is_available())
+    found = bool(is_available()) if is_available is not None else bool(torch.cuda.is_available())
+    _ASKED = True
+    return found
+
+
+# Whether pin_available() already ran in this process: the driver's start-up, which the
+# first call can pay, is behind us.
+_ASKED = False
+
+
+def _availability_is_quick() -> bool:
+    """Whether :func:`pin_available` answers at once here (no driver to start first)."""
+    return _ASKED or (torch.version.cuda is None and torch.version.hip is None)
 
 
 def _pin_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -313,6 +325,10 @@ def record_stream(data: Any, stream: Any) -> None:
 class PinPolicy:
     """Whether and where to pin, decided once per iterator, as torch does.
 
+    With ``defer`` (an ``async for`` on the caller's loop) and an accelerator driver that
+    may still have to start, the decision is left to :meth:`resolve`, which the epoch runs
+    in its own thread; its warnings wait in :attr:`due` for :meth:`warn_due` on the loop.
+
     Example:
         >>> import warnings
         >>> with warnings.catch_warnings(record=True):
@@ -321,20 +337,51 @@ class PinPolicy:
         False
     """
 
-    __slots__ = ("device", "enabled")
+    __slots__ = ("_enabled", "device", "due", "requested")
 
-    def __init__(self, pin_memory: bool, pin_memory_device: str) -> None:
+    def __init__(self, pin_memory: bool, pin_memory_device: str, defer: bool = False) -> None:
         if pin_memory and pin_memory_device:
             warnings.warn(PIN_MEMORY_DEVICE_DEPRECATED_WARNING.format(pin_memory_device),
                           stacklevel=4)
-        available = pin_available() if pin_memory else False
-        if pin_memory and not available:
-            warnings.warn(PIN_WITHOUT_ACCELERATOR_WARNING, stacklevel=4)
-        self.enabled = bool(pin_memory and available)
-        self.device: str | None = _accelerator_type() if self.enabled else None
-        if self.device == "mps":
-            self.enabled = False
-            warnings.warn(PIN_ON_MPS_WARNING, stacklevel=4)
+        self.requested = bool(pin_memory)
+        self.device: str | None = None
+        self.due: list[str] = []  # warnings of a deferred decision, for the loop to raise
+        self._enabled: bool | None = False
+        if pin_memory:
+            self._enabled = None
+            if not (defer and not _availability_is_quick()):
+                self.resolve()
+                self.warn_due(stacklevel=5)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether batches are pinned (decided now, warning at once, if :meth:`resolve` has
+        not run: with ``num_workers=0``, in the epoch's thread at its first fetch)."""
+        if self._enabled is None:
+            self.resolve()
+            self.warn_due(stacklevel=3)
+        return bool(self._enabled)
+
+    def resolve(self) -> None:
+        """Decide, asking the accelerator (may block: off the loop when deferred)."""
+        if self._enabled is not None:
+            return
+        due = []
+        enabled = pin_available()
+        if not enabled:
+            due.append(PIN_WITHOUT_ACCELERATOR_WARNING)
+        device = _accelerator_type() if enabled else None
+        if device == "mps":
+            enabled = False
+            due.append(PIN_ON_MPS_WARNING)
+        self.device, self.due = device, due
+        self._enabled = enabled
+
+    def warn_due(self, stacklevel: int = 4) -> None:
+        """Raise the warnings the decision left (on the caller's thread)."""
+        due, self.due = self.due, []
+        for message in due:
+            warnings.warn(message, stacklevel=stacklevel)
 
     def apply(self, data: Any) -> Any:
         """Pin every tensor of ``data`` (call it off the event loop)."""

@@ -91,7 +91,7 @@ class InlineSource:
         _dstate.load_fetcher_state(self.raw_fetcher, wstate)
         self.device = config.device
         # Pinning and device copies are CUDA calls: never inline on the loop.
-        self.policy = _InlinePolicy(allowed=not (pin.enabled or self.device is not None))
+        self.policy = _InlinePolicy(allowed=not (pin.requested or self.device is not None))
         self.last_yield = 0  # perf_counter_ns of the latest checkpoint (async for)
         self.pending_call: _ThreadCall | None = None  # a drawn batch whose waiter was cancelled
 
@@ -102,7 +102,7 @@ class InlineSource:
         # The per-batch fast path of next_sync(): nothing but fetch, collate, count. Its
         # statistics time reading and collating with MapFetcher.fetch_split.
         self.plain = self.kind is DatasetKind.MAP and not (
-            self.delivery.policy_active or self.pin.enabled or config.device is not None
+            self.delivery.policy_active or self.pin.requested or config.device is not None
         ) and (sampled or rec is None)
         self.split = self.plain and rec is not None
         # `async for` times the consumer's waits 1 in Recorder.time_every (AsyncLoaderIter).
