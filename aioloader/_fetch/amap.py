@@ -317,17 +317,14 @@ class AsyncFetchPool:
 
     async def fetch(self, index: Any) -> Any:
         """Await every sample of ``index`` and return the collated batch."""
-        if self._batched:
-            batch = _Batch(1, self._event_cls)
-            self._queue.put((batch, 0, index))
-        elif self.auto_collation:
+        if self.auto_collation and not self._batched:
             batch = _Batch(len(index), self._event_cls)
             if batch.remaining == 0:
                 batch.done.set()
             put = self._queue.put
             for j, key in enumerate(index):
                 put((batch, j, key))
-        else:
+        else:  # one read: __getitems__ of the whole batch, or one sample (batch_size=None)
             batch = _Batch(1, self._event_cls)
             self._queue.put((batch, 0, index))
         try:
