@@ -29,13 +29,11 @@ from ._fetch.sync import DatasetKind, dataset_kind
 from ._options import (
     TUNABLE,
     auto_start,
-    check_extra_options,
     check_loader_options,
     check_ray_args,
-    check_snapshot_every,
-    check_stats_interval,
     check_thread_workers,
     check_worker_count,
+    check_worker_method,
     check_worker_options,
     no_prefetch_error,
     resolve_sampling,
@@ -202,20 +200,21 @@ def make_config(given: Mapping[str, Any]) -> LoaderConfig:
             "prefetch_factor=None")
     a.num_workers, a.timeout, a.prefetch_factor, a.persistent_workers = check_worker_options(
         a.num_workers, a.timeout, a.prefetch_factor, a.persistent_workers)
-    a.worker_method, a.fetch_concurrency, a.fetch_threads, a.device_prefetch = (
-        check_extra_options(a.worker_method, a.fetch_concurrency, a.fetch_threads,
-                            a.device_prefetch))
+    check_worker_method(a.worker_method)
+    for name in ("fetch_concurrency", "fetch_threads", "device_prefetch"):
+        setattr(a, name, ARGUMENT[name].check(getattr(a, name)))
     check_worker_count(a.num_workers, a.worker_method)
     ray_address, ray_actor_options = check_ray_args(dataset, a.worker_method, a.ray_options)
     a.multiprocessing_context = resolve_mp_context(a.multiprocessing_context, a.num_workers)
-    a.snapshot_every_n_steps = check_snapshot_every(a.snapshot_every_n_steps)
+    a.snapshot_every_n_steps = ARGUMENT["snapshot_every_n_steps"].check(a.snapshot_every_n_steps)
     # Failure policy (docs/failure_policy.md): TypeError/ValueError naming the argument.
     failure_policy = make_policy(
         on_error=a.on_error, max_failures=a.max_failures, retries=a.retries,
         retry_delay=a.retry_delay, respawn_workers=a.respawn_workers,
         num_workers=a.num_workers, iterable=kind.iterable, is_async=kind.is_async)
     check_thread_workers(a.worker_method, a.num_workers, kind.is_async)
-    a.stats_interval = check_stats_interval(a.stats_interval)
+    if a.stats_interval is not None:
+        a.stats_interval = float(ARGUMENT["stats_interval"].check(a.stats_interval))
     a.collect_stats = ARGUMENT["collect_stats"].check(a.collect_stats)
     a.batch_size, a.drop_last, a.sampler, a.batch_sampler = resolve_sampling(
         dataset, kind.iterable, a.batch_size, a.shuffle, a.sampler, a.batch_sampler,

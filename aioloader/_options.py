@@ -168,10 +168,8 @@ def check_loader_options(
     return bool(pin), bool(order)
 
 
-def check_extra_options(
-    worker_method: Any, fetch_concurrency: Any, fetch_threads: Any, device_prefetch: Any,
-) -> tuple[str, int, int, int]:
-    """aioloader's own worker and fetch arguments; returns them as plain values."""
+def check_worker_method(worker_method: Any) -> None:
+    """``worker_method`` is one of :data:`WORKER_METHODS`."""
     if not isinstance(worker_method, str):
         raise TypeError(
             f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, "
@@ -182,10 +180,6 @@ def check_extra_options(
             f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, "
             f"but got worker_method={worker_method!r}"
         )
-    fetch_concurrency = ARGUMENT["fetch_concurrency"].check(fetch_concurrency)
-    fetch_threads = ARGUMENT["fetch_threads"].check(fetch_threads)
-    device_prefetch = ARGUMENT["device_prefetch"].check(device_prefetch)
-    return worker_method, fetch_concurrency, fetch_threads, device_prefetch
 
 
 #: Up to this many workers the system's task limits are not read (they are far above it).
@@ -258,11 +252,6 @@ def check_ray_args(
     return ray_address, ray_actor_options
 
 
-def check_snapshot_every(snapshot_every_n_steps: Any) -> int:
-    """``snapshot_every_n_steps`` (resume, docs/resume.md) is a positive int; returned plain."""
-    return int(ARGUMENT["snapshot_every_n_steps"].check(snapshot_every_n_steps))
-
-
 def check_thread_workers(worker_method: str, num_workers: int, is_async: bool) -> None:
     """Thread workers serve sync datasets only."""
     if worker_method == "thread" and num_workers > 0 and is_async:
@@ -271,13 +260,6 @@ def check_thread_workers(worker_method: str, num_workers: int, is_async: bool) -
             "its fetches concurrently in the main process: use num_workers=0 (and "
             "fetch_concurrency=), or worker_method='multiprocessing'"
         )
-
-
-def check_stats_interval(stats_interval: Any) -> float | None:
-    """``stats_interval`` is a positive, finite number of seconds, or ``None``."""
-    if stats_interval is None:
-        return None
-    return float(ARGUMENT["stats_interval"].check(stats_interval))
 
 
 def resolve_sampling(
