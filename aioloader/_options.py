@@ -170,16 +170,12 @@ def check_loader_options(
 
 def check_worker_method(worker_method: Any) -> None:
     """``worker_method`` is one of :data:`WORKER_METHODS`."""
+    should = f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, but got"
     if not isinstance(worker_method, str):
-        raise TypeError(
-            f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, "
-            f"but got {type(worker_method).__name__} worker_method={worker_method!r}"
-        )
+        raise TypeError(f"{should} {type(worker_method).__name__} "
+                        f"worker_method={worker_method!r}")
     if worker_method not in WORKER_METHODS:
-        raise ValueError(
-            f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, "
-            f"but got worker_method={worker_method!r}"
-        )
+        raise ValueError(f"{should} worker_method={worker_method!r}")
 
 
 #: Up to this many workers the system's task limits are not read (they are far above it).
@@ -287,16 +283,10 @@ def resolve_sampling(
                 "DataLoader with IterableDataset: expected unspecified shuffle "
                 f"option, but got shuffle={shuffle}"
             )
-        if sampler is not None:
-            raise ValueError(
-                "DataLoader with IterableDataset: expected unspecified sampler "
-                f"option, but got sampler={sampler}"
-            )
-        if batch_sampler is not None:
-            raise ValueError(
-                "DataLoader with IterableDataset: expected unspecified batch_sampler "
-                f"option, but got batch_sampler={batch_sampler}"
-            )
+        for name, value in (("sampler", sampler), ("batch_sampler", batch_sampler)):
+            if value is not None:
+                raise ValueError(f"DataLoader with IterableDataset: expected unspecified "
+                                 f"{name} option, but got {name}={value}")
 
     # torch's conflicts first, judged by truth value as torch does: shuffle=3 beside a
     # sampler is the ValueError torch raises (its own tests rely on it), not our TypeError.
