@@ -118,7 +118,8 @@ def dataset_kind(dataset: object) -> DatasetKind:
 
 
 class _Fetcher:
-    """What both sync fetchers keep: the dataset and how its samples become a batch."""
+    """What an iterating or indexing fetcher keeps: the dataset and how its samples
+    become a batch (the sync fetchers', and the async iterable one's)."""
 
     __slots__ = ("auto_collation", "collate_fn", "dataset", "drop_last")
 
