@@ -44,29 +44,28 @@ from .collate import default_collate, default_convert
 
 def resolve_mp_context(ctx: Any, num_workers: int) -> multiprocessing.context.BaseContext | None:
     """``multiprocessing_context=``: a start method's name or a context object, workers only."""
-    if ctx is not None:
-        if num_workers > 0:
-            if isinstance(ctx, str):
-                valid = multiprocessing.get_all_start_methods()
-                if ctx not in valid:
-                    raise ValueError(
-                        "multiprocessing_context option should specify a valid start "
-                        f"method in {valid!r}, but got multiprocessing_context={ctx!r}"
-                    )
-                ctx = multiprocessing.get_context(ctx)
-            if not isinstance(ctx, multiprocessing.context.BaseContext):
-                raise TypeError(
-                    "multiprocessing_context option should be a valid context object or "
-                    "a string specifying the start method, but got "
-                    f"multiprocessing_context={ctx}"
-                )
-        else:
+    if ctx is None:
+        return None
+    if num_workers <= 0:
+        raise ValueError(
+            "multiprocessing_context can only be used with multi-process loading "
+            f"(num_workers > 0), but got num_workers={num_workers}"
+        )
+    if isinstance(ctx, str):
+        valid = multiprocessing.get_all_start_methods()
+        if ctx not in valid:
             raise ValueError(
-                "multiprocessing_context can only be used with multi-process loading "
-                f"(num_workers > 0), but got num_workers={num_workers}"
+                "multiprocessing_context option should specify a valid start "
+                f"method in {valid!r}, but got multiprocessing_context={ctx!r}"
             )
-    checked: multiprocessing.context.BaseContext | None = ctx
-    return checked
+        ctx = multiprocessing.get_context(ctx)
+    if not isinstance(ctx, multiprocessing.context.BaseContext):
+        raise TypeError(
+            "multiprocessing_context option should be a valid context object or "
+            "a string specifying the start method, but got "
+            f"multiprocessing_context={ctx}"
+        )
+    return ctx
 
 
 @dataclass(frozen=True)
