@@ -30,10 +30,26 @@ T_co = TypeVar("T_co", covariant=True)
 _ns = time.perf_counter_ns
 
 
-def _worker_processes(core: _PipelineCore) -> list[Any]:
-    """The worker ``Process`` objects of an iterator (empty without workers)."""
-    lease = core.lease
-    return list(lease.pool.processes) if lease is not None and lease.started else []
+class _EpochIter:
+    """What an epoch's iterator tells of its epoch, ``async for`` and ``for`` alike."""
+
+    _core: _PipelineCore
+
+    def __len__(self) -> int:
+        return len(self._core.index_sampler)
+
+    @property
+    def failures(self) -> FailureReport:
+        """This epoch's failure report (skipped samples, retries, respawns)."""
+        return self._core.failures
+
+    # torch's own tests reach into this and _shutdown_workers; kept for drop-in
+    # compatibility.
+    @property
+    def _workers(self) -> list[Any]:
+        """The worker ``Process`` objects (empty without workers)."""
+        lease = self._core.lease
+        return list(lease.pool.processes) if lease is not None and lease.started else []
 
 
 def _shutdown_persistent_pool(core: _PipelineCore, _getpid: Callable[[], int] = os.getpid) -> None:
@@ -89,7 +105,7 @@ class _Turns:
             self.busy = False
 
 
-class AsyncLoaderIter(Generic[T_co]):
+class AsyncLoaderIter(_EpochIter, Generic[T_co]):
     """One epoch of ``async for batch in loader``.
 
     Closing it (``aclose()``, ``async with``, ``break`` then garbage collection,
@@ -164,19 +180,6 @@ class AsyncLoaderIter(Generic[T_co]):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-    def __len__(self) -> int:
-        return len(self._core.index_sampler)
-
-    @property
-    def failures(self) -> FailureReport:
-        """This epoch's failure report (skipped samples, retries, respawns)."""
-        return self._core.failures
-
-    # torch's own tests reach into these two; kept for drop-in compatibility.
-    @property
-    def _workers(self) -> list[Any]:
-        return _worker_processes(self._core)
 
     def _shutdown_workers(self) -> None:
         self._core.close_from_gc()

@@ -29,13 +29,11 @@ from ._fetch.sync import DatasetKind, dataset_kind
 from ._options import (
     TUNABLE,
     auto_start,
-    check_extra_options,
     check_loader_options,
     check_ray_args,
-    check_snapshot_every,
-    check_stats_interval,
     check_thread_workers,
     check_worker_count,
+    check_worker_method,
     check_worker_options,
     no_prefetch_error,
     resolve_sampling,
@@ -46,29 +44,28 @@ from .collate import default_collate, default_convert
 
 def resolve_mp_context(ctx: Any, num_workers: int) -> multiprocessing.context.BaseContext | None:
     """``multiprocessing_context=``: a start method's name or a context object, workers only."""
-    if ctx is not None:
-        if num_workers > 0:
-            if isinstance(ctx, str):
-                valid = multiprocessing.get_all_start_methods()
-                if ctx not in valid:
-                    raise ValueError(
-                        "multiprocessing_context option should specify a valid start "
-                        f"method in {valid!r}, but got multiprocessing_context={ctx!r}"
-                    )
-                ctx = multiprocessing.get_context(ctx)
-            if not isinstance(ctx, multiprocessing.context.BaseContext):
-                raise TypeError(
-                    "multiprocessing_context option should be a valid context object or "
-                    "a string specifying the start method, but got "
-                    f"multiprocessing_context={ctx}"
-                )
-        else:
+    if ctx is None:
+        return None
+    if num_workers <= 0:
+        raise ValueError(
+            "multiprocessing_context can only be used with multi-process loading "
+            f"(num_workers > 0), but got num_workers={num_workers}"
+        )
+    if isinstance(ctx, str):
+        valid = multiprocessing.get_all_start_methods()
+        if ctx not in valid:
             raise ValueError(
-                "multiprocessing_context can only be used with multi-process loading "
-                f"(num_workers > 0), but got num_workers={num_workers}"
+                "multiprocessing_context option should specify a valid start "
+                f"method in {valid!r}, but got multiprocessing_context={ctx!r}"
             )
-    checked: multiprocessing.context.BaseContext | None = ctx
-    return checked
+        ctx = multiprocessing.get_context(ctx)
+    if not isinstance(ctx, multiprocessing.context.BaseContext):
+        raise TypeError(
+            "multiprocessing_context option should be a valid context object or "
+            "a string specifying the start method, but got "
+            f"multiprocessing_context={ctx}"
+        )
+    return ctx
 
 
 @dataclass(frozen=True)
@@ -202,20 +199,21 @@ def make_config(given: Mapping[str, Any]) -> LoaderConfig:
             "prefetch_factor=None")
     a.num_workers, a.timeout, a.prefetch_factor, a.persistent_workers = check_worker_options(
         a.num_workers, a.timeout, a.prefetch_factor, a.persistent_workers)
-    a.worker_method, a.fetch_concurrency, a.fetch_threads, a.device_prefetch = (
-        check_extra_options(a.worker_method, a.fetch_concurrency, a.fetch_threads,
-                            a.device_prefetch))
+    check_worker_method(a.worker_method)
+    for name in ("fetch_concurrency", "fetch_threads", "device_prefetch"):
+        setattr(a, name, ARGUMENT[name].check(getattr(a, name)))
     check_worker_count(a.num_workers, a.worker_method)
     ray_address, ray_actor_options = check_ray_args(dataset, a.worker_method, a.ray_options)
     a.multiprocessing_context = resolve_mp_context(a.multiprocessing_context, a.num_workers)
-    a.snapshot_every_n_steps = check_snapshot_every(a.snapshot_every_n_steps)
+    a.snapshot_every_n_steps = ARGUMENT["snapshot_every_n_steps"].check(a.snapshot_every_n_steps)
     # Failure policy (docs/failure_policy.md): TypeError/ValueError naming the argument.
     failure_policy = make_policy(
         on_error=a.on_error, max_failures=a.max_failures, retries=a.retries,
         retry_delay=a.retry_delay, respawn_workers=a.respawn_workers,
         num_workers=a.num_workers, iterable=kind.iterable, is_async=kind.is_async)
     check_thread_workers(a.worker_method, a.num_workers, kind.is_async)
-    a.stats_interval = check_stats_interval(a.stats_interval)
+    if a.stats_interval is not None:
+        a.stats_interval = float(ARGUMENT["stats_interval"].check(a.stats_interval))
     a.collect_stats = ARGUMENT["collect_stats"].check(a.collect_stats)
     a.batch_size, a.drop_last, a.sampler, a.batch_sampler = resolve_sampling(
         dataset, kind.iterable, a.batch_size, a.shuffle, a.sampler, a.batch_sampler,

@@ -26,9 +26,8 @@ from typing import Any, TypeVar
 
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
-from ._aiter import _shutdown_persistent_pool, _worker_processes
+from ._aiter import _EpochIter, _shutdown_persistent_pool
 from ._facade_loop import PortalDriver, open_drivers
-from ._fetch.report import FailureReport
 from ._loader import DataLoaderCore
 from ._pipeline.epoch import _PipelineCore
 from ._pipeline.source_probe import HandOver
@@ -144,7 +143,7 @@ def _iter_lock(loader: DataLoader[Any]) -> threading.Lock:
         return lock
 
 
-class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
+class SyncLoaderIter(_EpochIter, _BaseDataLoaderIter, Iterator[T_co]):
     """One epoch of ``for batch in loader``.
 
     ``close()`` (or garbage collection, or interpreter exit) stops every
@@ -220,22 +219,9 @@ class SyncLoaderIter(_BaseDataLoaderIter, Iterator[T_co]):
         finally:
             lock.release()
 
-    def __len__(self) -> int:
-        return len(self._core.index_sampler)
-
-    @property
-    def failures(self) -> FailureReport:
-        """This epoch's failure report (skipped samples, retries, respawns)."""
-        return self._core.failures
-
     def close(self) -> None:
         """Stop the epoch now and release its threads and processes. Idempotent."""
         self._finalizer()
-
-    # torch's own tests reach into these two; kept for drop-in compatibility.
-    @property
-    def _workers(self) -> list[Any]:
-        return _worker_processes(self._core)
 
     def _shutdown_workers(
             self, _shutdown: Callable[[Any], None] = _shutdown_persistent_pool) -> None:

@@ -31,14 +31,6 @@ __all__ = ["PortalDriver", "open_drivers"]
 _LG = logging.getLogger(__name__)
 
 
-def _backend_options() -> dict[str, Any]:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return {}
-    return {"use_uvloop": True}
-
-
 class PortalDriver:
     """Runs a pipeline core on a private event-loop thread (no reference to the iterator)."""
 
@@ -193,12 +185,12 @@ def _spawn_closer(facade: _FacadeLoop, core: _PipelineCore) -> None:
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
-    """A new event loop: uvloop's when installed (see :func:`_backend_options`)."""
-    if _backend_options().get("use_uvloop"):
+    """A new event loop: uvloop's when installed."""
+    try:
         import uvloop
-
-        return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 class _FacadeLoop(ParkableThread):

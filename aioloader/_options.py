@@ -168,24 +168,14 @@ def check_loader_options(
     return bool(pin), bool(order)
 
 
-def check_extra_options(
-    worker_method: Any, fetch_concurrency: Any, fetch_threads: Any, device_prefetch: Any,
-) -> tuple[str, int, int, int]:
-    """aioloader's own worker and fetch arguments; returns them as plain values."""
+def check_worker_method(worker_method: Any) -> None:
+    """``worker_method`` is one of :data:`WORKER_METHODS`."""
+    should = f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, but got"
     if not isinstance(worker_method, str):
-        raise TypeError(
-            f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, "
-            f"but got {type(worker_method).__name__} worker_method={worker_method!r}"
-        )
+        raise TypeError(f"{should} {type(worker_method).__name__} "
+                        f"worker_method={worker_method!r}")
     if worker_method not in WORKER_METHODS:
-        raise ValueError(
-            f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, "
-            f"but got worker_method={worker_method!r}"
-        )
-    fetch_concurrency = ARGUMENT["fetch_concurrency"].check(fetch_concurrency)
-    fetch_threads = ARGUMENT["fetch_threads"].check(fetch_threads)
-    device_prefetch = ARGUMENT["device_prefetch"].check(device_prefetch)
-    return worker_method, fetch_concurrency, fetch_threads, device_prefetch
+        raise ValueError(f"{should} worker_method={worker_method!r}")
 
 
 #: Up to this many workers the system's task limits are not read (they are far above it).
@@ -258,11 +248,6 @@ def check_ray_args(
     return ray_address, ray_actor_options
 
 
-def check_snapshot_every(snapshot_every_n_steps: Any) -> int:
-    """``snapshot_every_n_steps`` (resume, docs/resume.md) is a positive int; returned plain."""
-    return int(ARGUMENT["snapshot_every_n_steps"].check(snapshot_every_n_steps))
-
-
 def check_thread_workers(worker_method: str, num_workers: int, is_async: bool) -> None:
     """Thread workers serve sync datasets only."""
     if worker_method == "thread" and num_workers > 0 and is_async:
@@ -271,13 +256,6 @@ def check_thread_workers(worker_method: str, num_workers: int, is_async: bool) -
             "its fetches concurrently in the main process: use num_workers=0 (and "
             "fetch_concurrency=), or worker_method='multiprocessing'"
         )
-
-
-def check_stats_interval(stats_interval: Any) -> float | None:
-    """``stats_interval`` is a positive, finite number of seconds, or ``None``."""
-    if stats_interval is None:
-        return None
-    return float(ARGUMENT["stats_interval"].check(stats_interval))
 
 
 def resolve_sampling(
@@ -305,16 +283,10 @@ def resolve_sampling(
                 "DataLoader with IterableDataset: expected unspecified shuffle "
                 f"option, but got shuffle={shuffle}"
             )
-        if sampler is not None:
-            raise ValueError(
-                "DataLoader with IterableDataset: expected unspecified sampler "
-                f"option, but got sampler={sampler}"
-            )
-        if batch_sampler is not None:
-            raise ValueError(
-                "DataLoader with IterableDataset: expected unspecified batch_sampler "
-                f"option, but got batch_sampler={batch_sampler}"
-            )
+        for name, value in (("sampler", sampler), ("batch_sampler", batch_sampler)):
+            if value is not None:
+                raise ValueError(f"DataLoader with IterableDataset: expected unspecified "
+                                 f"{name} option, but got {name}={value}")
 
     # torch's conflicts first, judged by truth value as torch does: shuffle=3 beside a
     # sampler is the ValueError torch raises (its own tests rely on it), not our TypeError.

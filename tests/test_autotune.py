@@ -473,6 +473,7 @@ class Scripted:
         self.script = list(script)
         self.trial = None
         self.windows = 0
+        self.decisions: list[Decision] = []  # as the Tuner's: every decision made
 
     def observe(self, batch: int, m: Measurement) -> Decision | None:
         self.windows += 1
@@ -484,7 +485,8 @@ class Scripted:
             if name in self.knobs:
                 knob = self.knobs[name]
                 old, knob.value = knob.value, new
-                return Decision(batch, name, old, new, "scripted")
+                self.decisions.append(Decision(batch, name, old, new, "scripted"))
+                return self.decisions[-1]
         return None
 
 

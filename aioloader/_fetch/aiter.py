@@ -14,12 +14,12 @@ import anyio
 from .aread import RunSync, _run_inline, iterate_async
 from .policy import FailurePolicy
 from .records import NOTHING, Outcome, SampleFailure, Tally
-from .sync import EXHAUSTED
+from .sync import EXHAUSTED, _Fetcher
 
 __all__ = ["AsyncIterFetcher"]
 
 
-class AsyncIterFetcher:
+class AsyncIterFetcher(_Fetcher):
     """Pull batches from an async iterable-style dataset (``__aiter__``).
 
     Fetches are serialised (an async iterator yields one item at a time) and
@@ -45,10 +45,7 @@ class AsyncIterFetcher:
                  drop_last: bool, run_collate: RunSync | None = None,
                  run_sync: RunSync | None = None, failure: FailurePolicy | None = None,
                  worker_id: int | None = None) -> None:
-        self.dataset = dataset
-        self.auto_collation = auto_collation
-        self.collate_fn = collate_fn
-        self.drop_last = drop_last
+        super().__init__(dataset, auto_collation, collate_fn, drop_last)
         self._policy = failure if failure is not None and failure.skip else None
         self._worker_id = worker_id
         self._position = 0

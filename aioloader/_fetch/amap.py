@@ -252,17 +252,25 @@ class AsyncFetchPool:
             batch.results[j] = self.dataset[key]
 
     async def _runner(self) -> None:
-        if sniffio.current_async_library() == "asyncio":
-            await self._runner_asyncio()
-            return
+        """Read the queued samples, one at a time, until told to leave.
+
+        Under asyncio without a cancel scope per sample (they cost ~5 us each): a failing
+        sample cancels its siblings with ``Task.cancel()``: every other runner in
+        ``batch.scopes`` is suspended inside that batch's fetch when ``fail`` runs (single
+        thread), so the CancelledError lands there; it is swallowed and the task's cancel
+        count restored with ``uncancel()``. A cancellation of the whole pool (anyio scope)
+        is re-delivered by anyio until the runner leaves, so it is never lost.
+        """
         queue = self._queue
         scope_cls = self._scope_cls
+        task = asyncio.current_task() if sniffio.current_async_library() == "asyncio" else None
+        uncancel = getattr(task, "uncancel", None)  # Python 3.11+
         while True:
             if self._leaving:
                 self._leaving -= 1
                 return
             batch, j, key = await queue.get()
-            if batch.failure is None:
+            if batch.failure is None and task is None:  # trio: a cancel scope per sample
                 with scope_cls() as scope:
                     batch.scopes.add(scope)
                     try:
@@ -271,28 +279,7 @@ class AsyncFetchPool:
                         batch.fail(exc)
                     finally:
                         batch.scopes.discard(scope)
-            batch.finish_one()
-
-    async def _runner_asyncio(self) -> None:
-        """The same loop without a cancel scope per sample (they cost ~5 us each).
-
-        A failing sample cancels its siblings with ``Task.cancel()``: every other
-        runner in ``batch.scopes`` is suspended inside that batch's fetch when
-        ``fail`` runs (single thread), so the CancelledError lands there; it is
-        swallowed and the task's cancel count restored with ``uncancel()``. A
-        cancellation of the whole pool (anyio scope) is re-delivered by anyio
-        until the runner leaves, so it is never lost.
-        """
-        queue = self._queue
-        task = asyncio.current_task()
-        assert task is not None
-        uncancel = getattr(task, "uncancel", None)  # Python 3.11+
-        while True:
-            if self._leaving:
-                self._leaving -= 1
-                return
-            batch, j, key = await queue.get()
-            if batch.failure is None:
+            elif batch.failure is None:
                 swallowed = False
                 batch.scopes.add(task)
                 try:
@@ -317,17 +304,14 @@ class AsyncFetchPool:
 
     async def fetch(self, index: Any) -> Any:
         """Await every sample of ``index`` and return the collated batch."""
-        if self._batched:
-            batch = _Batch(1, self._event_cls)
-            self._queue.put((batch, 0, index))
-        elif self.auto_collation:
+        if self.auto_collation and not self._batched:
             batch = _Batch(len(index), self._event_cls)
             if batch.remaining == 0:
                 batch.done.set()
             put = self._queue.put
             for j, key in enumerate(index):
                 put((batch, j, key))
-        else:
+        else:  # one read: __getitems__ of the whole batch, or one sample (batch_size=None)
             batch = _Batch(1, self._event_cls)
             self._queue.put((batch, 0, index))
         try:

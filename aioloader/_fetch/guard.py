@@ -53,10 +53,7 @@ class GuardedMapFetcher:
                 def read(key: Any) -> Any:
                     return getitems([key])[0]
                 data = [self._read_one(tally, key, read) for key in index]
-        elif f._pool is not None:
-            read = f.dataset.__getitem__
-            data = list(f._pool.map(lambda key: self._read_one(tally, key, read), index))
-        else:
+        else:  # one by one: a guarded read never starts the fetcher's fetch_threads pool
             read = f.dataset.__getitem__
             data = [self._read_one(tally, key, read) for key in index]
         if tally.failures:

@@ -40,7 +40,6 @@ __all__ = [
     "MapFetcher",
     "dataset_kind",
     "fetch_or_exhausted",
-    "is_async_dataset",
     "make_fetcher",
     "wrapped_datasets",
 ]
@@ -74,21 +73,6 @@ class DatasetKind(enum.Enum):
 def _is_coro_method(obj: object, name: str) -> bool:
     fn = getattr(type(obj), name, None)
     return fn is not None and inspect.iscoroutinefunction(fn)
-
-
-def is_async_dataset(dataset: object) -> bool:
-    """True if ``dataset`` is read with ``await``/``async for``.
-
-    Example:
-        >>> class Remote:
-        ...     async def __getitem__(self, i):
-        ...         return i
-        ...     def __len__(self):
-        ...         return 3
-        >>> is_async_dataset(Remote()), is_async_dataset([1, 2])
-        (True, False)
-    """
-    return dataset_kind(dataset).is_async
 
 
 def wrapped_datasets(dataset: object) -> list[Any] | None:
@@ -133,7 +117,21 @@ def dataset_kind(dataset: object) -> DatasetKind:
     return DatasetKind.MAP
 
 
-class MapFetcher:
+class _Fetcher:
+    """What an iterating or indexing fetcher keeps: the dataset and how its samples
+    become a batch (the sync fetchers', and the async iterable one's)."""
+
+    __slots__ = ("auto_collation", "collate_fn", "dataset", "drop_last")
+
+    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
+                 drop_last: bool) -> None:
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+
+
+class MapFetcher(_Fetcher):
     """Fetch and collate one batch of a sync map-style dataset.
 
     Args:
@@ -153,18 +151,14 @@ class MapFetcher:
         [12, 10]
     """
 
-    __slots__ = ("__weakref__", "_getitems", "_parked", "_pool", "_pool_lock", "_threads",
-                 "auto_collation", "collate_fn", "dataset", "drop_last")
+    __slots__ = ("__weakref__", "_getitems", "_parked", "_pool", "_pool_lock", "_threads")
 
     #: Parked after the threads that call :meth:`read` (see :mod:`aioloader._park`).
     park_order = 2
 
     def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
                  drop_last: bool, fetch_threads: int = 0) -> None:
-        self.dataset = dataset
-        self.auto_collation = auto_collation
-        self.collate_fn = collate_fn
-        self.drop_last = drop_last
+        super().__init__(dataset, auto_collation, collate_fn, drop_last)
         getitems = getattr(dataset, "__getitems__", None)
         self._getitems = getitems if getitems else None
         self._threads = fetch_threads if fetch_threads > 1 else 0
@@ -232,7 +226,7 @@ class MapFetcher:
             self._pool_lock.release()
 
 
-class IterFetcher:
+class IterFetcher(_Fetcher):
     """Pull and collate batches from a sync iterable-style dataset.
 
     ``iter(dataset)`` is called at construction, as torch does. ``fetch``
@@ -245,14 +239,11 @@ class IterFetcher:
         ([0, 1], [2, 3], [4])
     """
 
-    __slots__ = ("_ended", "_it", "auto_collation", "collate_fn", "dataset", "drop_last")
+    __slots__ = ("_ended", "_it")
 
     def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
-                 drop_last: bool, fetch_threads: int = 0) -> None:
-        self.dataset = dataset
-        self.auto_collation = auto_collation
-        self.collate_fn = collate_fn
-        self.drop_last = drop_last
+                 drop_last: bool) -> None:
+        super().__init__(dataset, auto_collation, collate_fn, drop_last)
         self._it: Iterator[Any] = iter(dataset)
         self._ended = False
 

@@ -101,7 +101,6 @@ class EpochTuner:
         self.state = state
         self.system = system
         self.limits: Limits = limits(system)
-        self.last_batch: Any = None  # the latest batch delivered (its size bounds the window)
         self.dispatch = dispatch
         self.lease = lease
         self.batch_size = batch_size
@@ -253,16 +252,13 @@ class EpochTuner:
 
     def _decide(self, m: Measurement) -> None:
         assert self.tuner is not None
-        log = getattr(self.tuner, "decisions", None)
-        seen = len(log) if log is not None else 0
+        log = self.tuner.decisions
+        seen = len(log)
         decision = self.tuner.observe(self.state.batches + self.epoch_batches, m)
         if CONCURRENCY in self.tuner.knobs:  # a failed leap is remembered across epochs
             self.state.concurrency_scales = self.tuner.knobs[CONCURRENCY].scales
-        if log is not None:  # every decision, a "kept" note before its next move included
-            for d in log[seen:]:
-                self.state.record(d)
-        elif decision is not None:
-            self.state.record(decision)
+        for d in log[seen:]:  # every decision, a "kept" note before its next move included
+            self.state.record(d)
         if decision is not None and decision.old != decision.new:
             self._apply(decision)
             self._draw_owed()  # inside the consumer's call
@@ -359,9 +355,6 @@ class EpochTuner:
 
 def grow_recorder(rec: Recorder, workers: int) -> None:
     """Per-worker counters for ``workers`` workers (a worker was added)."""
-    for name in ("w_batches", "w_fetch", "w_collate", "w_idle"):
-        counters = getattr(rec, name, None)
-        if isinstance(counters, list) and len(counters) < workers:
-            counters.extend([0] * (workers - len(counters)))
-    if getattr(rec, "num_workers", workers) < workers:
-        rec.num_workers = workers
+    for counters in (rec.w_batches, rec.w_fetch, rec.w_collate, rec.w_idle):
+        counters.extend([0] * (workers - len(counters)))
+    rec.num_workers = max(rec.num_workers, workers)

@@ -61,13 +61,6 @@ class ReorderBuffer:
         self.head = 0  # the next sequence number in order (torch's rcvd_idx)
         self.tail = 0  # one past the last sequence number added (torch's send_idx)
 
-    def add(self, slot: Slot) -> int:
-        """Keep ``slot`` under the next sequence number, which is returned."""
-        seq = self.tail
-        self.slots[seq] = slot
-        self.tail = seq + 1
-        return seq
-
     def put(self, seq: int, data: Any) -> bool:
         """``data`` (a batch, or an error) arrived for ``seq``; False: not waited for."""
         slot = self.slots.get(seq)
@@ -194,7 +187,7 @@ class Dispatcher:
             else:
                 return False
             self.tasks[worker] += 1
-        buf = self.buffer  # ReorderBuffer.add, inlined: this runs once per batch
+        buf = self.buffer  # the batch's slot, under the next sequence number
         seq = buf.tail
         buf.slots[seq] = Slot(worker, index, self.track.last_drawn)
         buf.tail = seq + 1

@@ -259,10 +259,8 @@ class _PipelineCore(lifecycle.EpochLifecycle):
     # -- the reorder buffer's consumer side --------------------------------------------------
 
     def _record_occupancy(self, rec: Recorder) -> None:
-        slots = self.buffer.slots
-        ready = sum(1 for s in slots.values() if s.has_data)
         staged = len(self.device_stage.staged) if self.device_stage is not None else 0
-        rec.occupancy(len(slots) - ready, ready, staged)
+        rec.occupancy(*self.buffer.counts(), staged)
 
     async def _next_host(self) -> Any:
         """Next batch in order (or as it comes with in_order=False), before the device stage."""

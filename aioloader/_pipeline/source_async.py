@@ -40,7 +40,7 @@ class AsyncFetchSource:
                  pin: PinPolicy, runner: ThreadRunner, wake: Callable[[], None]) -> None:
         self.dataset = dataset
         self.kind = kind
-        self.slots = dispatch.buffer.slots
+        self.buffer = dispatch.buffer
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
         self.drop_last = drop_last
@@ -88,8 +88,7 @@ class AsyncFetchSource:
         self.tg.start_soon(self._fetch, cmd[2], cmd[3], name="aioloader-batch")
 
     async def _fetch(self, seq: int, index: Any) -> None:
-        slot = self.slots.get(seq)
-        if slot is None:
+        if seq not in self.buffer.slots:
             return
         rec = self.rec
         try:
@@ -107,8 +106,7 @@ class AsyncFetchSource:
                     rec.add(PIN, _ns() - t0)
         except Exception as exc:
             data = _ErrorBox(exc)
-        slot.data = data
-        slot.has_data = True
+        self.buffer.put(seq, data)
         self.wake()
 
     async def aclose(self) -> None:

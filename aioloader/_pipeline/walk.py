@@ -161,16 +161,13 @@ def walk(data: Any, w: Walker) -> Any:
         if all(values[key] is value for key, value in data.items()):
             return data
         return _rebuild_mapping(data, values)
-    if kind in (_TUPLE, _NAMEDTUPLE):
+    if kind in (_TUPLE, _NAMEDTUPLE, _SEQUENCE):
         items = [walk(item, w) for item in data]
         if all(new is old for new, old in zip(items, data, strict=False)):
             return data
+        if kind == _SEQUENCE:
+            return _rebuild_sequence(data, items)
         return type(data)(*items) if kind == _NAMEDTUPLE else type(data)(items)
-    if kind == _SEQUENCE:
-        items = [walk(item, w) for item in data]
-        if all(new is old for new, old in zip(items, data, strict=False)):
-            return data
-        return _rebuild_sequence(data, items)
     if kind == _DATACLASS:
         return _walk_dataclass(data, w)
     return w.on_other(data)

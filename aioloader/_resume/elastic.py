@@ -159,19 +159,13 @@ def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
               "prefix": int(st["prefix"]), "extra": list(st["extra"]),
               "finished": bool(st["finished"]), "source": st.get("elastic")}
              for st in sorted(states, key=lambda s: s["distributed"]["rank"])]
-    merged = dict(first)
-    if not sources:  # every rank had ended the epoch: the next iter() starts the next one
-        merged.update({"distributed": None, "elastic": None, "worker_rng": {},
-                       "worker_states": {}, "prefix": 0, "extra": [], "yielded": 0,
-                       "last_worker": 0, "sampler_state": None})
-        return merged
-    merged.update({
-        "finished": False, "yielded": 0, "prefix": 0, "extra": [], "last_worker": 0,
-        "worker_rng": {}, "worker_states": {}, "sampler_state": None, "rng": None,
-        "elastic": {"layout": _layout(first), "parts": parts},
-        # The new ranks' DistributedSampler settings are their own: no rank is recorded.
-        "distributed": None,
-    })
+    # The new ranks' DistributedSampler settings are their own: no rank is recorded.
+    merged = {**first, "distributed": None, "elastic": None, "worker_rng": {},
+              "worker_states": {}, "prefix": 0, "extra": [], "yielded": 0, "last_worker": 0,
+              "sampler_state": None}
+    if sources:  # else every rank had ended the epoch: the next iter() starts the next one
+        merged.update(finished=False, rng=None,
+                      elastic={"layout": _layout(first), "parts": parts})
     return merged
 
 

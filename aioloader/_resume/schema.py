@@ -87,13 +87,16 @@ __all__ = ["read_torchdata", "validate"]
 # ------------------------------------------------------------------------------ our layout
 
 
-def _worker_state(value: Any, path: str) -> None:
-    """One worker's dataset state (torchdata's per-worker layout), or None."""
+def _worker_state(value: Any, path: str, worker_id: int) -> None:
+    """Worker ``worker_id``'s dataset state (torchdata's per-worker layout), or None."""
     if value is None:
         return
     _record({_WORKER_ID: _int(), _FETCHER_STATE: _optional(_record({
         _DATASET_ITER_STATE: _user_state, _FETCHER_ENDED: _bool})),
         _DATASET_STATE: _user_state})(value, path)
+    if value[_WORKER_ID] != worker_id:
+        raise ValueError(f"{_key(path, _WORKER_ID)} is {value[_WORKER_ID]}, not {worker_id}: "
+                         f"{CORRUPT}")
 
 
 def _by_worker(value: Any, path: str) -> dict[str, Any]:
@@ -109,10 +112,7 @@ def _by_worker(value: Any, path: str) -> dict[str, Any]:
 
 def _worker_states(value: Any, path: str) -> None:
     for name, state in _by_worker(value, path).items():
-        _worker_state(state, _key(path, name))
-        if state is not None and state[_WORKER_ID] != int(name):
-            raise ValueError(f"{_key(_key(path, name), _WORKER_ID)} is {state[_WORKER_ID]}, "
-                             f"not {int(name)}: {CORRUPT}")
+        _worker_state(state, _key(path, name), int(name))
 
 
 def _sorted_extra(value: Any, path: str) -> None:
@@ -305,8 +305,6 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
     ``RandomSampler`` draws a different permutation than torch's: refused. Keys that
     aioloader does not use are ignored, as torchdata ignores keys it does not read.
     """
-    iterable = bool(config.kind.iterable)
-    empty_rng: dict[str, Any] = {"global": None, "generators": {}}
     if "_snapshot" in sd:
         _record({"_snapshot": _record(_TD_SNAPSHOT, strict=False),
                  "_steps_since_snapshot": _int()}, strict=False)(sd, "state")
@@ -325,6 +323,7 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
         finished = sd.get("_iterator_finished", False)
         _bool(finished, "state['_iterator_finished']")
         yielded = snap["_snapshot_step"]
+        ypath = "state['_snapshot']['_snapshot_step']"
         workers: dict[str, Any] = {}
         wpath = "state['_snapshot']['_worker_snapshots']"
         names = [f"worker_{i}" for i in range(len(snap["_worker_snapshots"]))]
@@ -337,34 +336,18 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
                              f"num_workers={config.num_workers}: {WHAT_TO_DO}")
         for i, name in enumerate(names):
             wstate = snap["_worker_snapshots"][name]
-            _worker_state(wstate, _key(wpath, name))
-            if wstate is not None and wstate[_WORKER_ID] != i:
-                raise ValueError(f"{_key(_key(wpath, name), _WORKER_ID)} is "
-                                 f"{wstate[_WORKER_ID]}, not {i}: {CORRUPT}")
+            _worker_state(wstate, _key(wpath, name), i)
             workers[str(i)] = wstate
         _int(0, max(0, config.num_workers - 1))(snap["_last_yielded_worker_id"],
                                                 "state['_snapshot']['_last_yielded_worker_id']")
-        _td_check_sampler(main, mpath, config, yielded, "state['_snapshot']['_snapshot_step']")
+        _td_check_sampler(main, mpath, config, yielded, ypath)
         has_state = any(w is not None and (w[_DATASET_STATE] is not None or (
             w[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None)
             for w in workers.values())
-        td_keys = {"finished": "state['_iterator_finished']",
-                   **dict.fromkeys(("yielded", "prefix"), "state['_snapshot']['_snapshot_step']")}
-        state = {
-            "finished": finished,
-            "base_seed": main["_base_seed"],
-            "yielded": yielded,
-            "prefix": 0 if iterable else yielded,
-            "extra": [],
-            "last_worker": snap["_last_yielded_worker_id"],
-            "worker_states": workers if has_state else {},
-            "sampler_state": main["_index_sampler_state"],
-            "rng": empty_rng,
-            "generators": {},
-            "worker_rng": {},
-            "distributed": None,
-            "elastic": None,
-        }
+        state = {"finished": finished, "base_seed": main["_base_seed"],
+                 "last_worker": snap["_last_yielded_worker_id"],
+                 "worker_states": workers if has_state else {},
+                 "sampler_state": main["_index_sampler_state"]}
     elif "_num_yielded" in sd:
         _record(_TD_INLINE, strict=False)(sd, "state")
         if config.num_workers:
@@ -372,36 +355,27 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
                              f"num_workers={config.num_workers} (a single-process torchdata "
                              f"state has no '_snapshot'): {WHAT_TO_DO}")
         yielded = sd["_num_yielded"]
-        _td_check_sampler(sd, "state", config, yielded, "state['_num_yielded']")
+        ypath = "state['_num_yielded']"
+        _td_check_sampler(sd, "state", config, yielded, ypath)
         wstate = None
         if sd[_DATASET_STATE] is not None or (
                 (sd[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None):
             wstate = {_WORKER_ID: 0, _FETCHER_STATE: sd[_FETCHER_STATE],
                       _DATASET_STATE: sd[_DATASET_STATE]}
-        td_keys = {"finished": "state['_iterator_finished']",
-                   **dict.fromkeys(("yielded", "prefix"), "state['_num_yielded']")}
-        state = {
-            "finished": sd["_iterator_finished"],
-            "base_seed": None,
-            "yielded": yielded,
-            "prefix": 0 if iterable else yielded,
-            "extra": [],
-            "last_worker": 0,
-            "worker_states": {"0": wstate} if wstate is not None else {},
-            "sampler_state": sd["_index_sampler_state"],
-            "rng": empty_rng,
-            "generators": {},
-            "worker_rng": {},
-            "distributed": None,
-            "elastic": None,
-        }
+        state = {"finished": sd["_iterator_finished"], "base_seed": None, "last_worker": 0,
+                 "worker_states": {"0": wstate} if wstate is not None else {},
+                 "sampler_state": sd["_index_sampler_state"]}
     else:
         raise ValueError("not a state from DataLoader.state_dict(): it has neither "
                          f"{FORMAT_KEY!r} (aioloader) nor '_snapshot'/'_num_yielded' "
                          "(torchdata)")
+    td_keys = {"finished": "state['_iterator_finished']", "yielded": ypath, "prefix": ypath}
     # What torchdata leaves out is this loader's: the configuration, no generator states
     # (torchdata sets none). The result passes the same checks as an aioloader state.
-    out = {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config), **state}
+    out = {FORMAT_KEY: FORMAT_VERSION, "config": loader_config(config), **state,
+           "yielded": yielded, "prefix": 0 if config.kind.iterable else yielded, "extra": [],
+           "rng": {"global": None, "generators": {}}, "generators": {}, "worker_rng": {},
+           "distributed": None, "elastic": None}
     check_against_loader(out, config, exact_generators=False)
     check_positions(out, config, False, td_keys)
     return out

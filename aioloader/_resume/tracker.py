@@ -29,17 +29,13 @@ FORMAT_KEY = "aioloader_state"
 FORMAT_VERSION = 3
 
 
-def _to_list(t: torch.Tensor) -> list[int]:
-    return t.tolist()
-
-
 def _rng_lists(rng: dict[str, Any] | None) -> dict[str, Any] | None:
     """RNG states as plain lists (JSON-able), whether captured as tensors or loaded."""
     if rng is None:
         return None
     glob = rng.get("global")
-    return {"global": _to_list(glob) if isinstance(glob, torch.Tensor) else glob,
-            "generators": {p: _to_list(v) if isinstance(v, torch.Tensor) else v
+    return {"global": glob.tolist() if isinstance(glob, torch.Tensor) else glob,
+            "generators": {p: v.tolist() if isinstance(v, torch.Tensor) else v
                            for p, v in (rng.get("generators") or {}).items()}}
 
 
@@ -369,7 +365,7 @@ class EpochTracker:
             "rng": _rng_lists(self.rng) if self.started else None,
             # Now: the epoch-start values when the sampler has not drawn yet, the final
             # ones once the epoch is over.
-            "generators": {p: _to_list(g.get_state()) for p, g in self.gens.items()},
+            "generators": {p: g.get_state().tolist() for p, g in self.gens.items()},
         }
         return st
 

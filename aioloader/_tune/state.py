@@ -65,9 +65,10 @@ class TuneState:
     #: (a sync map-style dataset's first epoch; :mod:`aioloader._tune.probe`).
     probing: bool = False
 
-    def record(self, decision: Decision) -> None:
-        """Keep ``decision`` for ``loader.stats()`` (with its batch index made global)."""
+    def record(self, decision: Decision) -> Decision:
+        """Keep ``decision`` for ``loader.stats()``; returns it."""
         self.decisions.append(decision)
+        return decision
 
     def end_epoch(self, batches: int, measurement: Measurement | None, *,
                   iterable: bool, workers_high: int) -> Decision | None:
@@ -91,8 +92,7 @@ class TuneState:
         decision = Decision(decision.batch, decision.knob, decision.old, decision.new,
                             decision.reason + " (an iterable dataset's workers change "
                             "between epochs)")
-        self.record(decision)
-        return decision
+        return self.record(decision)
 
     def switch_inline(self, summary: EpochSummary, margin: float = 0.05) -> Decision | None:
         """Between two epochs of a sync map-style dataset with ``num_workers="auto"``:
@@ -113,12 +113,12 @@ class TuneState:
             pool_rate, workers = self.inline_trial
             self.inline_trial = None
             if rate >= pool_rate * (1 + margin):
-                return self._note(Decision(batch, "num_workers", 0, 0, (
+                return self.record(Decision(batch, "num_workers", 0, 0, (
                     f"kept: {pool_rate:.1f} -> {rate:.1f} batches/s loading in the main "
                     f"process")))
             self.inline_refused = True
             self.workers = workers
-            return self._note(Decision(batch, "num_workers", 0, workers, (
+            return self.record(Decision(batch, "num_workers", 0, workers, (
                 f"undone for the next epoch: {pool_rate:.1f} -> {rate:.1f} batches/s "
                 f"in the main process, not up by {margin:.0%}")))
         if summary.workers == 0 or self.inline_refused or rate <= 0:
@@ -131,11 +131,7 @@ class TuneState:
             return None
         self.inline_trial = (rate, summary.workers)
         self.workers = 0
-        return self._note(Decision(batch, "num_workers", summary.workers, 0, (
+        return self.record(Decision(batch, "num_workers", summary.workers, 0, (
             f"next epoch in the main process: a batch costs {per_batch * 1e3:.2f} ms "
             f"there (step + fetch: {1 / per_batch:.1f} batches/s expected) against "
             f"{rate:.1f} batches/s from the workers")))
-
-    def _note(self, decision: Decision) -> Decision:
-        self.record(decision)
-        return decision
