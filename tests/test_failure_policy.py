@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import warnings
 from typing import Any
 
@@ -31,6 +32,7 @@ from _failure_datasets import (
 
 from aioloader import (
     DataLoader,
+    Dataset,
     SkippedSamplesWarning,
     TooManyFailuresError,
     WorkerDiedError,
@@ -388,3 +390,30 @@ def test_skip_with_fetch_threads() -> None:
     out, warned = _collect(loader)
     assert out == GOOD and len(warned) == 1
     assert loader.failures is not None and loader.failures.failed == len(BAD)
+
+
+class _MeetInPairs(Dataset[int]):
+    """Each read waits for a second read to run beside it: reads one after the other
+    break the barrier (a failed sample); index 5 raises."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2, timeout=30)
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        self.barrier.wait()
+        if i == 5:
+            raise ValueError("bad 5")
+        return i
+
+
+def test_skip_reads_a_batch_in_the_fetch_threads() -> None:
+    """on_error="skip" keeps fetch_threads: a batch's samples are read side by side
+    (a sequential read would break the dataset's barrier), the bad one skipped."""
+    loader = DataLoader(_MeetInPairs(), batch_size=2, fetch_threads=2, on_error="skip")
+    out, _ = _collect(loader)
+    assert out == [0, 1, 2, 3, 4, 6, 7]
+    assert loader.failures is not None and loader.failures.failed == 1
+    assert [e.message for e in loader.failures.errors] == ["bad 5"]

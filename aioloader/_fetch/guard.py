@@ -53,9 +53,15 @@ class GuardedMapFetcher:
                 def read(key: Any) -> Any:
                     return getitems([key])[0]
                 data = [self._read_one(tally, key, read) for key in index]
-        else:  # one by one: a guarded read never starts the fetcher's fetch_threads pool
-            read = f.dataset.__getitem__
-            data = [self._read_one(tally, key, read) for key in index]
+        else:  # in the fetch_threads pool when there is one; failures kept in key order
+            keys = index if isinstance(index, list) else list(index)
+            outcomes = f.map_keys(_attempt(f.dataset.__getitem__), keys)
+            data = []
+            for key, (ok, value) in zip(keys, outcomes, strict=True):
+                if not ok:
+                    tally.failures.append(SampleFailure.from_exc(key, value, 1, self.worker_id))
+                    value = NOTHING
+                data.append(value)
         if tally.failures:
             data = [d for d in data if d is not NOTHING]
             if not data:
@@ -64,6 +70,16 @@ class GuardedMapFetcher:
 
     def close(self, wait: bool = True) -> None:
         self.inner.close(wait)
+
+
+def _attempt(read: Callable[[Any], Any]) -> Callable[[Any], tuple[bool, Any]]:
+    """``read`` returning ``(True, sample)`` or ``(False, exception)``: it never raises."""
+    def attempt(key: Any) -> tuple[bool, Any]:
+        try:
+            return True, read(key)
+        except Exception as exc:
+            return False, exc
+    return attempt
 
 
 class GuardedIterFetcher:

@@ -176,15 +176,19 @@ class MapFetcher(_Fetcher):
             return self.dataset[index]
         if self._getitems is not None:
             return self._getitems(index)
-        if self._threads:
-            with self._pool_lock:
-                pool = self._pool
-                if pool is None:
-                    pool = self._pool = ThreadPoolExecutor(
-                        self._threads, thread_name_prefix="aioloader-fetch")
-                return list(pool.map(self.dataset.__getitem__, index))
-        ds = self.dataset
-        return [ds[i] for i in index]
+        return self.map_keys(self.dataset.__getitem__, index)
+
+    def map_keys(self, read: Callable[[Any], Any], keys: Any) -> list[Any]:
+        """``[read(k) for k in keys]``, in the ``fetch_threads`` pool when there is one
+        (started on first use), in order."""
+        if not self._threads:
+            return [read(k) for k in keys]
+        with self._pool_lock:
+            pool = self._pool
+            if pool is None:
+                pool = self._pool = ThreadPoolExecutor(
+                    self._threads, thread_name_prefix="aioloader-fetch")
+            return list(pool.map(read, keys))
 
     def fetch(self, index: Any) -> Any:
         """Read the samples for ``index`` and return the collated batch."""
