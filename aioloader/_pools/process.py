@@ -233,11 +233,7 @@ class WorkerPool(PoolBase[Conn]):
         Raises:
             IteratorClosedError: the pool is closed.
         """
-        if self._closing:
-            raise IteratorClosedError("the worker pool is closed")
-        conn = self._workers[worker_id]
-        if command and command[0] == "exit":
-            conn.retiring = True
+        conn = self._addressee(worker_id, command)
         if conn.exited:
             return
         conn.write(command)  # released segments ride along
@@ -250,9 +246,7 @@ class WorkerPool(PoolBase[Conn]):
         next :meth:`send`) writes it. Used to hand the first commands of an
         epoch to the workers as soon as they are started, as torch does.
         """
-        if self._closing:
-            raise IteratorClosedError("the worker pool is closed")
-        conn = self._workers[worker_id]
+        conn = self._addressee(worker_id, command)
         if conn.exited:
             return
         conn.write(command)  # released segments ride along

@@ -169,12 +169,9 @@ class RayWorkerPool(PoolBase[_Actor]):
 
     def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
         """Submit ``command`` to actor ``worker_id`` (a Ray call; returns at once)."""
-        if self._closing:
-            raise IteratorClosedError("the worker pool is closed")
-        actor = self._workers[worker_id]
+        actor = self._addressee(worker_id, command)
         op = command[0]
         if op == "exit":
-            actor.retiring = True
             self._kill(actor)
         elif actor.exited:
             return

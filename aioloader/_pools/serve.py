@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import anyio
 import sniffio
 
-from .._errors import WorkerDiedError
+from .._errors import IteratorClosedError, WorkerDiedError
 from .._worker.reply import Reply
 
 __all__ = ["Deliver", "Respawn", "ServeLoop", "Transform", "waker"]
@@ -38,6 +38,7 @@ Transform = Callable[[Reply], None]
 
 class _HasId(Protocol):
     worker_id: int
+    retiring: bool  # asked to exit: its end is not a death
 
 
 W = TypeVar("W", bound=_HasId)  # the parent-side state of one worker
@@ -55,6 +56,19 @@ class ServeLoop(Generic[W]):
         self._respawned: set[int] = set()  # replaced workers whose notice is due
         #: During serve(): the loop's "run this soon" from any thread (see :func:`waker`).
         self._call_soon: Callable[[Callable[[], None]], Any] | None = None
+
+    def _addressee(self, worker_id: int, command: tuple[Any, ...]) -> W:
+        """The worker ``command`` goes to; ``("exit",)`` retires it (its end is orderly).
+
+        Raises:
+            IteratorClosedError: the pool is closed.
+        """
+        if self._closing:
+            raise IteratorClosedError("the worker pool is closed")
+        worker = self._workers[worker_id]
+        if command[0] == "exit":
+            worker.retiring = True
+        return worker
 
     def _serve_begin(self) -> anyio.CancelScope:
         raise NotImplementedError
@@ -89,8 +103,8 @@ class ServeLoop(Generic[W]):
         """
         errors: list[BaseException] = []
         scope = self._serve_begin()  # cancelled by aclose(): serve() then returns quietly
-        self._serve_open(transform)
         try:
+            self._serve_open(transform)
             with scope:
                 async with anyio.create_task_group() as tg:
                     self._serve_ctx = (tg, deliver, respawn, errors)

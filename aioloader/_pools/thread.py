@@ -61,9 +61,6 @@ __all__ = ["ThreadWorkerPool"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GRACE = PoolBase.DEFAULT_GRACE
-"""Seconds :meth:`ThreadWorkerPool.aclose` waits for busy threads before abandoning them."""
-
 
 class _Worker:
     __slots__ = ("channel", "commands", "ended", "retiring", "segments", "thread",
@@ -176,12 +173,8 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
         Raises:
             IteratorClosedError: the pool is closed.
         """
-        if self._closing:
-            raise IteratorClosedError("the worker pool is closed")
-        worker = self._workers[worker_id]
-        if command and command[0] == "exit":
-            worker.retiring = True
-        else:
+        worker = self._addressee(worker_id, command)
+        if command[0] != "exit":
             worker.unanswered += 1
         worker.commands.put(command)
 
