@@ -186,13 +186,6 @@ class RayWorkerPool(PoolBase[_Actor]):
         if wake is not None:
             wake()
 
-    async def send(self, worker_id: int, command: tuple[Any, ...]) -> None:
-        """:meth:`send_nowait` (a Ray call does not wait for the actor)."""
-        self.send_nowait(worker_id, command)
-
-    async def flush(self, worker_id: int) -> None:
-        """Nothing to flush: every call was submitted by :meth:`send_nowait`."""
-
     # ------------------------------------------------------------------ serve (ServeLoop's hooks)
 
     async def _pump(self, actor: _Actor, deliver: Deliver) -> None:

@@ -57,6 +57,18 @@ class ServeLoop(Generic[W]):
         #: During serve(): the loop's "run this soon" from any thread (see :func:`waker`).
         self._call_soon: Callable[[Callable[[], None]], Any] | None = None
 
+    def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
+        """Hand ``command`` to worker ``worker_id`` without waiting."""
+        raise NotImplementedError
+
+    async def send(self, worker_id: int, command: tuple[Any, ...]) -> None:
+        """:meth:`send_nowait` where handing a command over never waits (threads, Ray)."""
+        self.send_nowait(worker_id, command)
+
+    async def flush(self, worker_id: int) -> None:
+        """Wait until what was handed to worker ``worker_id`` is sent (nothing to wait for
+        where commands are handed over whole: threads, Ray)."""
+
     def _addressee(self, worker_id: int, command: tuple[Any, ...]) -> W:
         """The worker ``command`` goes to; ``("exit",)`` retires it (its end is orderly).
 

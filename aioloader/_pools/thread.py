@@ -178,13 +178,6 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
             worker.unanswered += 1
         worker.commands.put(command)
 
-    async def send(self, worker_id: int, command: tuple[Any, ...]) -> None:
-        """Async form of :meth:`send_nowait` (a queue put never waits)."""
-        self.send_nowait(worker_id, command)
-
-    async def flush(self, worker_id: int) -> None:
-        """Nothing to flush: commands are queued whole."""
-
     # ------------------------------------------------------------------ serve (ServeLoop's hooks)
 
     def _finished(self, worker: _Worker) -> bool:

@@ -1,11 +1,9 @@
 """A worker's answer to one command, with named fields, from its fetch to the reorder slot.
 
-A worker builds one :class:`Reply` per command (:mod:`aioloader._worker.loop`,
-:mod:`aioloader._worker.aserver`, the Ray actor); a worker thread hands it over as it
-is, a worker process sends its :meth:`Reply.wire` tuple (a plain tuple pickles with no
-class reference: the per-batch cost stays that of a tuple) and the pool's decoding
-thread builds the record again (``Reply(*wire)``). The pool reader
-(:class:`aioloader._pipeline.source_pool.PoolSource`) reads it by name.
+A worker builds a :class:`Reply`; a worker thread hands it over as it is, a worker process
+sends :meth:`Reply.wire` (a plain tuple: no class to name per batch) and the pool's
+decoding thread builds the record again (``Reply(*wire)``) for the pool reader
+(:class:`aioloader._pipeline.source_pool.PoolSource`), which reads it by name.
 """
 
 from __future__ import annotations
