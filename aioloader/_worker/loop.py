@@ -56,10 +56,11 @@ def _encode_reply(cfg: WorkerConfig, reply: Reply) -> tuple[bytes, list[int]]:
         return encode(reply.wire())
     except Exception:
         err = _error_reply(cfg, reply.epoch, reply.seq)
+    remote = err.error
     try:
         return encode(err.wire())
     except Exception:  # the exception type itself does not pickle: keep its text
-        remote = err.error
+        assert remote is not None
         err.error = RemoteError(RuntimeError, remote.exc_msg, remote.where)
         return encode(err.wire())
 

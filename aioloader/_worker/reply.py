@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._errors import RemoteError
+
 __all__ = ["Reply"]
 
 
@@ -38,7 +40,8 @@ class Reply:
                  "worker")
 
     def __init__(self, kind: str, epoch: Any = None, seq: Any = None, batch: Any = None,
-                 error: Any = None, state: dict[str, Any] | None = None, rng: bytes | None = None,
+                 error: RemoteError | None = None, state: dict[str, Any] | None = None,
+                 rng: bytes | None = None,
                  timings: tuple[int, int, int, int] | None = None) -> None:
         self.kind = kind
         self.epoch = epoch
