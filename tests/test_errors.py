@@ -85,9 +85,9 @@ def test_a_closed_worker_pool_says_closed() -> None:
     async def serve() -> None:
         import anyio
 
-        send, recv = anyio.create_memory_object_stream[tuple[int, object]](1)
+        send, recv = anyio.create_memory_object_stream[object](1)
         with send, recv:
-            await pool.serve(send)
+            await pool.serve(send.send)
 
     with pytest.raises(IteratorClosedError):
         asyncio.run(serve())

@@ -31,7 +31,9 @@ from torch.utils.data._utils.worker import _generate_state
 from aioloader._errors import LoaderClosedError, RemoteError, WorkerDiedError
 from aioloader._fetch.sync import DatasetKind
 from aioloader._pools.process import WorkerPool
+from aioloader._worker.codec import decode, encode
 from aioloader._worker.config import WorkerConfig, generate_numpy_seed
+from aioloader._worker.reply import Reply
 
 log = logging.getLogger(__name__)
 
@@ -97,28 +99,33 @@ def make_configs(n: int, dataset: Any, *, kind: DatasetKind = DatasetKind.MAP,
 
 @asynccontextmanager
 async def running(configs: list[WorkerConfig], method: str = "fork",
-                  ) -> AsyncIterator[tuple[WorkerPool, ObjectReceiveStream[tuple[int, Any]]]]:
+                  ) -> AsyncIterator[tuple[WorkerPool, ObjectReceiveStream[Reply]]]:
     """Start a pool, serve it into a stream, and close it (always) on exit."""
     pool = WorkerPool(configs, mp_context(method))
     pool.start()
     try:
-        send, recv = anyio.create_memory_object_stream[tuple[int, Any]](100)
+        send, recv = anyio.create_memory_object_stream[Reply](100)
         async with send, recv, anyio.create_task_group() as tg:
-            tg.start_soon(pool.serve, send)
+            tg.start_soon(pool.serve, send.send)
             yield pool, recv
             tg.cancel_scope.cancel()
     finally:
         await pool.aclose()
 
 
-async def ask(pool: WorkerPool, recv: ObjectReceiveStream[tuple[int, Any]],
+async def ask(pool: WorkerPool, recv: ObjectReceiveStream[Reply],
               commands: list[tuple[int, tuple[Any, ...]]], limit: float = 30) -> list[Any]:
     """Send ``(worker_id, command)`` pairs; return the replies sorted by (epoch, seq)."""
     with anyio.fail_after(limit):
         for wid, cmd in commands:
             await pool.send(wid, cmd)
         replies = [await recv.receive() for _ in commands]
-    return [msg for _, msg in sorted(replies, key=lambda r: r[1][1:3])]
+    return sorted(replies, key=lambda r: (r.epoch, r.seq))
+
+
+def head(reply: Reply) -> tuple[Any, ...]:
+    """What a reply answers: ``(kind, epoch, seq)``."""
+    return reply.kind, reply.epoch, reply.seq
 
 
 def probe_collate(samples: list[Any]) -> Any:
@@ -153,6 +160,23 @@ def is_gone(pid: int) -> bool:
         return True
 
 
+# --------------------------------------------------------------------------- the reply record
+
+
+def test_a_reply_crosses_the_wire_as_a_plain_tuple_and_keeps_its_fields() -> None:
+    """A worker process sends a Reply's wire tuple (no class named per batch); the parent
+    rebuilds the record. Pickled as a whole (Ray), it keeps the same fields. The parent's
+    own fields (the worker id, the pinning time) do not travel."""
+    reply = Reply("data", 3, 7, [1, 2], state={"pos": 1}, rng=b"rng", timings=(1, 2, 3, 4))
+    reply.worker, reply.pin_ns = 5, 9
+    payload, fds = encode(reply.wire())
+    assert b"Reply" not in payload and fds == []
+    for back in (Reply(*decode(payload, fds)), pickle.loads(pickle.dumps(reply))):
+        assert (back.kind, back.epoch, back.seq, back.batch, back.error, back.state, back.rng,
+                back.timings) == ("data", 3, 7, [1, 2], None, {"pos": 1}, b"rng", (1, 2, 3, 4))
+        assert (back.worker, back.pin_ns) == (-1, None)
+
+
 # --------------------------------------------------------------------------- seeding
 
 
@@ -183,14 +207,14 @@ async def test_batches_shm_seeds_and_worker_info(method: str) -> None:
                      (1, ("fetch", 0, 6, ["strings"]))]
             replies = await ask(pool, recv, cmds)
             for s in range(4):
-                kind, epoch, seq, batch = replies[s][:4]  # then extras (RNG states)
-                assert (kind, epoch, seq) == ("data", 0, s)
+                batch = replies[s].batch
+                assert head(replies[s]) == ("data", 0, s)
                 assert batch["index"].tolist() == [2 * s, 2 * s + 1]
                 assert torch.equal(batch["big"][1], torch.full((ds.BIG,), 2.0 * s + 1))
                 assert batch["big"].untyped_storage().is_shared()  # came by fd, not bytes
                 assert batch["small"].tolist() == [[2 * s, -2 * s], [2 * s + 1, -2 * s - 1]]
             for wid in (0, 1):
-                state = replies[4 + wid][3]
+                state = replies[4 + wid].batch
                 seed = BASE_SEED + wid
                 assert state["pid"] == pool.pids[wid]
                 assert state["torch_seed"] == seed
@@ -201,8 +225,8 @@ async def test_batches_shm_seeds_and_worker_info(method: str) -> None:
                 assert state["init"] == {"worker_id": wid, "ours": (wid, 2, seed),
                                          "torch": (wid, 2, seed)}
                 assert state["num_threads"] == 1
-            assert replies[6][3][:2] == ["string number 0", "string number 1"]
-            assert len(replies[6][3]) == 100_000
+            assert replies[6].batch[:2] == ["string number 0", "string number 1"]
+            assert len(replies[6].batch) == 100_000
             del replies, batch
 
 
@@ -214,8 +238,9 @@ async def test_init_error_answers_every_fetch() -> None:
     with no_leaks():
         async with running(make_configs(1, ds.ProbeDataset(), init=ds.failing_init)) as (p, r):
             replies = await ask(p, r, [(0, ("fetch", 0, s, [s])) for s in range(3)])
-        for s, (kind, epoch, seq, err, *_extras) in enumerate(replies):
-            assert (kind, epoch, seq) == ("error", 0, s)
+        for s, reply in enumerate(replies):
+            err = reply.error
+            assert head(reply) == ("error", 0, s)
             assert isinstance(err, RemoteError)
             with pytest.raises(ValueError, match="in DataLoader worker process 0") as info:
                 err.reraise()
@@ -229,20 +254,20 @@ async def test_getitem_exception_keeps_type_and_worker_traceback() -> None:
         async with running(configs) as (pool, recv):
             replies = await ask(pool, recv, [(0, ("fetch", 0, 0, [3])), (0, ("fetch", 0, 1, [4])),
                                              (0, ("fetch", 0, 2, [5])), (0, ("fetch", 0, 3, [6]))])
-    kinds = [r[0] for r in replies]
+    kinds = [r.kind for r in replies]
     assert kinds == ["error", "error", "error", "data"]
     with pytest.raises(ds.BadItem) as bad:
-        replies[0][3].reraise()
+        replies[0].error.reraise()
     text = str(bad.value)
     assert "Caught BadItem in DataLoader worker process 0" in text
     assert "Traceback (most recent call last)" in text
     assert "_pool_datasets.py" in text
     assert "bad item 3" in text
     with pytest.raises(KeyError, match="missing"):
-        replies[1][3].reraise()
+        replies[1].error.reraise()
     with pytest.raises(Exception, match="pickle"):
-        replies[2][3].reraise()
-    assert replies[3][3] == [6]
+        replies[2].error.reraise()
+    assert replies[3].batch == [6]
 
 
 # --------------------------------------------------------------------------- epochs
@@ -256,12 +281,12 @@ async def test_iterable_exhausted_and_reset_for_persistent_epochs() -> None:
             for epoch in (0, 1):
                 if epoch:
                     acks = await ask(pool, recv, [(0, ("reset", 1)), (1, ("reset", 1))])
-                    assert acks == [("reset", 1), ("reset", 1)]
+                    assert [(a.kind, a.epoch) for a in acks] == [("reset", 1), ("reset", 1)]
                 cmds = [(s % 2, ("fetch", epoch, s, [None, None])) for s in range(6)]
                 replies = await ask(pool, recv, cmds)
                 # worker 0 yields 0, 2, 4 and worker 1 yields 1, 3 (sharded by worker id)
-                assert [r[0] for r in replies] == ["data"] * 3 + ["exhausted"] * 3
-                assert [r[3].tolist() for r in replies[:3]] == [[0, 2], [1, 3], [4]]
+                assert [r.kind for r in replies] == ["data"] * 3 + ["exhausted"] * 3
+                assert [r.batch.tolist() for r in replies[:3]] == [[0, 2], [1, 3], [4]]
 
 
 async def test_iterable_exhausted_replies_stay_exhausted() -> None:
@@ -270,14 +295,14 @@ async def test_iterable_exhausted_replies_stay_exhausted() -> None:
         configs = make_configs(1, ds.RangeIterable(3), kind=DatasetKind.ITERABLE)
         async with running(configs) as (pool, recv):
             replies = await ask(pool, recv, [(0, ("fetch", 0, s, [None, None])) for s in range(5)])
-            assert [r[0] for r in replies] == ["data", "data", "exhausted", "exhausted",
+            assert [r.kind for r in replies] == ["data", "data", "exhausted", "exhausted",
                                                "exhausted"]
-            assert [r[3].tolist() for r in replies[:2]] == [[0, 1], [2]]
+            assert [r.batch.tolist() for r in replies[:2]] == [[0, 1], [2]]
             await pool.send(0, ("reset", 1))
             with anyio.fail_after(10):
-                assert await recv.receive() == (0, ("reset", 1))
+                assert head(await recv.receive()) == ("reset", 1, None)
             replies = await ask(pool, recv, [(0, ("fetch", 1, 0, [None] * 5))])
-            assert replies[0][3].tolist() == [0, 1, 2]
+            assert replies[0].batch.tolist() == [0, 1, 2]
 
 
 async def test_exit_command_retires_a_worker_quietly() -> None:
@@ -289,7 +314,7 @@ async def test_exit_command_retires_a_worker_quietly() -> None:
             await anyio.to_thread.run_sync(proc1.join, 10)  # bounded wait for its end
             assert proc1.exitcode == 0
             replies = await ask(pool, recv, [(0, ("fetch", 0, 0, [1]))])
-            assert replies[0][3]["index"].tolist() == [1]
+            assert replies[0].batch["index"].tolist() == [1]
             assert pool.is_running(0)
             del replies
 
@@ -303,12 +328,12 @@ async def test_replies_wait_in_the_pool_between_serve_calls() -> None:
             for epoch in range(3):  # one serve() per epoch, as with persistent workers
                 for seq in range(3):
                     await pool.send(0, ("fetch", epoch, seq, [seq]))
-                send, recv = anyio.create_memory_object_stream[tuple[int, Any]](1)
+                send, recv = anyio.create_memory_object_stream[Reply](1)
                 async with send, recv, anyio.create_task_group() as tg:
-                    tg.start_soon(pool.serve, send)
+                    tg.start_soon(pool.serve, send.send)
                     with anyio.fail_after(10):
-                        got = [(await recv.receive())[1] for _ in range(3)]
-                    assert [m[:3] for m in got] == [("data", epoch, s) for s in range(3)]
+                        got = [await recv.receive() for _ in range(3)]
+                    assert [head(m) for m in got] == [("data", epoch, s) for s in range(3)]
                     del got
                     tg.cancel_scope.cancel()
         finally:
@@ -330,10 +355,10 @@ async def test_async_dataset_worker_serves_fetches_concurrently() -> None:
             elapsed = time.monotonic() - start
             log.info("64 concurrent async fetches took %.3f s", elapsed)
             assert elapsed < 1.5
-            assert [r[0] for r in replies] == ["error" if i == 13 else "data" for i in range(64)]
-            assert [r[3] for r in replies if r[0] == "data"] == [[i] for i in range(64) if i != 13]
+            assert [r.kind for r in replies] == ["error" if i == 13 else "data" for i in range(64)]
+            assert [r.batch for r in replies if r.kind == "data"] == [[i] for i in range(64) if i != 13]
             with pytest.raises(ds.BadItem, match="async bad item 13"):
-                replies[13][3].reraise()
+                replies[13].error.reraise()
 
 
 async def test_async_iterable_exhausts_and_resets() -> None:
@@ -346,11 +371,11 @@ async def test_async_iterable_exhausts_and_resets() -> None:
                 if epoch:
                     await pool.send(0, ("reset", epoch))
                     with anyio.fail_after(10):
-                        assert await recv.receive() == (0, ("reset", epoch))
+                        assert head(await recv.receive()) == ("reset", epoch, None)
                 cmds = [(0, ("fetch", epoch, s, [None, None])) for s in range(4)]
                 replies = await ask(pool, recv, cmds)
-                assert [r[0] for r in replies] == ["data", "data", "data", "exhausted"]
-                assert [r[3] for r in replies[:3]] == [[0, 1], [2, 3], [4]]
+                assert [r.kind for r in replies] == ["data", "data", "data", "exhausted"]
+                assert [r.batch for r in replies[:3]] == [[0, 1], [2, 3], [4]]
 
 
 # --------------------------------------------------------------------------- start failures
@@ -381,12 +406,12 @@ async def test_workers_forked_from_an_executor_thread_exit_with_code_0() -> None
         pool = WorkerPool(lambda: make_configs(2, ds.ProbeDataset()), mp_context("fork"))
         await asyncio.to_thread(pool.start)
         try:
-            send, recv = anyio.create_memory_object_stream[tuple[int, Any]](10)
+            send, recv = anyio.create_memory_object_stream[Reply](10)
             async with send, recv, anyio.create_task_group() as tg:
-                tg.start_soon(pool.serve, send)
+                tg.start_soon(pool.serve, send.send)
                 replies = await ask(pool, recv, [(0, ("fetch", 0, 0, [1])),
                                                  (1, ("fetch", 0, 1, [2]))])
-                assert [r[3]["index"].tolist() for r in replies] == [[1], [2]]
+                assert [r.batch["index"].tolist() for r in replies] == [[1], [2]]
                 del replies
                 for wid in (0, 1):
                     await pool.send(wid, ("exit",))
@@ -413,11 +438,11 @@ def test_configs_out_of_worker_id_order_are_rejected() -> None:
 async def serve_until_error(pool: WorkerPool, limit: float = 10,
                             ) -> tuple[BaseException, list[Any], float]:
     """Run serve() alone; return the exception it raised, what it delivered, and when."""
-    send, recv = anyio.create_memory_object_stream[tuple[int, Any]](100)
+    send, recv = anyio.create_memory_object_stream[Reply](100)
     got: list[Any] = []
     try:
         with anyio.fail_after(limit):
-            await pool.serve(send)
+            await pool.serve(send.send)
     except WorkerDiedError as exc:
         raised_at = time.monotonic()
         while True:
@@ -451,12 +476,12 @@ async def _kill9_mid_fetch_latency() -> float:
         try:
             victim = pool.pids[1]
             result: list[Any] = []
-            send, recv = anyio.create_memory_object_stream[tuple[int, Any]](10)
+            send, recv = anyio.create_memory_object_stream[Reply](10)
 
             async def watch() -> None:
                 try:
                     async with send:
-                        await pool.serve(send)
+                        await pool.serve(send.send)
                 except WorkerDiedError as exc:
                     result.append((exc, time.monotonic()))
 
@@ -466,7 +491,7 @@ async def _kill9_mid_fetch_latency() -> float:
                 await pool.send(1, ("fetch", 0, 0, [0]))
                 await pool.send(1, ("fetch", 0, 1, [9]))
                 with anyio.fail_after(10):
-                    assert (await recv.receive())[1][:3] == ("data", 0, 0)
+                    assert head(await recv.receive()) == ("data", 0, 0)
                 killed_at = time.monotonic()
                 os.kill(victim, signal.SIGKILL)
                 with anyio.fail_after(10):
@@ -496,7 +521,7 @@ async def test_exit_code_is_named_after_replies_sent_before_death() -> None:
             for seq, idx in enumerate([[0], [3], [2]]):
                 await pool.send(0, ("fetch", 0, seq, idx))
             exc, delivered, _ = await serve_until_error(pool)
-            assert [m[1][:3] for m in delivered] == [("data", 0, 0), ("data", 0, 1)]
+            assert [head(m) for m in delivered] == [("data", 0, 0), ("data", 0, 1)]
             assert isinstance(exc, WorkerDiedError)
             assert exc.exitcode == 3
             assert f"DataLoader worker (pid {exc.pid}) exited unexpectedly with exit code 3." \
@@ -530,14 +555,14 @@ async def test_aclose_while_serving_returns_quietly() -> None:
     with no_leaks():
         pool = WorkerPool(make_configs(2, ds.ProbeDataset()), mp_context("fork"))
         pool.start()
-        send, recv = anyio.create_memory_object_stream[tuple[int, Any]](10)
+        send, recv = anyio.create_memory_object_stream[Reply](10)
         async with send, recv:
             with anyio.fail_after(10):
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(pool.serve, send)
+                    tg.start_soon(pool.serve, send.send)
                     await pool.send(0, ("fetch", 0, 0, [0]))
-                    _, msg = await recv.receive()
-                    assert msg[0] == "data"
+                    msg = await recv.receive()
+                    assert msg.kind == "data"
                     del msg
                     await pool.aclose()
         await pool.aclose()
@@ -559,10 +584,10 @@ async def test_200_start_aclose_cycles_with_fork_leave_nothing() -> None:
             try:
                 if cycle % 25 == 0:
                     async with anyio.create_task_group() as tg:
-                        send, recv = anyio.create_memory_object_stream[tuple[int, Any]](4)
-                        tg.start_soon(pool.serve, send)
+                        send, recv = anyio.create_memory_object_stream[Reply](4)
+                        tg.start_soon(pool.serve, send.send)
                         replies = await ask(pool, recv, [(0, ("fetch", 0, 0, [cycle % 16]))])
-                        assert replies[0][3]["index"].tolist() == [cycle % 16]
+                        assert replies[0].batch["index"].tolist() == [cycle % 16]
                         del replies
                         tg.cancel_scope.cancel()
                     send.close()

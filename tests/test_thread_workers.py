@@ -488,16 +488,16 @@ def test_resume_with_thread_workers_equals_an_uninterrupted_run(k: int) -> None:
 
 
 class _BoundCheckingSink:
-    """A serve() sink that checks the reply deque's bound at every hand-over."""
+    """A serve() deliver that checks the reply deques' bound at every hand-over."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
-        self.got: list[tuple[int, Any]] = []
+        self.got: list[Any] = []
         self.arrived: Any = None  # an anyio.Event while someone waits for more
 
-    async def send(self, item: tuple[int, Any]) -> None:
+    async def __call__(self, item: Any) -> None:
         pool = self.pool
-        assert len(pool._channel.inbox) <= pool.in_flight + pool.num_workers
+        assert _inboxes(pool) <= pool.in_flight
         assert all(w.unanswered >= 0 for w in pool._workers)
         self.got.append(item)
         if self.arrived is not None:
@@ -507,6 +507,11 @@ class _BoundCheckingSink:
         while len(self.got) < n:
             self.arrived = anyio.Event()
             await self.arrived.wait()
+
+
+def _inboxes(pool: Any) -> int:
+    """Replies waiting in the pool's per-thread deques."""
+    return sum(len(w.channel.inbox) for w in pool._workers)
 
 
 def _thread_configs(n: int, dataset: Any) -> list[WorkerConfig]:
@@ -523,15 +528,15 @@ def test_reply_deque_holds_at_most_the_commands_in_flight() -> None:
             pool.send_nowait(seq % 2, ("fetch", 0, seq, [seq]))
         assert pool.in_flight == 20
         # Every reply is posted while nobody serves: the deque is at its bound, not past it.
-        assert wait_until(lambda: len(pool._channel.inbox) == 20)
+        assert wait_until(lambda: _inboxes(pool) == 20)
         assert pool.in_flight == 20
         for wid in range(2):
             pool.send_nowait(wid, ("exit",))  # retires it: no reply, just its end
         assert pool.in_flight == 20
         sink = _BoundCheckingSink(pool)
         anyio.run(pool.serve, sink)  # returns once every worker has ended, as asked
-        assert sorted(msg[2] for _, msg in sink.got) == list(range(20))
-        assert pool.in_flight == 0 and not pool._channel.inbox
+        assert sorted(reply.seq for reply in sink.got) == list(range(20))
+        assert pool.in_flight == 0 and not _inboxes(pool)
     finally:
         pool.close()
     assert_threads_gone()
@@ -556,7 +561,7 @@ def test_a_respawn_keeps_the_count_of_commands_in_flight() -> None:
 
     try:
         anyio.run(main)
-        assert [msg[0] for _, msg in sink.got] == ["data", "respawned", "data"]
+        assert [reply.kind for reply in sink.got] == ["data", "respawned", "data"]
         assert pool.in_flight == 0
     finally:
         pool.close()

@@ -2,8 +2,10 @@
 
 :class:`PoolSource` sends the dispatcher's commands to the pool's workers and puts each
 reply in its slot of the reorder buffer (pinned first when ``pin_memory`` is on): the
-worker side of an epoch with ``num_workers > 0``. With worker processes the replies are
-decoded and pinned in the pool's decoding thread, off the consumer's loop.
+worker side of an epoch with ``num_workers > 0``. The pool hands each reply (a
+:class:`~aioloader._worker.reply.Reply`) straight to :meth:`PoolSource._intake`; with
+worker processes it was decoded and pinned in the pool's decoding thread, off the
+consumer's loop.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from .._fetch.sync import EXHAUSTED
 from .._pools.lease import _PoolLease
 from .._stats.recorder import DISPATCH, PIN, Recorder
 from .._threads import ThreadRunner
+from .._worker.reply import Reply
 from .._worker.segments import limit_for
 from .dispatch import Dispatcher
 from .offload import on_batch
@@ -121,120 +124,62 @@ class PoolSource:
     # -- replies -----------------------------------------------------------------------------
 
     async def _serve(self) -> None:
+        """Have the pool hand every reply straight to :meth:`_intake` (no queue between)."""
         if self.rec is not None:
             self.rec.reading_ns = _ns()
-        send, recv = anyio.create_memory_object_stream[tuple[int, Any]](self.window + 1)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._serve_pool, send)
-            try:
-                async for worker, msg in recv:
-                    await self._intake(worker, msg)
-                    # Not kept while waiting: a cancellation's traceback would keep this
-                    # frame, and so the batch and its shared memory, until the cyclic GC.
-                    del msg
-            finally:
-                # Replies still buffered when the epoch is cancelled: drop them now. The
-                # stream is reachable from the cancelled tasks' frames, which a traceback
-                # cycle can keep (with each reply's shared memory) until the cyclic GC.
-                _drop_buffered(recv)
-                recv.close()
+        pool = self.lease.pool
+        if self.pin.enabled and pool.accepts_transform:
+            # Pinned in the pool's decoding thread, in the same hop as the decoding.
+            await pool.serve(self._intake, self.allow_respawn, self._pin)
+        else:
+            await pool.serve(self._intake, self.allow_respawn)
 
-    async def _serve_pool(self, send: Any) -> None:
-        async with send:
-            pool: Any = self.lease.pool
-            if self.pin.enabled and getattr(pool, "accepts_transform", False):
-                # Pinned in the pool's decoding thread, in the same hop as the decoding.
-                await pool.serve(send, self.allow_respawn, self._pin_reply)
-            else:
-                await pool.serve(send, self.allow_respawn)
+    def _pin(self, reply: Reply) -> None:
+        """Pin a reply's batch in the pool's decoding thread (a pinning error is raised
+        there, and so out of the pool's ``serve``)."""
+        if reply.kind == "data" and reply.epoch == self.epoch:
+            t0 = _ns()
+            reply.batch = on_batch(self.pin.apply, reply.batch)
+            reply.pin_ns = _ns() - t0
 
-    def _pin_reply(self, msg: Any) -> Any:
-        """A decoded reply with its batch pinned (in the pool's decoding thread); its
-        batch becomes a :class:`_Pinned`, which :meth:`_intake` unwraps on the loop."""
-        if type(msg) is not tuple or msg[0] != "data" or msg[1] != self.epoch:
-            return msg
-        t0 = _ns()
-        try:
-            pinned = _Pinned(on_batch(self.pin.apply, msg[3]), _ns() - t0, None)
-        except Exception as exc:  # raised on the loop, as a pinning error always was
-            pinned = _Pinned(None, 0, exc)
-        return (*msg[:3], pinned, *msg[4:])
-
-    async def _intake(self, worker: int, msg: tuple[Any, ...]) -> None:
-        tag = msg[0]
-        if tag == "respawned":
+    async def _intake(self, reply: Reply) -> None:
+        """Put one reply in its slot of the reorder buffer (with what rode with it)."""
+        kind = reply.kind
+        worker = reply.worker
+        if kind == "respawned":
             self.rng.pop(worker, None)  # the new worker's streams start from its seed
             self.dispatch.redispatch(worker)
             self.commands_ready()
             return
-        if tag == "reset" or msg[1] != self.epoch:
+        if kind == "reset" or reply.epoch != self.epoch:
             return  # acknowledgement, or a stale batch of an abandoned epoch
-        seq = msg[2]
-        # Extras after the payload (_worker.loop.serve_commands): a dict is the dataset's
-        # state after this batch (aioloader._resume), bytes the worker's RNG states after
-        # it (when they changed; read even for a batch no longer waited for), a tuple the
-        # worker's timings (_stats).
-        # ("data"/"error", epoch, seq, payload, ...) and ("exhausted", epoch, seq, ...).
-        extras = msg[3 if tag == "exhausted" else 4:]
-        for extra in extras:
-            if type(extra) is bytes:
-                self.rng[worker] = extra
-        slot = self.slots.get(seq)
+        if reply.rng is not None:  # read even for a batch no longer waited for
+            self.rng[worker] = reply.rng
+        slot = self.slots.get(reply.seq)
         if slot is None:
             return
         slot.rng = self.rng.get(worker)
-        for extra in extras:
-            if isinstance(extra, dict):
-                slot.wstate = extra
-            elif isinstance(extra, tuple) and self.rec is not None:
-                self.rec.worker_batch(worker, extra, seq)
-        if tag == "data":
-            data = msg[3]
-            rec = self.rec
-            if type(data) is _Pinned:  # pinned where it was decoded
-                data = data.unwrap(rec)
+        if reply.state is not None:
+            slot.wstate = reply.state
+        rec = self.rec
+        if reply.timings is not None and rec is not None:
+            rec.worker_batch(worker, reply.timings, reply.seq)
+        if kind == "data":
+            data = reply.batch
+            if reply.pin_ns is not None:  # pinned where it was decoded
+                if rec is not None:
+                    rec.add(PIN, reply.pin_ns)
             elif self.pin.enabled:
                 t0 = _ns()
                 data = await self.runner.run(on_batch, self.pin.apply, data)
                 if rec is not None:
                     rec.add(PIN, _ns() - t0)
-        elif tag == "error":
-            data = msg[3]
-        elif tag == "exhausted":
+        elif kind == "error":
+            data = reply.error
+        elif kind == "exhausted":
             data = EXHAUSTED
         else:  # pragma: no cover - protocol error
-            raise RuntimeError(f"unexpected message from worker {worker}: {tag!r}")
+            raise RuntimeError(f"unexpected reply from worker {worker}: {kind!r}")
         slot.data = data
         slot.has_data = True
         self.wake()
-
-
-class _Pinned:
-    """A reply's batch pinned in the decoding thread: the batch, the time it took, or the
-    error pinning raised."""
-
-    __slots__ = ("data", "exc", "ns")
-
-    def __init__(self, data: Any, ns: int, exc: Exception | None) -> None:
-        self.data = data
-        self.ns = ns
-        self.exc = exc
-
-    def unwrap(self, rec: Recorder | None) -> Any:
-        """The pinned batch (the pinning time recorded); raises what pinning raised."""
-        if self.exc is not None:
-            exc, self.exc = self.exc, None
-            raise exc
-        if rec is not None:
-            rec.add(PIN, self.ns)
-        data, self.data = self.data, None
-        return data
-
-
-def _drop_buffered(recv: Any) -> None:
-    """Receive and drop what ``recv`` holds (senders waiting on a full buffer included)."""
-    while True:
-        try:
-            recv.receive_nowait()
-        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-            return

@@ -1,4 +1,5 @@
-"""What every worker pool shares: its lifecycle.
+"""What every worker pool shares: its lifecycle (and, from :mod:`aioloader._pools.serve`,
+its serve loop).
 
 :class:`PoolBase` is the lifecycle of :class:`~aioloader._pools.process.WorkerPool`
 (processes), :class:`~aioloader._pools.thread.ThreadWorkerPool` (threads) and
@@ -22,13 +23,14 @@ import resource
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar
 
 import anyio
 
 from .._errors import IteratorClosedError, add_note
 from .._threads import ThreadRunner, close_at_exit, run_in_own_thread
 from .._worker.config import WorkerConfig
+from .serve import ServeLoop, W
 
 __all__ = ["ConfigSource", "PoolBase"]
 
@@ -36,10 +38,8 @@ logger = logging.getLogger(__name__)
 
 ConfigSource = Sequence[WorkerConfig] | Callable[[], Sequence[WorkerConfig]]
 
-W = TypeVar("W")  # the parent-side state of one worker
 
-
-class PoolBase(Generic[W]):
+class PoolBase(ServeLoop[W]):
     """Workers with known ids ``0..N-1`` and their lifecycle.
 
     Args:
@@ -65,6 +65,7 @@ class PoolBase(Generic[W]):
         close_at_exit(cls._live, **({} if exit_grace is None else {"grace": exit_grace}))
 
     def __init__(self, configs: ConfigSource) -> None:
+        super().__init__()
         self._config_source = configs
         self._configs: list[WorkerConfig] = []
         self._workers: list[W] = []  # by worker id
@@ -203,17 +204,6 @@ class PoolBase(Generic[W]):
                 self._deferred_release = False
                 self._release()
 
-    @staticmethod
-    def _raise_first(errors: list[BaseException]) -> None:
-        """Raise the first of ``errors`` (collected by serve's tasks), if any."""
-        if errors:
-            error = errors[0]
-            errors.clear()
-            try:
-                raise error
-            finally:  # no frame -> exception -> traceback -> frame cycle
-                del error
-
     # ------------------------------------------------------------------ resize (autotune)
 
     #: Whether :meth:`add_worker` and :meth:`retire_worker` work (docs/autotune.md).
@@ -346,3 +336,5 @@ class PoolBase(Generic[W]):
                 self._release()
         except Exception:
             pass
+
+

@@ -3,8 +3,9 @@
 A :class:`Conn` holds a worker's process, the parent end of its Unix socket
 pair and the framing buffers. :meth:`Conn.start` starts the process (with the
 pool's ``multiprocessing`` context); :meth:`Conn.pump` reads its socket with
-readiness notifications until the process ends, handing every decoded reply to
-the pool's sink in order; :meth:`Conn.free` closes its fds. The pool
+readiness notifications until the process ends, handing every reply (decoded into
+a :class:`~aioloader._worker.reply.Reply` off the loop) to the pool reader in order;
+:meth:`Conn.free` closes its fds. The pool
 (:class:`aioloader._pools.process.WorkerPool`) decides what an end means (orderly, a
 death to report, a worker to respawn).
 """
@@ -19,11 +20,9 @@ import signal
 import socket
 import traceback
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import anyio
-from anyio.abc import ObjectSendStream
 
 from .._errors import WorkerDiedError
 from .._threads import ThreadRunner
@@ -32,18 +31,16 @@ from .._worker.config import WorkerConfig
 from .._worker.fdlimit import is_out_of_files, out_of_files_error
 from .._worker.fds import close_fds
 from .._worker.main import worker_main
+from .._worker.reply import Reply
 from .._worker.segments import SegmentMaps
 from .._worker.wire import Frame, FrameReader, FrameWriter
 from .ladder import Proc, reap
+from .serve import Deliver, Transform
 from .zygote import Zygote, ZygoteChild, ZygoteError
 
 __all__ = ["Conn", "register_parent_end"]
 
 logger = logging.getLogger(__name__)
-
-Sink = ObjectSendStream[tuple[int, Any]]
-#: Applied to each decoded message in the decoding thread (the pool reader's pinning).
-Transform = Callable[[Any], Any]
 
 
 class Conn:
@@ -74,7 +71,7 @@ class Conn:
         self.retiring = False  # asked to exit: its end is not a death
         self.exited = False  # sentinel fired (or reaped)
         self.exitcode: int | None = None
-        self.pending: list[Any] = []  # a decoded message not yet handed to the sink
+        self.pending: list[Reply] = []  # decoded, not handed over yet
         self.send_lock: anyio.Lock | None = None
         self.wait_scope: anyio.CancelScope | None = None
 
@@ -148,13 +145,13 @@ class Conn:
         if self.wait_scope is not None:
             self.wait_scope.cancel()
 
-    async def pump(self, sink: Sink, exited: anyio.Event, decoder: ThreadRunner,
+    async def pump(self, deliver: Deliver, exited: anyio.Event, decoder: ThreadRunner,
                    transform: Transform | None = None) -> None:
-        """Hand every reply to ``sink`` until the process has ended (and what it wrote
+        """Hand every reply to ``deliver`` until the process has ended (and what it wrote
         before its end is handed over too)."""
         reader = self.reader
         while True:
-            await self.deliver(sink, decoder, transform)
+            await self.hand_over(deliver, decoder, transform)
             if self.exited:
                 break
             if reader.eof:
@@ -171,11 +168,11 @@ class Conn:
         # The process has ended: take what it wrote before dying.
         if not reader.eof:
             reader.read_available()
-        await self.deliver(sink, decoder, transform)
+        await self.hand_over(deliver, decoder, transform)
 
-    async def deliver(self, sink: Sink, decoder: ThreadRunner,
-                      transform: Transform | None = None) -> None:
-        """Decode complete frames and hand them over, in order.
+    async def hand_over(self, deliver: Deliver, decoder: ThreadRunner,
+                        transform: Transform | None = None) -> None:
+        """Decode complete frames and hand their replies to ``deliver``, in order.
 
         Decoding maps the worker's segments and descriptors and rebuilds every tensor
         (``mmap``, page-table work, allocator calls that may wait behind another thread's
@@ -193,11 +190,12 @@ class Conn:
                 frames = []
                 while (frame := reader.pop()) is not None:
                     frames.append(frame)
-                await decoder.run(_decode_into, pending, frames, self.segments, transform)
+                await decoder.run(_decode_into, pending, frames, self.segments, transform,
+                                  self.worker_id)
             try:
-                await sink.send((self.worker_id, pending[0]))
+                await deliver(pending[0])
             except BaseException as exc:
-                # A cancelled send's frame keeps the message (and the batch's shared memory)
+                # A cancelled hand-over's frames keep the reply (and the batch's shared memory)
                 # for as long as the exception's traceback lives, which a reference cycle
                 # can make "until the cyclic GC": let go of it now (the pending copy stays).
                 if exc.__traceback__ is not None:
@@ -270,7 +268,7 @@ class Conn:
         """
         self.close_socket()
         self.reader.close()
-        self.pending.clear()  # a message never handed over: its batch goes now
+        self.pending.clear()  # a reply never handed over: its batch goes now
         self.segments.close()  # batches still held keep their own mappings
         proc = self.proc
         if proc.exitcode is not None:
@@ -332,14 +330,18 @@ def _sharing_strategy() -> str:
     return str(tmp.get_sharing_strategy())  # type: ignore[no-untyped-call]
 
 
-def _decode_into(out: list[Any], frames: list[Frame], maps: SegmentMaps,
-                 transform: Transform | None) -> None:
-    """Decode ``frames`` in order into ``out`` (in the decoding thread); a frame that fails
-    raises, and the descriptors of those after it are closed."""
+def _decode_into(out: list[Reply], frames: list[Frame], maps: SegmentMaps,
+                 transform: Transform | None, worker_id: int) -> None:
+    """Decode ``frames`` in order into replies of worker ``worker_id`` in ``out`` (in the
+    decoding thread); a frame that fails raises, and the descriptors of those after it
+    are closed."""
     for i, frame in enumerate(frames):
         try:
-            msg = decode(*frame, maps)
-            out.append(msg if transform is None else transform(msg))
+            reply = Reply(*decode(*frame, maps))
+            reply.worker = worker_id
+            if transform is not None:
+                transform(reply)
+            out.append(reply)
         except BaseException:
             for rest in frames[i + 1:]:
                 close_fds(rest.fds)

@@ -2,10 +2,10 @@
 
 :class:`WorkerPool` is a transport and process manager. It does not decide
 which worker gets which batch (the loader's dispatch does); it starts the
-processes, writes commands to them, hands every reply to the loader through
-an anyio stream, turns a worker's unexpected death into
-:class:`~aioloader._errors.WorkerDiedError` at once, and never leaves a
-process, file descriptor or shared-memory segment behind.
+processes, writes commands to them, hands every reply to the loader (decoded off
+the loop, :class:`~aioloader._pools.serve.ServeLoop`'s ``serve``), turns a worker's
+unexpected death into :class:`~aioloader._errors.WorkerDiedError` at once, and never
+leaves a process, file descriptor or shared-memory segment behind.
 
 Waiting is done with readiness notifications on the event loop:
 ``anyio.wait_readable`` on each worker's socket and on each process's
@@ -23,9 +23,9 @@ Example (``fork`` start method, a sync map-style dataset)::
     pool.start()
     send, recv = anyio.create_memory_object_stream(4)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(pool.serve, send)
+        tg.start_soon(pool.serve, send.send)
         await pool.send(0, ("fetch", 0, 0, [0, 1]))
-        worker_id, reply = await recv.receive()   # (0, ("data", 0, 0, batch))
+        reply = await recv.receive()   # reply.kind == "data", reply.batch
         tg.cancel_scope.cancel()
     await pool.aclose()
 """
@@ -36,13 +36,12 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
-from anyio.abc import ObjectSendStream
 
-from .._errors import IteratorClosedError, WorkerDiedError
+from .._errors import IteratorClosedError
 from .._park import quiet_for_fork
 from .._threads import ThreadRunner
 from .._worker.config import WorkerConfig
@@ -50,6 +49,7 @@ from .._worker.image import DatasetImage
 from .base import ConfigSource, PoolBase
 from .conn import Conn, register_parent_end
 from .ladder import Proc, climb, is_alive, process_steps, wait_exit, wait_exit_blocking
+from .serve import Deliver, Transform
 from .zygote import Zygote
 
 __all__ = ["DEFAULT_GRACE", "WorkerPool"]
@@ -108,12 +108,9 @@ class WorkerPool(PoolBase[Conn]):
         self._ctx = mp_context
         # spawn/forkserver: the dataset pickled once, given to every worker (and respawn).
         self._image: DatasetImage | None = None
-        # During serve(): decides whether a dead worker is replaced (respawn_workers).
-        self._respawn: Callable[[WorkerDiedError], bool] | None = None
-        # During serve(): applied to each decoded message in the decoding thread.
-        self._transform: Callable[[Any], Any] | None = None
-        # During serve(): its task group, sink, error list and decoder (add_worker).
-        self._serve_ctx: tuple[Any, Any, list[BaseException], ThreadRunner] | None = None
+        # During serve(): its decoding thread, and what it applies to each reply there.
+        self._decoder: ThreadRunner | None = None
+        self._transform: Transform | None = None
         # Workers retired by the autotuner (retire_worker): freed with the pool.
         self._retired: list[Conn] = []
         self._segment_limit: int | None = None  # each worker's segment pool bound
@@ -236,11 +233,7 @@ class WorkerPool(PoolBase[Conn]):
         Raises:
             IteratorClosedError: the pool is closed.
         """
-        if self._closing:
-            raise IteratorClosedError("the worker pool is closed")
-        conn = self._workers[worker_id]
-        if command and command[0] == "exit":
-            conn.retiring = True
+        conn = self._addressee(worker_id, command)
         if conn.exited:
             return
         conn.write(command)  # released segments ride along
@@ -253,9 +246,7 @@ class WorkerPool(PoolBase[Conn]):
         next :meth:`send`) writes it. Used to hand the first commands of an
         epoch to the workers as soon as they are started, as torch does.
         """
-        if self._closing:
-            raise IteratorClosedError("the worker pool is closed")
-        conn = self._workers[worker_id]
+        conn = self._addressee(worker_id, command)
         if conn.exited:
             return
         conn.write(command)  # released segments ride along
@@ -289,91 +280,55 @@ class WorkerPool(PoolBase[Conn]):
                 if not self._closing and not conn.exited:
                     raise
 
-    #: :meth:`serve` takes ``transform``, run on each message in the decoding thread.
+    # ------------------------------------------------------------------ serve (ServeLoop's hooks)
+
+    #: :meth:`serve`'s ``transform`` runs on each reply in the decoding thread.
     accepts_transform = True
 
-    async def serve(self, sink: ObjectSendStream[tuple[int, Any]],
-                    respawn: Callable[[WorkerDiedError], bool] | None = None,
-                    transform: Callable[[Any], Any] | None = None) -> None:
-        """Hand every message from every worker to ``sink`` as ``(worker_id, message)``.
-
-        ``respawn`` (``respawn_workers=``): called with the error of a worker
-        that died; when it returns True the worker is replaced by a new process
-        with the same config (id, seed, ``worker_init_fn``), and
-        ``("respawned", worker_id)`` is handed to ``sink`` after every message
-        the dead worker wrote: the caller re-sends the commands it did not answer.
-        Messages are decoded (segments and descriptors mapped, tensors rebuilt) off the
-        loop, in a thread of this call, where ``transform`` (if given) is applied to
-        each: the loop's thread only reads the sockets and hands messages on.
-
-        Runs until cancelled (the loader cancels it when an epoch ends) or
-        until every worker has ended in an orderly way. Messages of one
-        worker keep their order. Buffers persist across calls, so persistent
-        workers can be served epoch after epoch; after a cancelled call, the
-        message being handed over may be handed over again by the next call
-        (messages carry their epoch, so a stale one can be recognised).
-
-        Raises:
-            WorkerDiedError: a worker ended without being asked to (after its
-                complete messages were delivered). Message in torch's words:
-                ``DataLoader worker (pid N) is killed by signal: Killed.`` or
-                ``DataLoader worker (pid N) exited unexpectedly with exit code 3.``
-            IteratorClosedError: the pool was closed before this call.
-        """
-        errors: list[BaseException] = []
-        scope = self._serve_begin()  # cancelled by aclose(): serve() then returns quietly
-        # Decodes every frame off the loop; started on first use, joined before we return.
-        decoder = ThreadRunner("aioloader-decode")
-        self._respawn = respawn
+    def _serve_open(self, transform: Transform | None) -> None:
+        # Decodes every frame off the loop; started on first use, joined before serve() ends.
+        self._decoder = ThreadRunner("aioloader-decode")
         self._transform = transform
-        try:
-            with scope:
-                async with anyio.create_task_group() as tg:
-                    self._serve_ctx = (tg, sink, errors, decoder)  # add_worker serves there
-                    for conn in self._workers:
-                        if not conn.exited or conn.pending or len(conn.reader):
-                            tg.start_soon(self._serve_conn, conn, sink, errors,
-                                          tg.cancel_scope, decoder)
-        finally:
-            # A decode still running finishes into conn.pending before this returns.
-            self._serve_ctx = None
-            await decoder.aclose()
-            self._respawn = self._transform = None
-            self._serve_end(scope)
-        self._raise_first(errors)
 
-    async def _serve_conn(self, conn: Conn, sink: ObjectSendStream[tuple[int, Any]],
-                          errors: list[BaseException], group: anyio.CancelScope,
-                          decoder: ThreadRunner) -> None:
-        while True:
-            error = await self._serve_one_conn(conn, sink, decoder)
-            if isinstance(error, WorkerDiedError) and self._respawn is not None:
-                try:
-                    new_conn = await self._try_respawn(conn, error)
-                except Exception as exc:
-                    error = exc
-                else:
-                    if new_conn is not None:
-                        conn = new_conn
-                        error = None
-                        await sink.send((conn.worker_id, ("respawned", conn.worker_id)))
-                        continue
-            if error is not None:
-                errors.append(error)
-                error = None  # this frame is in the error's traceback: no cycle through it
-                group.cancel()
-            return
+    async def _serve_close(self) -> None:
+        # A decode still running finishes into conn.pending before serve() returns.
+        if self._decoder is not None:
+            await self._decoder.aclose()
+        self._decoder = self._transform = None
 
-    async def _try_respawn(self, conn: Conn, error: WorkerDiedError) -> Conn | None:
-        """Replace dead ``conn``'s worker if the respawn hook allows; None if not."""
-        assert self._respawn is not None
-        if self._closing or not self._respawn(error):
-            return None
+    def _finished(self, conn: Conn) -> bool:
+        return conn.exited and not conn.pending and not len(conn.reader)
+
+    async def _pump(self, conn: Conn, deliver: Deliver) -> None:
+        """Read worker ``conn``'s socket, decode off the loop and hand every reply over,
+        until its process ended (an end not asked for raises, in torch's words)."""
+        assert self._decoder is not None
+        error: Exception | None = None
+        exited = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            if conn.exited:
+                exited.set()
+            else:
+                tg.start_soon(conn.watch_sentinel, exited)
+            try:
+                await conn.pump(deliver, exited, self._decoder, self._transform)
+            except Exception as exc:  # raised out of the group as itself, not in a group
+                error = exc
+            finally:
+                tg.cancel_scope.cancel()
+        if error is not None:
+            try:
+                raise error
+            finally:  # this frame is in the error's traceback: no cycle through it
+                del error
+        if not (self._closing or conn.retiring):  # the process ended: say why
+            raise await conn.death_error(len(self._workers), self.start_method)
+
+    async def _replace(self, dead: Conn) -> Conn:
         # The dead worker's fds go first (a fork would inherit them otherwise).
-        conn.free(notify=False)
-        wid = conn.worker_id
+        dead.free(notify=False)
+        wid = dead.worker_id
         cfg, method, parent_pid = self._configs[wid], self.start_method, os.getpid()
-        logger.debug("respawning worker %d after: %s", wid, error)
         # A fork or a new interpreter: never on the loop's thread.
         runner = ThreadRunner("aioloader-respawn")
         try:
@@ -388,33 +343,6 @@ class WorkerPool(PoolBase[Conn]):
         threads parked (this one stays alive, as does the consumer's loop thread)."""
         with quiet_for_fork() if method == "fork" else contextlib.nullcontext():
             self._start_one(worker_id, cfg, method, parent_pid)
-
-    async def _serve_one_conn(self, conn: Conn, sink: ObjectSendStream[tuple[int, Any]],
-                              decoder: ThreadRunner) -> BaseException | None:
-        """Serve one worker process until it ends; return the error that ended it, if any."""
-        error: BaseException | None = None
-        exited = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            if conn.exited:
-                exited.set()
-            else:
-                tg.start_soon(conn.watch_sentinel, exited)
-            try:
-                await conn.pump(sink, exited, decoder, self._transform)
-                if not (self._closing or conn.retiring):  # the process ended: say why
-                    raise await conn.death_error(len(self._workers), self.start_method)
-            except anyio.ClosedResourceError as exc:
-                # Our fds were closed under us (only closing does that) or the sink was.
-                if not self._closing:
-                    error = exc
-            except Exception as exc:
-                error = exc
-            finally:
-                tg.cancel_scope.cancel()
-        try:
-            return error
-        finally:  # this frame is in the error's traceback: no cycle through it
-            del error
 
     # ------------------------------------------------------------------ resize (autotune)
 
@@ -434,11 +362,7 @@ class WorkerPool(PoolBase[Conn]):
         except BaseException:
             self._configs.pop()
             raise
-        ctx = self._serve_ctx
-        if ctx is not None:
-            tg, sink, errors, decoder = ctx
-            tg.start_soon(self._serve_conn, self._workers[wid], sink, errors,
-                          tg.cancel_scope, decoder)
+        self._serve_new(self._workers[wid])
         logger.debug("added worker %d (pid %s)", wid, self._workers[wid].proc.pid)
         return wid
 

@@ -2,7 +2,7 @@
 
 :class:`RayWorkerPool` is what the pipeline needs from a pool (the interface of
 :class:`aioloader._pools.process.WorkerPool`: ``start``, ``send``/``send_nowait``/``flush``,
-``serve(sink)``, ``aclose``/``close``), with the N workers running as Ray actors
+``serve(deliver)``, ``aclose``/``close``), with the N workers running as Ray actors
 instead of local processes. The dispatch, the reorder buffer, the timeout and the
 exactly-once bookkeeping stay in the loader: this module only moves commands to
 the actors and replies back, through Ray's object store.
@@ -33,13 +33,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import anyio
-import sniffio
-from anyio.abc import ObjectSendStream
 
 from .._errors import IteratorClosedError, RemoteError, WorkerDiedError
 from .._worker.config import WorkerConfig
 from .._worker.ray_actor import DEFAULT_ACTOR_OPTIONS, RayWorker, import_ray
+from .._worker.reply import Reply
 from .base import ConfigSource, PoolBase
+from .serve import Deliver, waker
 
 __all__ = ["RayWorkerPool"]
 
@@ -61,8 +61,7 @@ class _Entry:
 class _Actor:
     """Parent-side state of one actor worker."""
 
-    __slots__ = ("exited", "handle", "info", "name", "pending", "respawned", "retiring", "wake",
-                 "worker_id")
+    __slots__ = ("exited", "handle", "info", "name", "pending", "retiring", "wake", "worker_id")
 
     def __init__(self, worker_id: int, name: str, handle: Any, info: Any) -> None:
         self.worker_id = worker_id
@@ -72,7 +71,6 @@ class _Actor:
         self.pending: deque[_Entry] = deque()
         self.retiring = False
         self.exited = False
-        self.respawned = False  # replaced a dead actor; ("respawned", id) not yet handed over
         self.wake: Callable[[], None] | None = None
 
 
@@ -171,12 +169,9 @@ class RayWorkerPool(PoolBase[_Actor]):
 
     def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
         """Submit ``command`` to actor ``worker_id`` (a Ray call; returns at once)."""
-        if self._closing:
-            raise IteratorClosedError("the worker pool is closed")
-        actor = self._workers[worker_id]
+        actor = self._addressee(worker_id, command)
         op = command[0]
         if op == "exit":
-            actor.retiring = True
             self._kill(actor)
         elif actor.exited:
             return
@@ -191,97 +186,38 @@ class RayWorkerPool(PoolBase[_Actor]):
         if wake is not None:
             wake()
 
-    async def send(self, worker_id: int, command: tuple[Any, ...]) -> None:
-        """:meth:`send_nowait` (a Ray call does not wait for the actor)."""
-        self.send_nowait(worker_id, command)
+    # ------------------------------------------------------------------ serve (ServeLoop's hooks)
 
-    async def flush(self, worker_id: int) -> None:
-        """Nothing to flush: every call was submitted by :meth:`send_nowait`."""
+    async def _pump(self, actor: _Actor, deliver: Deliver) -> None:
+        """Hand actor ``actor``'s replies over, in the order of its calls, until it is
+        retired (or the pool closes); a dead actor raises."""
+        call_soon = self._call_soon
+        assert call_soon is not None
+        pending = actor.pending
+        while not self._closing:
+            if not pending:
+                if actor.exited or actor.retiring:
+                    return
+                await self._sleep(actor, lambda: bool(pending))
+                continue
+            entry = pending[0]
+            if entry.future is None:
+                entry.future = entry.ref.future()
+            future = entry.future
+            if not future.done():
+                done = anyio.Event()
+                future.add_done_callback(waker(call_soon, done))
+                await done.wait()
+            reply = self._reply(actor, entry, future)
+            await deliver(reply)
+            del reply
+            if pending and pending[0] is entry:
+                pending.popleft()
 
-    async def serve(self, sink: ObjectSendStream[tuple[int, Any]],
-                    respawn: Callable[[WorkerDiedError], bool] | None = None) -> None:
-        """Hand every reply of every actor to ``sink`` as ``(worker_id, message)``.
-
-        Replies of one actor keep their order. Runs until cancelled. A reply being
-        handed over when this is cancelled is handed over again by the next call.
-
-        ``respawn`` (``respawn_workers=``): called with the error of an actor that
-        died; when it returns True a new actor with the same config (id, seed,
-        ``worker_init_fn``) replaces it, and ``("respawned", worker_id)`` is handed to
-        ``sink`` after every reply the dead actor gave: the caller re-sends the
-        commands it did not answer.
-
-        Raises:
-            WorkerDiedError: an actor died (``ray.kill``, its node lost, out of memory).
-            IteratorClosedError: the pool was closed before this call.
-        """
-        call_soon = _threadsafe_call_soon()
-        errors: list[BaseException] = []
-        scope = self._serve_begin()
-        try:
-            with scope:
-                async with anyio.create_task_group() as tg:
-                    for actor in self._workers:
-                        tg.start_soon(self._serve_actor, actor, sink, call_soon, errors,
-                                      tg.cancel_scope, respawn)
-        finally:
-            for actor in self._workers:
-                actor.wake = None
-            self._serve_end(scope)
-        self._raise_first(errors)
-
-    async def _serve_actor(self, actor: _Actor, sink: ObjectSendStream[tuple[int, Any]],
-                           call_soon: Callable[[Callable[[], None]], None],
-                           errors: list[BaseException], group: anyio.CancelScope,
-                           respawn: Callable[[WorkerDiedError], bool] | None) -> None:
-        try:
-            while not self._closing:
-                if actor.respawned:  # a hand-over cancelled in an earlier call
-                    await sink.send((actor.worker_id, ("respawned", actor.worker_id)))
-                    actor.respawned = False
-                if not actor.pending:
-                    if actor.exited or actor.retiring:
-                        return
-                    event = anyio.Event()
-                    actor.wake = _waker(call_soon, event)
-                    if not actor.pending:
-                        await event.wait()
-                    actor.wake = None
-                    continue
-                entry = actor.pending[0]
-                if entry.future is None:
-                    entry.future = entry.ref.future()
-                future = entry.future
-                if not future.done():
-                    done = anyio.Event()
-                    future.add_done_callback(_waker(call_soon, done))
-                    await done.wait()
-                try:
-                    message = self._reply(actor, entry, future)
-                except WorkerDiedError as death:
-                    if respawn is None or self._closing or not respawn(death):
-                        raise
-                    logger.debug("respawning Ray actor worker %d after: %s",
-                                 actor.worker_id, death)
-                    del death
-                    actor = self._replace(actor)
-                    continue
-                await sink.send((actor.worker_id, message))
-                del message
-                if actor.pending and actor.pending[0] is entry:
-                    actor.pending.popleft()
-        except Exception as exc:
-            if self._closing:
-                return
-            errors.append(exc)
-            del exc
-            group.cancel()
-
-    def _replace(self, dead: _Actor) -> _Actor:
-        """A new actor in ``dead``'s place; its ``("respawned", id)`` is due to the sink."""
+    async def _replace(self, dead: _Actor) -> _Actor:
+        """A new actor in ``dead``'s place."""
         self._kill(dead)  # it is dead already; this frees Ray's record of it
         actor = self._create_actor(dead.worker_id)
-        actor.respawned = True
         with self._close_lock:
             closing = self._closing
             if not closing:
@@ -292,14 +228,14 @@ class RayWorkerPool(PoolBase[_Actor]):
         return actor
 
     def _reply(self, actor: _Actor, entry: _Entry,
-               future: concurrent.futures.Future[Any]) -> tuple[Any, ...]:
-        """The worker message of a completed call; raises WorkerDiedError for a dead actor."""
+               future: concurrent.futures.Future[Any]) -> Reply:
+        """The reply of a completed call; raises WorkerDiedError for a dead actor."""
         ray = import_ray()
         # ActorUnavailableError (Ray >= 2.30): the actor is unreachable; it is not restarted.
         died = tuple(getattr(ray.exceptions, name) for name in
                      ("RayActorError", "ActorUnavailableError") if hasattr(ray.exceptions, name))
         try:
-            return future.result()  # type: ignore[no-any-return]
+            reply: Reply = future.result()
         except died as exc:
             actor.exited = True
             actor.pending.clear()
@@ -308,10 +244,12 @@ class RayWorkerPool(PoolBase[_Actor]):
             # The call failed outside the dataset (its reply did not serialise, its object
             # was lost): that batch's error, at that batch's place.
             where = f"in DataLoader worker {actor.worker_id} (Ray actor {actor.name})"
-            remote = RemoteError(RuntimeError, f"{type(exc).__name__}: {exc}", where)
             if entry.seq is None:
                 raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from None
-            return ("error", entry.epoch, entry.seq, remote)
+            reply = Reply("error", entry.epoch, entry.seq,
+                          error=RemoteError(RuntimeError, f"{type(exc).__name__}: {exc}", where))
+        reply.worker = actor.worker_id
+        return reply
 
     def _death_error(self, actor: _Actor, exc: BaseException) -> WorkerDiedError:
         pid: int | None = None
@@ -357,39 +295,3 @@ class RayWorkerPool(PoolBase[_Actor]):
         for actor in self._workers:
             self._kill(actor)
         self._dataset_ref = None  # the object store may free the dataset
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _threadsafe_call_soon() -> Callable[[Callable[[], None]], None]:
-    """The running loop's "run this callback on the loop, from any thread"."""
-    if sniffio.current_async_library() == "trio":
-        import trio
-
-        token = trio.lowlevel.current_trio_token()
-
-        def trio_call_soon(fn: Callable[[], None]) -> None:
-            token.run_sync_soon(fn)
-
-        return trio_call_soon
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-
-    def asyncio_call_soon(fn: Callable[[], None]) -> None:
-        loop.call_soon_threadsafe(fn)
-
-    return asyncio_call_soon
-
-
-def _waker(call_soon: Callable[[Callable[[], None]], None],
-           event: anyio.Event) -> Callable[..., None]:
-    """A callback that sets ``event`` on its loop from any thread (a no-op once it is gone)."""
-    def wake(*_: Any) -> None:
-        try:
-            call_soon(event.set)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-    return wake

@@ -7,15 +7,15 @@ process (:func:`aioloader._worker.loop.serve_commands`: ``fetch``, ``reset``,
 pinning are the same code for both kinds of workers. What differs:
 
 * commands go through one :class:`queue.SimpleQueue` per thread, replies
-  through one shared deque (per-worker order is kept); batches are handed
+  (:class:`~aioloader._worker.reply.Reply` records) through one deque per thread,
+  its :class:`~aioloader._worker.thread.Channel`; batches are handed
   over as objects (no pickling, no shared memory). Each thread stacks its big
   batches into a private pool of recycled buffers
   (:class:`~aioloader._worker.segments.WorkerSegments`), bounded like a worker
-  process's segments (:meth:`ThreadWorkerPool.set_segment_limit`). The deque is bounded by
-  the commands in flight: the pool counts them (:attr:`ThreadWorkerPool.in_flight`)
-  and the deque never holds more than that plus one end per worker thread;
-* the event loop is woken by a byte on a socket pair (the doorbell) and waits
-  with ``anyio.wait_readable``: no polling, no thread per message;
+  process's segments (:meth:`ThreadWorkerPool.set_segment_limit`). The deques are bounded
+  by the commands in flight: the pool counts them (:attr:`ThreadWorkerPool.in_flight`);
+* a ``serve()`` waiting for a thread is woken by the thread itself, with the loop's
+  thread-safe ``call_soon`` (only while it waits): no polling, no thread per message;
 * seeding follows torch's thread workers (torch PR #161044): the global
   ``random``/``torch``/``numpy`` generators are shared by every thread and are
   **not** touched. Each thread gets its own generators, seeded exactly as a
@@ -31,7 +31,9 @@ pinning are the same code for both kinds of workers. What differs:
   abandoned after the grace period (daemon thread) with a warning.
 
 Example: :mod:`aioloader._pools.process`'s, with ``pool = ThreadWorkerPool(configs)`` (no
-``multiprocessing`` context); replies carry the batch objects themselves.
+``multiprocessing`` context); replies carry the batch objects themselves. The serve loop
+is :class:`~aioloader._pools.serve.ServeLoop`'s; this pool supplies how one thread's
+replies are read (``_pump``) and how a thread is replaced (``_replace``).
 """
 
 from __future__ import annotations
@@ -40,13 +42,11 @@ import dataclasses
 import logging
 import os
 import queue
-import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
-from anyio.abc import ObjectSendStream
 
 from .._errors import IteratorClosedError, WorkerDiedError
 from .._threads import ThreadRunner
@@ -55,29 +55,28 @@ from .._worker.segments import POOL_LIMIT, WorkerSegments
 from .._worker.thread import Channel, thread_worker_main, torch_thread_local
 from .base import ConfigSource, PoolBase
 from .ladder import climb, join_threads
+from .serve import Deliver
 
 __all__ = ["ThreadWorkerPool"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GRACE = PoolBase.DEFAULT_GRACE
-"""Seconds :meth:`ThreadWorkerPool.aclose` waits for busy threads before abandoning them."""
-
 
 class _Worker:
-    __slots__ = ("commands", "ended", "retiring", "segments", "thread", "unanswered",
-                 "worker_id")
+    __slots__ = ("channel", "commands", "ended", "retiring", "segments", "thread",
+                 "unanswered", "worker_id")
 
-    def __init__(self, worker_id: int, unanswered: int = 0) -> None:
+    def __init__(self, worker_id: int, stop: threading.Event) -> None:
         self.worker_id = worker_id
         self.commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.channel = Channel(stop)  # its replies and its end
         self.thread: threading.Thread | None = None
         self.segments: WorkerSegments | None = None  # the thread's recycled buffers
         self.retiring = False  # asked to exit: its end is not a death
         self.ended = False  # its end was handed over
-        # Messages this worker owes or that wait in the inbox, not yet handed over: +1 per
-        # command sent (each gets exactly one reply), -1 per message handed over.
-        self.unanswered = unanswered
+        # Replies this worker owes or that wait in its inbox, not yet handed over: +1 per
+        # command sent (each gets exactly one reply), -1 per reply handed over.
+        self.unanswered = 0
 
 
 class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
@@ -97,12 +96,7 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
     def __init__(self, configs: ConfigSource) -> None:
         super().__init__(configs)
         self._torch_local: threading.local | None = None
-        self._bell_r, bell_w = socket.socketpair()
-        self._bell_r.setblocking(False)
-        bell_w.setblocking(False)
-        self._channel = Channel(bell_w)
-        # Retired worker ids (retire_worker) whose thread's end is still to be read.
-        self._retired: dict[int, int] = {}
+        self._stop = threading.Event()  # set when the pool closes: threads leave
         self._segment_limit = POOL_LIMIT  # each thread's bound on its recycled buffers
 
     # ------------------------------------------------------------------ info
@@ -121,9 +115,9 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
     def in_flight(self) -> int:
         """Commands sent and not answered yet, plus replies not handed over yet.
 
-        The reply deque never holds more than this plus one end per worker thread;
-        the loader's dispatch keeps it within its window (``prefetch_factor *
-        num_workers`` fetches) plus one ``reset`` per worker.
+        The reply deques never hold more than this; the loader's dispatch keeps it
+        within its window (``prefetch_factor * num_workers`` fetches) plus one ``reset``
+        per worker.
         """
         return sum(w.unanswered for w in self._workers)
 
@@ -144,7 +138,7 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
             self._starting = worker_id
             cfg = dataclasses.replace(cfg, parent_pid=os.getpid(), start_method="thread")
             self._configs.append(cfg)
-            self._workers.append(_Worker(worker_id))
+            self._workers.append(_Worker(worker_id, self._stop))
             self._start_thread(worker_id)
         self._starting = None
         logger.debug("started %d thread workers", len(self._workers))
@@ -155,7 +149,7 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
         worker.segments = WorkerSegments(self._segment_limit, private=True)
         worker.thread = threading.Thread(
             target=thread_worker_main,
-            args=(self._configs[worker_id], worker.commands, self._channel, self._torch_local,
+            args=(self._configs[worker_id], worker.commands, worker.channel, self._torch_local,
                   worker.segments),
             name=f"aioloader-thread-worker-{worker_id}", daemon=True)
         worker.thread.start()
@@ -179,101 +173,46 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
         Raises:
             IteratorClosedError: the pool is closed.
         """
-        if self._closing:
-            raise IteratorClosedError("the worker pool is closed")
-        worker = self._workers[worker_id]
-        if command and command[0] == "exit":
-            worker.retiring = True
-        else:
+        worker = self._addressee(worker_id, command)
+        if command[0] != "exit":
             worker.unanswered += 1
         worker.commands.put(command)
 
-    async def send(self, worker_id: int, command: tuple[Any, ...]) -> None:
-        """Async form of :meth:`send_nowait` (a queue put never waits)."""
-        self.send_nowait(worker_id, command)
+    # ------------------------------------------------------------------ serve (ServeLoop's hooks)
 
-    async def flush(self, worker_id: int) -> None:
-        """Nothing to flush: commands are queued whole."""
+    def _finished(self, worker: _Worker) -> bool:
+        return worker.ended
 
-    async def serve(self, sink: ObjectSendStream[tuple[int, Any]],
-                    respawn: Callable[[WorkerDiedError], bool] | None = None) -> None:
-        """Hand every reply of every worker to ``sink`` as ``(worker_id, message)``.
+    async def _pump(self, worker: _Worker, deliver: Deliver) -> None:
+        """Hand worker ``worker``'s replies over until its thread has left its command
+        loop (after its last reply); an end not asked for raises, with the reason."""
+        channel = worker.channel
+        inbox = channel.inbox
+        while not self._closing:
+            ended = channel.ended  # read first: every reply before its end is in by then
+            while inbox and not self._closing:
+                await deliver(inbox[0])
+                inbox.popleft()
+                worker.unanswered -= 1
+            if ended:
+                worker.ended = True
+                if worker.retiring or self._closing:
+                    return
+                raise WorkerDiedError(
+                    f"DataLoader worker thread {worker.worker_id} exited unexpectedly: "
+                    f"{channel.reason or 'it left its command loop'} "
+                    f"(aioloader thread worker {worker.worker_id} of {len(self._workers)}).",
+                    worker_id=worker.worker_id)
+            await self._sleep(channel, lambda: bool(inbox) or channel.ended)
 
-        ``respawn`` (``respawn_workers=``): called with the error of a worker
-        thread that ended unasked; when it returns True a new thread with the
-        same config (id, seed, ``worker_init_fn``) replaces it, and
-        ``("respawned", worker_id)`` is handed to ``sink`` after every reply the
-        ended thread wrote: the caller re-sends the commands it did not answer.
-
-        Runs until cancelled, until the pool closes, or until every worker has
-        ended in an orderly way. Replies of one worker keep their order, and a
-        reply not yet handed over when a call is cancelled stays for the next
-        call (persistent workers).
-
-        Raises:
-            WorkerDiedError: a worker thread ended without being asked to
-                (its worker machinery failed; the reason is in the message).
-            IteratorClosedError: the pool was closed before this call.
-        """
-        scope = self._serve_begin()
-        inbox = self._channel.inbox
-        workers = self._workers  # one list: a respawn replaces its items in place
-        try:
-            with scope:
-                while not self._closing:
-                    self._drain_bell()  # before reading the inbox: no ring is lost
-                    while inbox and not self._closing:
-                        worker_id, item = inbox[0]
-                        if worker_id < 0:  # a thread's end, its last item
-                            inbox.popleft()
-                            worker_id = -1 - worker_id
-                            if self._on_ended(worker_id, item, respawn):
-                                # Handed over like a reply (kept if this call is cancelled).
-                                inbox.appendleft((worker_id, ("respawned", worker_id)))
-                            continue
-                        await sink.send((worker_id, item))
-                        inbox.popleft()
-                        workers[worker_id].unanswered -= 1
-                        del item
-                    if all(w.ended for w in workers):
-                        return
-                    await anyio.wait_readable(self._bell_r)
-        finally:
-            self._serve_end(scope)
-
-    def _drain_bell(self) -> None:
-        try:
-            while self._bell_r.recv(4096):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
-
-    def _on_ended(self, worker_id: int, reason: str | None,
-                  respawn: Callable[[WorkerDiedError], bool] | None) -> bool:
-        """A thread left its command loop: True if it was replaced (respawned)."""
-        if self._retired.get(worker_id):  # retire_worker's thread: its orderly end
-            self._retired[worker_id] -= 1
-            return False
-        worker = self._workers[worker_id]
-        worker.ended = True
-        if worker.retiring or self._closing:
-            return False
-        error = WorkerDiedError(
-            f"DataLoader worker thread {worker_id} exited unexpectedly: "
-            f"{reason or 'it left its command loop'} "
-            f"(aioloader thread worker {worker_id} of {len(self._workers)}).",
-            worker_id=worker_id)
-        if respawn is not None and respawn(error):
-            logger.debug("respawning thread worker %d after: %s", worker_id, error)
-            old = worker.thread
-            if old is not None:
-                old.join()  # it posted its end as its last act
-            # A fresh command queue: the caller re-sends what the old thread did not answer.
-            # In flight: the ("respawned", id) notice the caller is about to be handed.
-            self._workers[worker_id] = _Worker(worker_id, unanswered=1)
-            self._start_thread(worker_id)
-            return True
-        raise error
+    async def _replace(self, dead: _Worker) -> _Worker:
+        """A new thread with a fresh command queue: the caller re-sends what the old
+        thread did not answer."""
+        if dead.thread is not None:
+            dead.thread.join()  # it posted its end as its last act
+        worker = self._workers[dead.worker_id] = _Worker(dead.worker_id, self._stop)
+        self._start_thread(dead.worker_id)
+        return worker
 
     # ------------------------------------------------------------------ resize (autotune)
 
@@ -287,17 +226,16 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
             raise IteratorClosedError("the worker pool is closed")
         cfg = self._next_config()
         self._configs.append(cfg)
-        self._workers.append(_Worker(cfg.worker_id))
+        self._workers.append(worker := _Worker(cfg.worker_id, self._stop))
         self._start_thread(cfg.worker_id)
+        self._serve_new(worker)
         return cfg.worker_id
 
     async def retire_worker(self) -> None:
         """Stop the last worker thread: it leaves the list at once, its end (posted
-        after its last reply) is recognised as orderly, and it is joined off the loop."""
+        after its last reply) is orderly, and it is joined off the loop."""
         worker = self._workers.pop()
         self._configs.pop()
-        retired = self._retired
-        retired[worker.worker_id] = retired.get(worker.worker_id, 0) + 1
         worker.retiring = True
         worker.commands.put(("exit",))
         if worker.thread is not None:
@@ -313,12 +251,15 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
     def _ladder(self, grace: float) -> Iterator[tuple[list[threading.Thread], float]]:
         """Threads leave before their next command; one still inside user code is
         waited for up to ``grace`` seconds, then abandoned with a warning (threads
-        cannot be killed). A ``serve()`` waiting on the doorbell sees the pool closing."""
-        self._channel.stop.set()
+        cannot be killed). A ``serve()`` waiting for a thread is woken: it sees the pool
+        closing."""
+        self._stop.set()
         for w in self._workers:
             w.retiring = True
             w.commands.put(("exit",))
-        self._channel.ring()
+            wake = w.channel.wake
+            if wake is not None:
+                wake()
         current = threading.current_thread()  # closed from its own worker thread (a finalizer)
         threads = [t for t in self.processes if t is not current]
         yield from climb(threads, [(None, grace)], threading.Thread.is_alive)
@@ -338,10 +279,5 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
             await runner.aclose()
 
     def _free(self) -> None:
-        self._channel.inbox.clear()  # replies never handed over: free their batches
-        for sock in (self._bell_r, self._channel.wake):
-            try:
-                anyio.notify_closing(sock)
-            except Exception:  # no event loop in this thread
-                pass
-            sock.close()
+        for w in self._workers:
+            w.channel.inbox.clear()  # replies never handed over: free their batches

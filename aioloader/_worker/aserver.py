@@ -25,6 +25,7 @@ from .codec import decode
 from .config import WorkerConfig, _where
 from .fds import close_fds
 from .loop import _encode_reply, _error_reply
+from .reply import Reply
 from .wire import FrameReader, FrameWriter
 
 # Encoded replies waiting for the writer. The parent asks a worker for at most its window
@@ -92,9 +93,9 @@ class _AsyncEpoch:
         """Fetch one batch and queue its encoded reply (waiting while the queue is full)."""
         from .._fetch.sync import EXHAUSTED
 
-        reply: tuple[Any, ...]
+        reply: Reply
         if self.error is not None:
-            reply = ("error", epoch, seq, self.error)
+            reply = Reply("error", epoch, seq, error=self.error)
         else:
             assert self.fetch is not None
             clock = self.clock
@@ -104,10 +105,10 @@ class _AsyncEpoch:
             except Exception:
                 reply = _error_reply(self.cfg, epoch, seq)
             else:
-                reply = (("exhausted", epoch, seq) if batch is EXHAUSTED
-                         else ("data", epoch, seq, batch))
+                reply = (Reply("exhausted", epoch, seq) if batch is EXHAUSTED
+                         else Reply("data", epoch, seq, batch))
                 if clock is not None and batch is not EXHAUSTED:
-                    reply = (*reply, clock.stamp(t0))
+                    reply.timings = clock.stamp(t0)
                 del batch
             finally:
                 if clock is not None:
@@ -194,7 +195,7 @@ async def _serve_async_main(sock: socket.socket, cfg: WorkerConfig,
                     await epoch.stop()
                     epoch = _AsyncEpoch(cfg, init_error, clock)
                     await tg.start(epoch.run)
-                    await put(_encode_reply(cfg, ("reset", cmd[1])))
+                    await put(_encode_reply(cfg, Reply("reset", cmd[1])))
                 else:
                     raise RuntimeError(f"unknown command {cmd!r}")
                 del cmd, frame

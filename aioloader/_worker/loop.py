@@ -30,13 +30,14 @@ from .codec import encode
 from .config import WorkerConfig, _where, reseed_datapipe
 from .fdlimit import TOO_MANY_FDS, is_out_of_files, too_many_open_files
 from .fds import unlink_failed_segments
+from .reply import Reply
 from .rng import RngTracker, restore_at_start
 
 __all__ = ["serve_commands"]
 
 
-def _error_reply(cfg: WorkerConfig, epoch: Any, seq: Any) -> tuple[Any, ...]:
-    """An ("error", ...) reply for the exception being handled.
+def _error_reply(cfg: WorkerConfig, epoch: Any, seq: Any) -> Reply:
+    """An ``"error"`` reply for the exception being handled.
 
     A batch that failed to allocate its shared memory (``/dev/shm`` full) leaves no file
     behind: torch's allocator keeps the one it created, so it is removed here.
@@ -46,22 +47,22 @@ def _error_reply(cfg: WorkerConfig, epoch: Any, seq: Any) -> tuple[Any, ...]:
     if exc is not None and is_out_of_files(exc) and TOO_MANY_FDS not in str(exc):
         # The dataset's or torch's own error: its type stays (as torch's), the advice comes.
         add_note(exc, too_many_open_files())
-    return ("error", epoch, seq, RemoteError.from_current(_where(cfg)))
+    return Reply("error", epoch, seq, error=RemoteError.from_current(_where(cfg)))
 
 
-def _encode_reply(cfg: WorkerConfig, reply: tuple[Any, ...]) -> tuple[bytes, list[int]]:
-    """Encode ``reply``; if it does not pickle, encode an error reply that says why."""
+def _encode_reply(cfg: WorkerConfig, reply: Reply) -> tuple[bytes, list[int]]:
+    """Encode ``reply``'s wire tuple; if it does not pickle, an error reply that says why."""
     try:
-        return encode(reply)
+        return encode(reply.wire())
     except Exception:
-        epoch, seq = (reply[1], reply[2]) if len(reply) > 2 else (None, None)
-        err = _error_reply(cfg, epoch, seq)
+        err = _error_reply(cfg, reply.epoch, reply.seq)
+    remote = err.error
     try:
-        return encode(err)
+        return encode(err.wire())
     except Exception:  # the exception type itself does not pickle: keep its text
-        remote = err[3]
-        return encode(("error", epoch, seq,
-                       RemoteError(RuntimeError, remote.exc_msg, remote.where)))
+        assert remote is not None
+        err.error = RemoteError(RuntimeError, remote.exc_msg, remote.where)
+        return encode(err.wire())
 
 
 class _SyncEpoch:
@@ -95,34 +96,32 @@ class _SyncEpoch:
             except Exception:
                 self.error = RemoteError.from_current(_where(cfg))
 
-    def fetch(self, cfg: WorkerConfig, epoch: Any, seq: Any, index: Any) -> tuple[Any, ...]:
+    def fetch(self, cfg: WorkerConfig, epoch: Any, seq: Any, index: Any) -> Reply:
         reply = self._fetch(cfg, epoch, seq, index)
-        if self.rng is not None:
-            blob = self.rng.after_fetch()
-            if blob is not None:  # the RNG states after this batch (aioloader._worker.rng)
-                return (*reply, blob)
+        if self.rng is not None:  # the RNG states after this batch, if they changed
+            reply.rng = self.rng.after_fetch()
         return reply
 
-    def _fetch(self, cfg: WorkerConfig, epoch: Any, seq: Any, index: Any) -> tuple[Any, ...]:
+    def _fetch(self, cfg: WorkerConfig, epoch: Any, seq: Any, index: Any) -> Reply:
         if self.error is not None:
-            return ("error", epoch, seq, self.error)
+            return Reply("error", epoch, seq, error=self.error)
         if self.exhausted:
-            return ("exhausted", epoch, seq)
+            return Reply("exhausted", epoch, seq)
         assert self.fetcher is not None
         try:
             if self.stateful:  # the dataset's position goes with each batch (dataset_state)
                 batch = self.fetcher.fetch(index)
-                return ("data", epoch, seq, batch,
-                        worker_state(cfg.worker_id, cfg.dataset, self.raw))
-            return ("data", epoch, seq, self.fetcher.fetch(index))
+                return Reply("data", epoch, seq, batch,
+                             state=worker_state(cfg.worker_id, cfg.dataset, self.raw))
+            return Reply("data", epoch, seq, self.fetcher.fetch(index))
         except StopIteration:
             if cfg.kind.iterable:
                 self.exhausted = True
                 if self.stateful:
                     self.raw._ended = True  # type: ignore[union-attr]
-                    return ("exhausted", epoch, seq,
-                            worker_state(cfg.worker_id, cfg.dataset, self.raw))
-                return ("exhausted", epoch, seq)
+                    return Reply("exhausted", epoch, seq,
+                                 state=worker_state(cfg.worker_id, cfg.dataset, self.raw))
+                return Reply("exhausted", epoch, seq)
             return _error_reply(cfg, epoch, seq)
         except Exception:
             return _error_reply(cfg, epoch, seq)
@@ -136,20 +135,15 @@ class _SyncEpoch:
 
 def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
                    next_command: Callable[[], Any],
-                   send_reply: Callable[[tuple[Any, ...]], None]) -> None:
+                   send_reply: Callable[[Reply], None]) -> None:
     """The command loop of a sync worker, whatever carries its commands and replies.
 
     ``next_command()`` blocks until the next command and returns ``None`` when
     the worker must leave (EOF, parent gone, pool closing); ``send_reply``
-    hands one reply tuple to the parent. Used by worker processes (a socket)
-    and by thread workers (in-process queues, :mod:`aioloader._pools.thread`).
-
-    A ``"data"`` reply is ``("data", epoch, seq, batch, *extras)``: an extra is a
-    dict (an iterable dataset's state, :mod:`aioloader._resume.state`), ``bytes`` (the
-    worker's RNG states after the batch, when they changed: :mod:`aioloader._worker.rng`)
-    or a 4-int tuple (this worker's timings, ``cfg.stats``;
-    :class:`aioloader._stats.recorder.WorkerClock`). ``"error"`` and ``"exhausted"``
-    replies may carry the first two too.
+    hands one :class:`~aioloader._worker.reply.Reply` to the parent. Used by worker
+    processes (a socket) and by thread workers (in-process queues,
+    :mod:`aioloader._pools.thread`). A ``"data"`` reply carries the worker's timings
+    when ``cfg.stats`` is on.
     """
     clock = WorkerClock() if cfg.stats else None
     if clock is not None:  # a copy: the config may be shared (threads, respawns)
@@ -171,8 +165,8 @@ def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
                     t0 = time.perf_counter_ns()
                     clock.waited(t_wait, t0)
                     reply = state.fetch(cfg, epoch, seq, index)
-                    if reply[0] == "data":
-                        reply = (*reply, clock.stamp(t0))
+                    if reply.kind == "data":
+                        reply.timings = clock.stamp(t0)
                 del index
                 send_reply(reply)
                 del reply  # free the batch (and its shared memory) before waiting again
@@ -182,7 +176,7 @@ def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
                 state = _SyncEpoch(cfg, init_error)
                 if clock is not None:
                     clock.reset()
-                send_reply(("reset", cmd[1]))
+                send_reply(Reply("reset", cmd[1]))
             else:
                 raise RuntimeError(f"unknown command {cmd!r}")
     finally:

@@ -7,25 +7,24 @@ fetchers only inside the async-dataset path.
 Protocol (one socket per worker, frames from :mod:`aioloader._worker.wire`):
 
 ====================================  ========================================
-command (parent -> worker)            reply (worker -> parent)
+command (parent -> worker)            reply (worker -> parent), by its ``kind``
 ====================================  ========================================
-``("fetch", epoch, seq, index)``      ``("data", epoch, seq, batch)``,
-                                      ``("error", epoch, seq, RemoteError)`` or
-                                      ``("exhausted", epoch, seq)``
-``("reset", epoch)`` or                ``("reset", epoch)`` once the fetcher of
-``("reset", epoch, shared_seed)``     the new epoch exists (an ``IterDataPipe``
+``("fetch", epoch, seq, index)``      ``"data"`` (its ``batch``), ``"error"``
+                                      (its ``error``, a ``RemoteError``) or
+                                      ``"exhausted"``
+``("reset", epoch)`` or                ``"reset"`` once the fetcher of the new
+``("reset", epoch, shared_seed)``     epoch exists (an ``IterDataPipe``
                                       reseeded from ``shared_seed`` first)
 ``("exit",)`` (or EOF)                none: the process leaves with code 0
 ====================================  ========================================
 
-With the failure policy's skip or retries (``WorkerConfig.failure``), a
+A reply is a :class:`aioloader._worker.reply.Reply` (sent as its wire tuple); what
+rides with a batch has its own field: an iterable ``Stateful`` dataset's state
+(``state``), the worker's RNG states when they changed (``rng``), its timings
+(``timings``). With the failure policy's skip or retries (``WorkerConfig.failure``), a
 ``"data"`` reply's batch may be an :class:`aioloader._fetch.records.Outcome` (the
-batch, or ``NOTHING``, plus the samples skipped). The pool itself adds
-``("respawned", worker_id)`` to the parent's stream when it replaced a dead
-worker (``respawn_workers``).
-An iterable dataset that implements ``state_dict``/``load_state_dict`` (torchdata's
-``Stateful``) adds its state after the batch as a last element of ``data`` and
-``exhausted`` replies (:mod:`aioloader._resume.dataset_state`).
+batch, or ``NOTHING``, plus the samples skipped). The pool itself says
+``"respawned"`` when it replaced a dead worker (``respawn_workers``).
 
 Sync datasets are served one command at a time, in order
 (:func:`aioloader._worker.loop.serve_commands`, here over the worker's
@@ -59,6 +58,7 @@ from .aserver import _serve_async
 from .codec import decode
 from .config import WorkerConfig, _where, seed_worker
 from .loop import _encode_reply, serve_commands
+from .reply import Reply
 from .segments import install as install_segments
 from .wire import Frame, FrameReader, send_frame
 
@@ -234,7 +234,7 @@ def _serve_sync(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError 
     def next_command() -> Any:
         return _next_command(reader, poller, cfg, watch_ppid)
 
-    def send_reply(reply: tuple[Any, ...]) -> None:
+    def send_reply(reply: Reply) -> None:
         send_frame(sock, *_encode_reply(cfg, reply))
 
     try:

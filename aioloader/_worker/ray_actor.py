@@ -18,6 +18,7 @@ from typing import Any
 from .._errors import RemoteError
 from .config import WorkerConfig, _where, reseed_datapipe, seed_worker
 from .loop import _SyncEpoch
+from .reply import Reply
 
 __all__ = ["DEFAULT_ACTOR_OPTIONS", "RAY_INSTALL_HINT", "RayWorker", "check_ray_options",
            "import_ray"]
@@ -99,13 +100,13 @@ class RayWorker:
         """This actor's pid and host name (for error messages)."""
         return os.getpid(), os.uname().nodename
 
-    def fetch(self, epoch: Any, seq: Any, index: Any) -> tuple[Any, ...]:
-        """``("data", ...)``, ``("error", ...)`` or ``("exhausted", ...)`` for one batch."""
+    def fetch(self, epoch: Any, seq: Any, index: Any) -> Reply:
+        """A ``"data"``, ``"error"`` or ``"exhausted"`` reply for one batch."""
         return self._epoch.fetch(self._cfg, epoch, seq, index)
 
-    def reset(self, epoch: Any, shared_seed: int | None = None) -> tuple[Any, ...]:
+    def reset(self, epoch: Any, shared_seed: int | None = None) -> Reply:
         """Start a new epoch (persistent workers): a fresh fetcher (a DataPipe reseeded)."""
         self._epoch.close()
         reseed_datapipe(self._cfg, shared_seed)
         self._epoch = _SyncEpoch(self._cfg, self._init_error)
-        return ("reset", epoch)
+        return Reply("reset", epoch)

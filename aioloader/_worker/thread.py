@@ -5,7 +5,7 @@ A worker thread (:func:`thread_worker_main`) seeds its own generators, sets its
 outputs to its pool of recycled buffers (:mod:`aioloader._worker.segments`), runs
 ``worker_init_fn`` and then the worker's own command loop
 (:func:`aioloader._worker.loop.serve_commands`), reading commands from its queue and
-posting replies to the :class:`Channel` it shares with its pool
+posting replies to its :class:`Channel` with its pool
 (:class:`aioloader._pools.thread.ThreadWorkerPool`).
 """
 
@@ -15,9 +15,9 @@ import dataclasses
 import logging
 import queue
 import random
-import socket
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from .._errors import RemoteError
 from .._worker_info import WorkerInfo, _set_thread_worker_info
 from .config import WorkerConfig, _where, generate_numpy_seed, reseed_datapipe
 from .loop import serve_commands
+from .reply import Reply
 from .segments import WorkerSegments
 
 __all__ = ["Channel", "thread_worker_main", "torch_thread_local"]
@@ -44,44 +45,42 @@ class _ThreadRNG:
 
 
 class Channel:
-    """What worker threads share with their pool: no reference to the pool itself.
+    """What a worker thread shares with its pool: no reference to the pool itself.
 
     (Threads holding the pool would keep it alive, so it could never be
     collected and closed.)
 
-    ``inbox`` holds ``(worker_id, reply)`` for every worker, in the order they
-    were posted (so one worker's replies keep their order), and each thread's
-    end as its last item, ``(-1 - worker_id, reason)``. Its bound: a thread
-    posts one reply per command it was sent and one end, so the inbox never
-    holds more items than the pool has commands in flight plus one per
-    worker (``ThreadWorkerPool.in_flight``).
+    ``inbox`` holds the thread's replies in the order they were posted; ``ended`` is
+    set after the last one (``reason``: why its machinery failed, if it did). ``wake``
+    is set by the pool's ``serve()`` while it waits for this thread: posting calls it
+    (from the thread; it wakes the loop thread-safely). ``stop`` is the pool's: set
+    when it closes. The inbox never holds more replies than the commands the thread
+    was sent and did not answer yet (one reply per command).
     """
 
-    __slots__ = ("inbox", "stop", "wake")
+    __slots__ = ("ended", "inbox", "reason", "stop", "wake")
 
-    def __init__(self, wake: socket.socket) -> None:
-        self.inbox: deque[tuple[int, Any]] = deque()
-        self.stop = threading.Event()  # the pool is closing: leave before the next command
-        self.wake = wake
+    def __init__(self, stop: threading.Event) -> None:
+        self.inbox: deque[Reply] = deque()
+        self.stop = stop  # the pool is closing: leave before the next command
+        self.ended = False
+        self.reason: str | None = None
+        self.wake: Callable[[], None] | None = None
 
-    def post(self, worker_id: int, item: Any) -> None:
-        """Queue a reply and ring the doorbell (never blocks)."""
-        self.inbox.append((worker_id, item))
-        try:  # ring() inline: this runs once per batch
-            self.wake.send(b"\0")
-        except OSError:  # buffer full (a wake-up is pending anyway) or the pool closed
-            pass
+    def post(self, reply: Reply) -> None:
+        """Queue a reply and wake a waiting ``serve()`` (never blocks)."""
+        self.inbox.append(reply)
+        wake = self.wake  # read after the append: a serve() that set it sees the reply
+        if wake is not None:
+            wake()
 
-    def post_end(self, worker_id: int, reason: str | None) -> None:
-        """Queue a thread's end (``reason``: why its machinery failed, if it did)."""
-        self.post(-1 - worker_id, reason)
-
-    def ring(self) -> None:
-        """Wake a ``serve()`` waiting on the doorbell."""
-        try:
-            self.wake.send(b"\0")
-        except OSError:  # buffer full (a wake-up is pending anyway) or the pool closed
-            pass
+    def post_end(self, reason: str | None) -> None:
+        """The thread leaves (``reason``: why its machinery failed, if it did)."""
+        self.reason = reason
+        self.ended = True
+        wake = self.wake
+        if wake is not None:
+            wake()
 
 
 # --------------------------------------------------------------------------- the thread
@@ -124,10 +123,11 @@ def thread_worker_main(cfg: WorkerConfig, commands: queue.SimpleQueue[tuple[Any,
             cmd = commands.get()
             return None if channel.stop.is_set() else cmd
 
-        def send_reply(reply: tuple[Any, ...]) -> None:
+        def send_reply(reply: Reply) -> None:
             if segments is not None:
                 segments.seal()  # what follows goes to other buffers
-            channel.post(worker_id, reply)
+            reply.worker = worker_id
+            channel.post(reply)
 
         serve_commands(cfg, init_error, next_command, send_reply)
     except BaseException as exc:  # the worker machinery failed (or SystemExit in user code)
@@ -140,7 +140,7 @@ def thread_worker_main(cfg: WorkerConfig, commands: queue.SimpleQueue[tuple[Any,
         if segments is not None:
             set_thread_allocator(None)
             segments.close()  # buffers of batches still held stay with their views
-        channel.post_end(worker_id, reason)
+        channel.post_end(reason)
 
 
 _OMP_SET_NUM_THREADS: Any = None  # libgomp's omp_set_num_threads, looked up once (False: none)
