@@ -99,12 +99,12 @@ class AsyncFetchSource:
             data = await self.afetch.fetch(index)
             if rec is not None and data is not EXHAUSTED:
                 t1 = _ns()  # overlapping fetches: others' collate time is subtracted too
-                rec.add(FETCH, max(0, t1 - t0 - (rec.ns[COLLATE] - collated)))
+                rec.observe(FETCH, t0, t0 + max(0, t1 - t0 - (rec.ns[COLLATE] - collated)))
             if data is not EXHAUSTED and self.pin.enabled:
                 t0 = _ns()
                 data = await self.runner.run(on_batch, self.pin.apply, data)
                 if rec is not None:
-                    rec.add(PIN, _ns() - t0)
+                    rec.observe(PIN, t0, _ns())
         except Exception as exc:
             data = _ErrorBox(exc)
         slot.data = data

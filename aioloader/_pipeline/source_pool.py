@@ -92,7 +92,7 @@ class PoolSource:
             t0 = _ns()
             pool.send_nowait(worker, cmd)
             if rec is not None:
-                rec.add(DISPATCH, _ns() - t0)
+                rec.observe(DISPATCH, t0, _ns())
 
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Start the workers (if not yet), send what is primed, and read their replies."""
@@ -110,7 +110,7 @@ class PoolSource:
         t0 = _ns()
         await self.lease.pool.send(worker, cmd)
         if self.rec is not None:
-            self.rec.add(DISPATCH, _ns() - t0)
+            self.rec.observe(DISPATCH, t0, _ns())
 
     async def aclose(self) -> None:
         """Nothing of its own: the epoch releases (or closes) the lease."""
@@ -197,7 +197,7 @@ class PoolSource:
                 t0 = _ns()
                 data = await self.runner.run(on_batch, self.pin.apply, data)
                 if rec is not None:
-                    rec.add(PIN, _ns() - t0)
+                    rec.observe(PIN, t0, _ns())
         elif tag == "error":
             data = msg[3]
         elif tag == "exhausted":
@@ -226,7 +226,8 @@ class _Pinned:
             exc, self.exc = self.exc, None
             raise exc
         if rec is not None:
-            rec.add(PIN, self.ns)
+            t1 = _ns()
+            rec.observe(PIN, t1 - self.ns, t1)
         data, self.data = self.data, None
         return data
 
