@@ -157,7 +157,7 @@ class DeviceStage:
             t0 = _ns()
             await call.wait(self.runner)  # cancelled: `staging` keeps the batch
             if self.rec is not None:
-                self.rec.observe(DEVICE, t0, _ns())
+                self.rec.observe(DEVICE, t0)
             self.staging = None
             try:
                 self.staged.append(call.result())

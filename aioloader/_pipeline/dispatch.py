@@ -180,7 +180,7 @@ class Dispatcher:
             self.done = True
             return False
         if self.rec is not None:
-            self.rec.observe(SAMPLING, t0, _ns())
+            self.rec.observe(SAMPLING, t0)
         worker = 0
         if self.num_workers > 0:
             active = self.active

@@ -120,26 +120,22 @@ class InlineSource:
             except StopIteration:  # the dataset ended the epoch (torch)
                 return index, EXHAUSTED, False
             rec.observe(FETCH, t0, t1)
-            rec.observe(COLLATE, t1, _ns())
+            rec.observe(COLLATE, t1)
             return index, data, True
         collated = rec.ns[COLLATE] if rec is not None else 0
         data = fetch_or_exhausted(self.fetcher, index)
         if data is EXHAUSTED:
             return index, data, False
         if rec is not None:  # its collate_fn is timed (TimedCollate): the rest is reading
-            t1 = _ns()
-            rec.observe(FETCH, t0, t0 + max(0, t1 - t0 - (rec.ns[COLLATE] - collated)))
-            t0 = t1
+            t0 = rec.fetched(t0, collated)
         if self.pin.enabled:
             data = on_batch(self.pin.apply, data)
             if rec is not None:
-                t1 = _ns()
-                rec.observe(PIN, t0, t1)
-                t0 = t1
+                t0 = rec.observe(PIN, t0)
         if self.device is not None:
             data = on_batch(self._stage, data)
             if rec is not None:
-                rec.observe(DEVICE, t0, _ns())
+                rec.observe(DEVICE, t0)
         return index, data, timed
 
     def _commit(self, yielded: bool = True) -> None:
@@ -226,7 +222,7 @@ class InlineSource:
                         data = EXHAUSTED
                 else:
                     if t_draw and rec is not None:
-                        rec.observe(SAMPLING, t_draw, _ns(), LANE_CONSUMER)
+                        rec.observe(SAMPLING, t_draw, lane=LANE_CONSUMER)
                     index, data, _ = self._fetch(index, t_draw != 0)
             except Exception:
                 self.delivery.commit(track.last_drawn)  # consumed (as in torch, not retried)
@@ -283,7 +279,7 @@ class InlineSource:
                         self.failures.end_of_epoch()
                         raise StopAsyncIteration from None
                     if t_ask and rec is not None:
-                        rec.observe(SAMPLING, t0, _ns(), LANE_CONSUMER)
+                        rec.observe(SAMPLING, t0, lane=LANE_CONSUMER)
                     if policy.inline and self.plain:
                         data = self._fetch_plain(index, t_ask != 0)
                         if data is EXHAUSTED:

@@ -92,7 +92,7 @@ class PoolSource:
             t0 = _ns()
             pool.send_nowait(worker, cmd)
             if rec is not None:
-                rec.observe(DISPATCH, t0, _ns())
+                rec.observe(DISPATCH, t0)
 
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Start the workers (if not yet), send what is primed, and read their replies."""
@@ -110,7 +110,7 @@ class PoolSource:
         t0 = _ns()
         await self.lease.pool.send(worker, cmd)
         if self.rec is not None:
-            self.rec.observe(DISPATCH, t0, _ns())
+            self.rec.observe(DISPATCH, t0)
 
     async def aclose(self) -> None:
         """Nothing of its own: the epoch releases (or closes) the lease."""
@@ -197,7 +197,7 @@ class PoolSource:
                 t0 = _ns()
                 data = await self.runner.run(on_batch, self.pin.apply, data)
                 if rec is not None:
-                    rec.observe(PIN, t0, _ns())
+                    rec.observe(PIN, t0)
         elif tag == "error":
             data = msg[3]
         elif tag == "exhausted":

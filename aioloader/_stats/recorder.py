@@ -172,12 +172,15 @@ class Recorder:
 
     # -- the one observation, and the policy of which batches are timed ----------------
 
-    def observe(self, stage: int, t0: int, t1: int, lane: int | None = None,
-                seq: int | None = None, spread: bool = True) -> None:
-        """One item of ``stage`` ran from ``t0`` to ``t1``: counted, timed, into the
-        stage's latency histogram (``spread``; :func:`aioloader._stats.hist.bucket`)
-        and, with a trace, a span on ``lane`` (default: the stage's) for batch ``seq``
-        (default: the one the consumer waits for next)."""
+    def observe(self, stage: int, t0: int, t1: int = 0, lane: int | None = None,
+                seq: int | None = None, spread: bool = True) -> int:
+        """One item of ``stage`` ran from ``t0`` to ``t1`` (0: now, returned): counted,
+        timed, into the stage's latency histogram (``spread``;
+        :func:`aioloader._stats.hist.bucket`) and, with a trace, a span on ``lane``
+        (default: the stage's) for batch ``seq`` (default: the one the consumer waits
+        for next)."""
+        if not t1:
+            t1 = _now()
         ns = t1 - t0
         self.count[stage] += 1
         self.ns[stage] += ns
@@ -188,6 +191,16 @@ class Recorder:
         if self.trace is not None:
             self.trace.append((stage, _LANE[stage] if lane is None else lane, t0, t1,
                                self.count[WAIT] + self.untimed if seq is None else seq))
+        return t1
+
+    def fetched(self, t0: int, collated: int) -> int:
+        """A fetch from ``t0`` to now whose ``collate_fn`` is timed apart
+        (:class:`TimedCollate`; ``collated``: :attr:`ns` of ``COLLATE`` at ``t0``, so
+        that no collate time, its own or an overlapping fetch's, counts as reading):
+        :meth:`observe` it; returns now."""
+        t1 = _now()
+        self.observe(FETCH, t0, t0 + max(0, t1 - t0 - (self.ns[COLLATE] - collated)), t1)
+        return t1
 
     def due(self) -> int:
         """The timing policy, asked once per batch by an in-process source: the time now
@@ -364,7 +377,7 @@ class TimedCollate:
     def __call__(self, data: Any) -> Any:
         t0 = _now()
         batch = self.fn(data)
-        self.observe(COLLATE, t0, _now())
+        self.observe(COLLATE, t0)
         return batch
 
 
@@ -387,10 +400,10 @@ class WorkerClock:
     def wrap(self, collate_fn: Callable[[Any], Any]) -> TimedCollate:
         return TimedCollate(collate_fn, self)
 
-    def observe(self, stage: int, t0: int, t1: int) -> None:
-        """:class:`TimedCollate`'s sink: one item of ``stage`` from ``t0`` to ``t1``."""
+    def observe(self, stage: int, t0: int) -> None:
+        """:class:`TimedCollate`'s sink: one item of ``stage`` from ``t0`` to now."""
         self.count[stage] += 1
-        self.ns[stage] += t1 - t0
+        self.ns[stage] += _now() - t0
 
     def reset(self) -> None:
         """A new epoch: idle time between epochs is not this epoch's."""
