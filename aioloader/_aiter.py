@@ -10,7 +10,6 @@ torch's iterator hooks that frameworks and torch's own tests reach into (``_work
 from __future__ import annotations
 
 import os
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -27,7 +26,6 @@ from ._pipeline.source_probe import HandOver
 __all__ = ["AsyncLoaderIter"]
 
 T_co = TypeVar("T_co", covariant=True)
-_ns = time.perf_counter_ns
 
 
 class _EpochIter:
@@ -119,13 +117,15 @@ class AsyncLoaderIter(_EpochIter, Generic[T_co]):
         # few attributes are read faster per batch than the core's), else the core.
         self._source: _PipelineCore | InlineSource = (
             core.inline_source if core.inline_source is not None else core)
+        # The recorder of the consumer's waits (an inline source times its own: None).
+        self._waits = core.rec if core.inline_source is None else None
         self._me = weakref.ref(self)  # for a hand-over to workers (HandOver)
 
     def __aiter__(self) -> AsyncLoaderIter[T_co]:
         return self
 
     async def __anext__(self) -> T_co:
-        core, turns, me = self._source, self._turns, self._me
+        core, turns, me, rec = self._source, self._turns, self._me, self._waits
         if backend_pending():  # a trio loop's first batch: anyio's backend off the loop
             await load_backend(self._core.runner)
         del self  # tracebacks must not keep the iterator (and its workers) alive
@@ -134,21 +134,8 @@ class AsyncLoaderIter(_EpochIter, Generic[T_co]):
         else:
             turns.busy = True
         try:
-            rec = core.rec
             if rec is None:
                 return await core.anext()  # type: ignore[no-any-return]
-            if core.sampled_waits:  # num_workers=0, plain batches: time 1 wait in time_every
-                rec.wait_countdown -= 1
-                timed = rec.wait_countdown <= 0  # sampled_wait() sets the next countdown
-                t0 = _ns() if timed else 0
-                try:
-                    batch = await core.anext()
-                except BaseException:
-                    rec.inline_end(_ns())  # the wall time ends here (or pauses: cancelled)
-                    raise
-                if timed:
-                    rec.sampled_wait(t0, _ns())
-                return batch  # type: ignore[no-any-return]
             with rec.waiting():
                 return await core.anext()  # type: ignore[no-any-return]
         except HandOver as handover:  # a probing first epoch under "auto": workers go on
@@ -169,6 +156,7 @@ class AsyncLoaderIter(_EpochIter, Generic[T_co]):
         """The epoch goes on with ``workers`` workers (docs/autotune.md)."""
         core = self._core.hand_over(workers)
         self._core = self._source = core
+        self._waits = core.rec
         return core
 
     async def aclose(self) -> None:

@@ -656,3 +656,70 @@ def test_trace_and_hook_examples_run(tmp_path: Path, script: str, args: list[str
                          timeout=120, check=False)
     assert run.returncode == 0, run.stderr
     assert want in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["for", "async_for"])
+def test_sampled_and_full_timing_report_the_same_fields_and_counts(use_async: bool) -> None:
+    """Issue 33: timing 1 batch in 16 is a policy of the one observation call
+    (``Recorder.due``), not a second set of counters: an in-process epoch timed so and
+    one timed at every batch (a stats hook looks at each) report the same fields, the
+    same exact counts and percentiles for the same stages."""
+    n = 80
+    sampled = DataLoader(Slow(n, 0.0), batch_size=1)
+    full = DataLoader(Slow(n, 0.0), batch_size=1)
+    full.register_stats_hook(lambda stats: None, every_n_batches=1000)
+    assert _consume(sampled, use_async) == _consume(full, use_async) == n
+    a, b = sampled.stats(), full.stats()
+    assert list(vars(a)) == list(vars(b))
+    assert list(a.stages) == list(b.stages)
+    assert (a.batches, a.samples) == (b.batches, b.samples) == (n, n)
+    for name, stage in a.stages.items():
+        other = b.stages[name]
+        assert stage.count == other.count, name
+        assert (stage.p50_ms is None) == (other.p50_ms is None), name
+    for name in ("sampling", "fetch", "collate", "consumer_wait"):
+        assert a.stages[name].count == n and a.stages[name].p50_ms is not None, name
+    assert a.wall_s >= a.step_s > 0 and b.wall_s >= b.step_s > 0
+
+
+def test_the_timing_policy_times_the_first_batches_then_one_in_sixteen() -> None:
+    """Issue 33: ``Recorder.due`` decides which batches are timed: with sampling on, the
+    epoch's first ``TIME_EVERY`` and then one in ``TIME_EVERY``; every batch without
+    sampling or once a trace is kept; the untimed ones still count exactly."""
+    from aioloader._stats.book import StatsBook
+    from aioloader._stats.recorder import Recorder
+
+    def run(book: StatsBook, sample: bool, batches: int) -> list[int]:
+        rec = book.new_epoch()
+        rec.sample(sample)
+        timed = []
+        for i in range(batches):
+            t0 = rec.due()
+            rec.delivered([i, i], auto_collation=True, timed=bool(t0))
+            if t0:
+                timed.append(i)
+                rec.waited(t0, t0 + 1000)
+        return timed
+
+    every = Recorder.TIME_EVERY
+    book = StatsBook(0, is_async=False, log_every_s=None)
+    assert run(book, True, 6 * every) == [*range(every + 1), *range(2 * every, 6 * every, every)]
+    s = book.snapshot()
+    assert (s.batches, s.samples, s.stages["consumer_wait"].count) == (
+        6 * every, 12 * every, 6 * every)
+    assert run(book, False, 3 * every) == list(range(3 * every))
+    book.record_trace(4)
+    assert run(book, True, 3 * every) == list(range(3 * every))
+
+
+def test_the_bucket_formula_is_written_once() -> None:
+    """Issue 33: a latency meets its histogram bucket in one function (hist.bucket),
+    called from one place (Recorder.observe)."""
+    import aioloader
+
+    root = Path(aioloader.__file__).parent
+    sources = {p.relative_to(root).as_posix(): p.read_text() for p in root.rglob("*.py")}
+    assert [p for p, text in sources.items() if "bit_length()" in text] == ["_stats/hist.py"]
+    callers = [p for p, text in sources.items() if "_bucket(" in text or ".bucket(" in text]
+    assert callers == ["_stats/recorder.py"]
+    assert sources["_stats/recorder.py"].count("_bucket(") == 1

@@ -56,14 +56,15 @@ class Delivery:
         self.policy_active = failures.policy.active
         self.check_len = iterable and len_called is not None
 
-    def absorb(self, index: Any, data: Any) -> Any:
-        """Count a delivered batch for the stats and the failure report.
+    def absorb(self, index: Any, data: Any, timed: bool = True) -> Any:
+        """Count a delivered batch for the stats (``timed``: ``Recorder.delivered``) and
+        the failure report.
 
         Returns the batch, or ``NOTHING`` when every sample of it failed (skipped).
         Raises TooManyFailuresError past ``max_failures``.
         """
         if self.rec is not None:
-            self.rec.delivered(index, self.auto_collation)
+            self.rec.delivered(index, self.auto_collation, timed)
         if not self.policy_active:  # torch's behaviour: nothing to count
             return data
         self.failures.count_requested(len(index) if self.auto_collation else 1)

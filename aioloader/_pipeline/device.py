@@ -157,7 +157,7 @@ class DeviceStage:
             t0 = _ns()
             await call.wait(self.runner)  # cancelled: `staging` keeps the batch
             if self.rec is not None:
-                self.rec.add(DEVICE, _ns() - t0)
+                self.rec.observe(DEVICE, t0)
             self.staging = None
             try:
                 self.staged.append(call.result())

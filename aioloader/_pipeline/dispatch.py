@@ -173,7 +173,7 @@ class Dispatcher:
             self.done = True
             return False
         if self.rec is not None:
-            self.rec.add(SAMPLING, _ns() - t0)
+            self.rec.observe(SAMPLING, t0)
         worker = 0
         if self.num_workers > 0:
             active = self.active

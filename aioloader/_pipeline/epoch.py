@@ -143,10 +143,8 @@ class _PipelineCore(lifecycle.EpochLifecycle):
             self._prime()  # as torch does at iter(): sampler draws happen here
         # What the consumer's iterator calls per batch, chosen once: the inline source's
         # own methods (its few attributes are read faster than the epoch's), else the
-        # epoch's. `sampled_waits`: the iterator times 1 wait in Recorder.time_every.
-        inline = self.source if isinstance(self.source, InlineSource) else None
-        self.inline_source = inline
-        self.sampled_waits = inline.sampled_waits if inline is not None else False
+        # epoch's (an inline source times the consumer's waits itself).
+        self.inline_source = self.source if isinstance(self.source, InlineSource) else None
         self.tuner = setup.make_tuner(self, config, tune)
 
     # -- a probing first epoch under num_workers="auto" (docs/autotune.md) ------------------

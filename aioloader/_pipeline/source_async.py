@@ -21,7 +21,7 @@ from .._fetch.aiter import AsyncIterFetcher
 from .._fetch.amap import AsyncFetchPool
 from .._fetch.policy import FailurePolicy
 from .._fetch.sync import EXHAUSTED, DatasetKind
-from .._stats.recorder import COLLATE, FETCH, PIN, Recorder
+from .._stats.recorder import COLLATE, PIN, Recorder
 from .._threads import ThreadRunner
 from .dispatch import Dispatcher
 from .offload import _ErrorBox, _InlinePolicy, _timed, on_batch
@@ -97,13 +97,12 @@ class AsyncFetchSource:
             collated = rec.ns[COLLATE] if rec is not None else 0
             data = await self.afetch.fetch(index)
             if rec is not None and data is not EXHAUSTED:
-                t1 = _ns()  # overlapping fetches: others' collate time is subtracted too
-                rec.add(FETCH, max(0, t1 - t0 - (rec.ns[COLLATE] - collated)))
+                rec.fetched(t0, collated)  # overlapping fetches' collate time is not reading
             if data is not EXHAUSTED and self.pin.enabled:
                 t0 = _ns()
                 data = await self.runner.run(on_batch, self.pin.apply, data)
                 if rec is not None:
-                    rec.add(PIN, _ns() - t0)
+                    rec.observe(PIN, t0)
         except Exception as exc:
             data = _ErrorBox(exc)
         self.buffer.put(seq, data)

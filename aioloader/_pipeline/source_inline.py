@@ -29,7 +29,7 @@ from .._fetch.report import TooManyFailuresError
 from .._fetch.sync import EXHAUSTED, DatasetKind, fetch_or_exhausted, make_fetcher
 from .._resume import dataset_state as _dstate
 from .._resume.tracker import EpochTracker
-from .._stats.recorder import COLLATE, DEVICE, FETCH, PIN, SAMPLING, Recorder
+from .._stats.recorder import COLLATE, DEVICE, FETCH, LANE_CONSUMER, PIN, SAMPLING, Recorder
 from .._threads import ThreadRunner
 from . import device as _device
 from .delivery import Delivery
@@ -61,8 +61,9 @@ class InlineSource:
     :attr:`closed`.
     """
 
-    #: Statistics time 1 plain batch in ``Recorder.time_every`` (False: every batch, as
-    #: the pool epochs do; a probing epoch may hand its recorder over to one).
+    #: Statistics time 1 plain batch in ``Recorder.time_every`` (the recorder's policy,
+    #: ``Recorder.due``); False: every batch, as the pool epochs do (a probing epoch may
+    #: hand its recorder over to one).
     SAMPLED_STATS = True
 
     def __init__(self, config: LoaderConfig, sampler_iter: Iterator[Any], *,
@@ -85,45 +86,57 @@ class InlineSource:
         self.sampler_iter = sampler_iter
         wstate = track.worker_states.get(0) if self.kind.iterable else None
         _dstate.load_dataset_state(self.dataset, wstate)
-        self.config = config
-        self.collate_fn = collate_fn
-        self._stats_mode(self.SAMPLED_STATS)
-        _dstate.load_fetcher_state(self.raw_fetcher, wstate)
         self.device = config.device
+        # Plain batches (map-style; no failure policy, pinning or device) skip the
+        # delivery's bookkeeping (the fast paths of next_sync and _fetch_plain). Timed, they
+        # are split between reading and collating by MapFetcher.fetch_split (one clock
+        # read): their collate_fn is not wrapped.
+        self.plain = self.kind is DatasetKind.MAP and not (
+            delivery.policy_active or pin.requested or self.device is not None)
+        if rec is not None:
+            rec.sample(self.SAMPLED_STATS and self.plain)
+        # The resume state is read from the plain fetcher; batches come through its guard.
+        self.raw_fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
+                                        config.collate_fn if self.plain else collate_fn,
+                                        config.drop_last, config.fetch_threads)
+        self.fetcher = guard_fetcher(self.raw_fetcher, config.failure_policy, None)
+        _dstate.load_fetcher_state(self.raw_fetcher, wstate)
         # Pinning and device copies are CUDA calls: never inline on the loop.
         self.policy = _InlinePolicy(allowed=not (pin.requested or self.device is not None))
         self.last_yield = 0  # perf_counter_ns of the latest checkpoint (async for)
         self.pending_call: _ThreadCall | None = None  # a drawn batch whose waiter was cancelled
 
-    def _stats_mode(self, sampled: bool) -> None:
-        """Choose the per-batch path and make the fetcher for it (``sampled``: statistics
-        time 1 plain batch in ``Recorder.time_every``; else every batch)."""
-        config, rec = self.config, self.rec
-        # The per-batch fast path of next_sync(): nothing but fetch, collate, count. Its
-        # statistics time reading and collating with MapFetcher.fetch_split.
-        self.plain = self.kind is DatasetKind.MAP and not (
-            self.delivery.policy_active or self.pin.requested or config.device is not None
-        ) and (sampled or rec is None)
-        self.split = self.plain and rec is not None
-        # `async for` times the consumer's waits 1 in Recorder.time_every (AsyncLoaderIter).
-        self.sampled_waits = self.split and rec is not None and rec.time_every > 1
-        # The resume state is read from the plain fetcher; batches come through its guard.
-        self.raw_fetcher = make_fetcher(self.kind, self.dataset, self.auto_collation,
-                                        config.collate_fn if self.split else self.collate_fn,
-                                        config.drop_last, config.fetch_threads)
-        self.fetcher = guard_fetcher(self.raw_fetcher, config.failure_policy, None)
-
-    def _fetch(self, index: Any) -> Any:
-        rec = self.rec
-        if rec is not None:
-            return self._fetch_timed(rec, index)
+    def _fetch(self, index: Any, timed: bool) -> tuple[Any, Any, bool]:
+        """``(index, batch, timed)``: the batch of ``index`` fetched (pinned, copied to
+        the device), :data:`EXHAUSTED` at the dataset's end; ``timed``: its stages are
+        observed (with statistics, the batches :meth:`Recorder.due` times)."""
+        rec = self.rec if timed else None
+        t0 = _ns() if rec is not None else 0
+        if self.plain:
+            try:
+                if rec is None:
+                    return index, self.fetcher.fetch(index), False
+                data, t1 = self.fetcher.fetch_split(index, _ns)
+            except StopIteration:  # the dataset ended the epoch (torch)
+                return index, EXHAUSTED, False
+            rec.observe(FETCH, t0, t1)
+            rec.observe(COLLATE, t1)
+            return index, data, True
+        collated = rec.ns[COLLATE] if rec is not None else 0
         data = fetch_or_exhausted(self.fetcher, index)
-        if data is not EXHAUSTED:
-            if self.pin.enabled:
-                data = on_batch(self.pin.apply, data)
-            if self.device is not None:
-                data = on_batch(self._stage, data)
-        return index, data
+        if data is EXHAUSTED:
+            return index, data, False
+        if rec is not None:  # its collate_fn is timed (TimedCollate): the rest is reading
+            t0 = rec.fetched(t0, collated)
+        if self.pin.enabled:
+            data = on_batch(self.pin.apply, data)
+            if rec is not None:
+                t0 = rec.observe(PIN, t0)
+        if self.device is not None:
+            data = on_batch(self._stage, data)
+            if rec is not None:
+                rec.observe(DEVICE, t0)
+        return index, data, timed
 
     def _commit(self, yielded: bool = True) -> None:
         """The batch drawn last is consumed: its commit at the delivery boundary (with an
@@ -144,42 +157,13 @@ class InlineSource:
             self.delivery.commit(self.track.last_drawn)
             raise
 
-    def _fetch_timed(self, rec: Recorder, index: Any, t0: int = 0) -> Any:
-        """:meth:`_fetch`, adding each stage's time to the epoch's statistics."""
-        if not t0:
-            t0 = _ns()
-        if self.split:  # a plain map-style fetch: its collate_fn is not wrapped
-            try:
-                data, t_read = self.fetcher.fetch_split(index, _ns)
-            except StopIteration:
-                return index, EXHAUSTED
-            rec.add(FETCH, t_read - t0)
-            rec.add(COLLATE, _ns() - t_read)
-            return index, data
-        ns = rec.ns
-        collated = ns[COLLATE]
-        data = fetch_or_exhausted(self.fetcher, index)
-        t1 = _ns()
-        if data is not EXHAUSTED:
-            took = t1 - t0 - (ns[COLLATE] - collated)
-            took = took if took > 0 else 0
-            rec.add(FETCH, took, t0 + took)
-            if self.pin.enabled:
-                data = on_batch(self.pin.apply, data)
-                t0, t1 = t1, _ns()
-                rec.add(PIN, t1 - t0)
-            if self.device is not None:
-                data = on_batch(self._stage, data)
-                rec.add(DEVICE, _ns() - t1)
-        return index, data
-
-    def _fetch_finished(self, index: Any, stream: Any) -> Any:
+    def _fetch_finished(self, index: Any, timed: bool, stream: Any) -> tuple[Any, Any, bool]:
         """:meth:`_fetch` with the device copy finished on ``stream`` (the consumer's,
         read on its thread), all in the epoch's thread (``async for``)."""
-        index, data = self._fetch(index)
+        index, data, timed = self._fetch(index, timed)
         if data is not EXHAUSTED:
             data = on_batch(lambda staged: _device.finish_on_device(staged, stream), data)
-        return index, data
+        return index, data, timed
 
     def _stage(self, data: Any) -> Any:
         assert self.device is not None
@@ -193,33 +177,31 @@ class InlineSource:
         return data
 
     def next_sync(self) -> Any:
-        """One batch, fetched in the calling thread (the sync facade's fast path)."""
+        """One batch, fetched in the calling thread (the sync facade's fast path), the
+        consumer's wait timed as the policy says (:meth:`Recorder.due`)."""
         rec = self.rec
         if rec is None:
             return self._next_sync(None, 0)
-        # Sampled statistics read the clock only for the batches they time.
-        t0 = _ns() if not self.split or rec.countdown <= 1 else 0
+        t0 = rec.due()  # when the consumer asked, if this batch is timed (else 0)
         try:
-            return self._next_sync(rec, t0)
+            data = self._next_sync(rec, t0)
         except BaseException:
-            if self.split:  # sampled statistics: the wall time ends here
-                rec.inline_end(_ns())
-            else:
-                rec.begin_at(t0)
-                rec.end_wait(t0, False)
+            rec.waited(t0, _ns(), False)  # the wall time ends here
             raise
+        if t0:
+            rec.waited(t0, _ns())
+        return data
 
     def _next_sync(self, rec: Recorder | None, t0: int) -> Any:
-        """:meth:`next_sync`; with statistics, ``t0`` is when the consumer asked.
+        """:meth:`next_sync`; ``t0``: when the consumer asked, if this batch is timed.
 
-        The common case (a map-style dataset, no failure policy, no pinning or
-        device, nothing to resume) does its bookkeeping inline: it runs once per
-        batch, and ``benchmarks/bench_overhead.py`` measures it.
+        The common case (a map-style dataset, no failure policy, pinning or device,
+        nothing to resume) does its bookkeeping inline, and so does a batch not timed:
+        this runs once per batch, and ``benchmarks/bench_overhead.py`` measures it.
         """
         track = self.track
         t_draw = t0  # when the current draw started (after a skipped batch: later than t0)
         plain = self.plain
-        auto = self.auto_collation
         while True:
             if self.closed:
                 raise StopIteration
@@ -233,40 +215,15 @@ class InlineSource:
                 self.failures.end_of_epoch()
                 raise
             try:
-                if plain:
-                    if rec is None:
-                        try:
-                            data = self.fetcher.fetch(index)
-                        except StopIteration:  # the dataset ended the epoch (torch)
-                            data = EXHAUSTED
-                    else:
-                        rec.countdown -= 1
-                        if rec.countdown > 0:  # counted, not timed (Recorder.TIME_EVERY)
-                            try:
-                                data = self.fetcher.fetch(index)
-                            except StopIteration:  # the dataset ended the epoch (torch)
-                                data = EXHAUSTED
-                            else:
-                                rec.inline_untimed += 1
-                                if auto and type(index) is list:
-                                    rec.inline_samples += len(index)
-                                else:
-                                    rec.untimed_other(index, auto)
-                        else:
-                            t1 = _ns()
-                            try:
-                                data, t_read = self.fetcher.fetch_split(index, _ns)
-                            except StopIteration:  # the dataset ended the epoch (torch)
-                                data = EXHAUSTED
-                            else:
-                                rec.inline_batch(index, self.auto_collation, t0, t_draw, t1,
-                                                 t_read, _ns())
-                elif rec is None:
-                    index, data = self._fetch(index)
+                if plain and not t_draw:  # statistics off, or a batch not timed
+                    try:
+                        data = self.fetcher.fetch(index)
+                    except StopIteration:  # the dataset ended the epoch (torch)
+                        data = EXHAUSTED
                 else:
-                    t1 = _ns()
-                    rec.add(SAMPLING, t1 - t_draw)
-                    index, data = self._fetch_timed(rec, index, t1)
+                    if t_draw and rec is not None:
+                        rec.observe(SAMPLING, t_draw, lane=LANE_CONSUMER)
+                    index, data, _ = self._fetch(index, t_draw != 0)
             except Exception:
                 self.delivery.commit(track.last_drawn)  # consumed (as in torch, not retried)
                 raise
@@ -275,7 +232,9 @@ class InlineSource:
                 self._end_epoch()
                 self.failures.end_of_epoch()
                 raise StopIteration
-            if plain:  # its statistics were recorded with the fetch
+            if plain:  # nothing to absorb (Delivery.absorb): counted and committed here
+                if rec is not None:
+                    rec.delivered(index, self.auto_collation, t0 != 0)
                 self.delivery.commit(track.last_drawn)
                 return data
             try:
@@ -284,84 +243,84 @@ class InlineSource:
                 self._end_epoch()
                 raise
             if data is not NOTHING:
-                data = self._deliver(data)
-                if rec is not None:
-                    rec.begin_at(t0)
-                    rec.end_wait(t0, True)
-                return data
+                return self._deliver(data)
             self._commit(yielded=False)
-            if rec is not None:
+            if t_draw:
                 t_draw = _ns()
 
     async def _anext_in_process(self) -> Any:
-        """One batch for ``async for`` (:meth:`anext`): batches whose every sample was
-        skipped are consumed here, so it never returns :data:`NOTHING`."""
-        track = self.track
-        while True:
-            if self.closed:
-                raise StopAsyncIteration
-            if track.discard and not track.replaying:
-                await track.areplay(self.anext)
-            call = self.pending_call
-            if call is None:
-                policy = self.policy
-                t0 = _ns()
-                # Inline, yield to the loop at least every YIELD_EVERY_S so other tasks keep
-                # running (and cancellation is seen) without paying a loop round-trip per
-                # tiny batch. Before the draw: a cancellation here loses nothing.
-                if policy.inline and t0 - self.last_yield > _InlinePolicy.YIELD_EVERY_NS:
-                    await _checkpoint()
-                    self.last_yield = t0 = _ns()
-                try:
-                    index = next(self.sampler_iter)
-                except StopIteration:
-                    track.finished = True
-                    await self._end_epoch_async()
-                    self.failures.end_of_epoch()
-                    raise StopAsyncIteration from None
-                if policy.inline and self.plain:
-                    data = self._fetch_plain(index, t0)
-                    if data is EXHAUSTED:
-                        return await self._finish((index, data))
-                    return data
-                if self.rec is not None:
-                    self.rec.add(SAMPLING, _ns() - t0)
-                if policy.inline:
-                    data, took = self._consumed_on_error(_timed, self._fetch, index)
-                    policy.record(took)
-                    data = await self._finish(data)
-                    if data is not NOTHING:
-                        return data
-                    continue
-                call = self.pending_call = (
-                    _ThreadCall(_timed, self._fetch, index) if self.device is None else
-                    _ThreadCall(_timed, self._fetch_finished, index,
-                                _device.current_stream_of(self.device)))
-            await call.wait(self.runner)  # cancelled: `pending` keeps the batch
-            self.pending_call = None
-            data, took = self._consumed_on_error(call.result)
-            self.policy.record(took)
-            data = await self._finish(data)
-            if data is not NOTHING:
-                return data
+        """One batch for ``async for`` (:meth:`anext`), the consumer's wait timed as the
+        policy says (:meth:`Recorder.due`): batches whose every sample was skipped are
+        consumed here, so it never returns :data:`NOTHING`."""
+        track, rec = self.track, self.rec
+        t_ask = rec.due() if rec is not None else 0  # when the consumer asked, if timed
+        try:
+            while True:
+                if self.closed:
+                    raise StopAsyncIteration
+                if track.discard and not track.replaying:
+                    await track.areplay(self.anext)
+                call = self.pending_call
+                if call is None:
+                    policy = self.policy
+                    t0 = _ns()
+                    # Inline, yield to the loop at least every YIELD_EVERY_S so other tasks
+                    # keep running (and cancellation is seen) without paying a loop
+                    # round-trip per tiny batch. Before the draw: a cancellation here loses
+                    # nothing.
+                    if policy.inline and t0 - self.last_yield > _InlinePolicy.YIELD_EVERY_NS:
+                        await _checkpoint()
+                        self.last_yield = t0 = _ns()
+                    try:
+                        index = next(self.sampler_iter)
+                    except StopIteration:
+                        track.finished = True
+                        await self._end_epoch_async()
+                        self.failures.end_of_epoch()
+                        raise StopAsyncIteration from None
+                    if t_ask and rec is not None:
+                        rec.observe(SAMPLING, t0, lane=LANE_CONSUMER)
+                    if policy.inline and self.plain:
+                        data = self._fetch_plain(index, t_ask != 0)
+                        if data is EXHAUSTED:
+                            await self._finish((index, data, False))  # the epoch's end
+                        break
+                    if policy.inline:
+                        fetched, took = self._consumed_on_error(_timed, self._fetch, index,
+                                                                t_ask != 0)
+                        policy.record(took)
+                        data = await self._finish(fetched)
+                        if data is not NOTHING:
+                            break
+                        continue
+                    call = self.pending_call = (
+                        _ThreadCall(_timed, self._fetch, index, t_ask != 0)
+                        if self.device is None else
+                        _ThreadCall(_timed, self._fetch_finished, index, t_ask != 0,
+                                    _device.current_stream_of(self.device)))
+                await call.wait(self.runner)  # cancelled: `pending` keeps the batch
+                self.pending_call = None
+                fetched, took = self._consumed_on_error(call.result)
+                self.policy.record(took)
+                data = await self._finish(fetched)
+                if data is not NOTHING:
+                    break
+        except BaseException:
+            if rec is not None:  # the wall time ends here (or pauses: cancelled)
+                rec.waited(t_ask, _ns(), False)
+            raise
+        if t_ask and rec is not None:
+            rec.waited(t_ask, _ns())
+        return data
 
-    def _fetch_plain(self, index: Any, t0: int) -> Any:
-        """``async for``: a plain map-style batch (:attr:`plain`) fetched on the loop
-        (the policy found it tiny); the sampler was asked at ``t0``. Its bookkeeping is
-        written out: this runs once per batch (``benchmarks/bench_overhead.py``)."""
+    def _fetch_plain(self, index: Any, timed: bool) -> Any:
+        """``async for``: a plain batch (:attr:`plain`) fetched on the loop (the policy
+        found them tiny), counted and committed. Its bookkeeping is written out: this
+        runs once per batch (``benchmarks/bench_overhead.py``)."""
         track = self.track
-        rec = self.rec
         t1 = _ns()
         try:
-            if rec is not None:
-                rec.countdown -= 1
-                timed = rec.countdown <= 0  # one batch in Recorder.TIME_EVERY
-            else:
-                timed = False
-            if timed:
-                data, t_read = self.fetcher.fetch_split(index, _ns)
-            else:
-                data = self.fetcher.fetch(index)
+            data = self._fetch(index, True)[1] if timed else self.fetcher.fetch(index)
         except StopIteration:  # the dataset ended the epoch (as in torch)
             return EXHAUSTED
         except Exception:
@@ -370,27 +329,22 @@ class InlineSource:
         t2 = _ns()
         if t2 - t1 > _SLOW_NS:  # all that policy.record() does for an inline batch
             self.policy.record((t2 - t1) * 1e-9)
-        if rec is not None:
-            if timed:
-                rec.inline_split(index, self.auto_collation, t0, t1, t_read, t2)
-            else:
-                rec.inline_untimed += 1
-                if self.auto_collation and type(index) is list:
-                    rec.inline_samples += len(index)
-                else:
-                    rec.untimed_other(index, self.auto_collation)
+        if data is EXHAUSTED:
+            return data
+        if self.rec is not None:
+            self.rec.delivered(index, self.auto_collation, timed)
         self.delivery.commit(track.last_drawn)
         return data
 
-    async def _finish(self, fetched: tuple[Any, Any]) -> Any:
-        index, data = fetched
+    async def _finish(self, fetched: tuple[Any, Any, bool]) -> Any:
+        index, data, timed = fetched
         if data is EXHAUSTED:
             self.track.finished = True
             await self._end_epoch_async()
             self.failures.end_of_epoch()
             raise StopAsyncIteration
         try:
-            data = self.delivery.absorb(index, data)
+            data = self.delivery.absorb(index, data, timed)
         except TooManyFailuresError:
             await self._end_epoch_async()
             raise

@@ -95,7 +95,7 @@ class PoolSource:
             t0 = _ns()
             pool.send_nowait(worker, cmd)
             if rec is not None:
-                rec.add(DISPATCH, _ns() - t0)
+                rec.observe(DISPATCH, t0)
 
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Start the workers (if not yet), send what is primed, and read their replies."""
@@ -113,7 +113,7 @@ class PoolSource:
         t0 = _ns()
         await self.lease.pool.send(worker, cmd)
         if self.rec is not None:
-            self.rec.add(DISPATCH, _ns() - t0)
+            self.rec.observe(DISPATCH, t0)
 
     async def aclose(self) -> None:
         """Nothing of its own: the epoch releases (or closes) the lease."""
@@ -168,12 +168,13 @@ class PoolSource:
             data = reply.batch
             if reply.pin_ns is not None:  # pinned where it was decoded
                 if rec is not None:
-                    rec.add(PIN, reply.pin_ns)
+                    t1 = _ns()
+                    rec.observe(PIN, t1 - reply.pin_ns, t1)
             elif self.pin.enabled:
                 t0 = _ns()
                 data = await self.runner.run(on_batch, self.pin.apply, data)
                 if rec is not None:
-                    rec.add(PIN, _ns() - t0)
+                    rec.observe(PIN, t0)
         elif kind == "error":
             data = reply.error
         elif kind == "exhausted":

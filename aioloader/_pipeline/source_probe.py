@@ -65,8 +65,8 @@ class ProbingInlineSource(InlineSource):
         verdict = self.verdict = (owner.decide_probe(self.probe) if owner is not None
                                   else Verdict(0, "the epoch is gone"))
         if not verdict.workers:  # no more timing: an inline epoch's calls from now on
-            self.fetcher.close()
-            self._stats_mode(True)  # statistics time 1 batch in time_every again
+            if self.rec is not None:  # statistics time 1 batch in time_every again
+                self.rec.sample(self.plain)
             self.next_sync = super().next_sync  # type: ignore[method-assign]
             self.anext = super().anext  # type: ignore[method-assign]
 

@@ -66,27 +66,23 @@ class _Totals:
         self.batches += r.batches
         self.samples += r.samples
         self.step_ns += r.step_ns
-        # Sampled num_workers=0 batches (Recorder.TIME_EVERY): scale the timed ones up.
-        self.batches += r.inline_untimed
-        self.samples += r.inline_samples
-        if r.inline_timed:
-            n = r.inline_timed + r.inline_untimed  # the plain batches
-            for i in (SAMPLING, FETCH, COLLATE):
-                self.count[i] += n
-                self.ns[i] += r.inline_ns[i] * n // r.inline_timed
         wall = _wall_ns(r)
-        if r.wait_timed:
-            # Every batch delivered, less those whose waits were all timed (a probing first
-            # epoch's, before it went on sampling: aioloader._pipeline.source_probe).
-            n = r.batches + r.inline_untimed - r.count[WAIT]
-            # The wall time not counted already: the estimated waits and the training step
-            # share it. The estimate is capped by it: a timed wait that was slow (the
-            # process preempted) would otherwise scale up to more than the epoch lasted.
-            left = max(0, wall - r.ns[WAIT] - r.step_ns)
-            wait = min(r.inline_ns[WAIT] * n // r.wait_timed, left)
-            self.count[WAIT] += n
-            self.ns[WAIT] += wait
-            self.step_ns += left - wait
+        untimed = r.untimed
+        if untimed:  # batches counted, not timed (Recorder.due): scale the timed ones up to all
+            for i in (SAMPLING, FETCH, COLLATE):
+                if r.count[i]:
+                    self.ns[i] += r.ns[i] * untimed // r.count[i]
+                    self.count[i] += untimed
+            if r.count[WAIT]:
+                # The wall time not counted already: the estimated waits and the training
+                # step share it. The estimate is capped by it: a timed wait that was slow
+                # (the process preempted) would otherwise scale up to more than the epoch
+                # lasted.
+                left = max(0, wall - r.ns[WAIT] - r.step_ns)
+                wait = min(r.ns[WAIT] * untimed // r.count[WAIT], left)
+                self.count[WAIT] += untimed
+                self.ns[WAIT] += wait
+                self.step_ns += left - wait
         self.wall_ns += wall
         self.startup_ns += max(r.first_wait_ns, 0)
         self.occ[0] += r.occ_n
@@ -160,7 +156,7 @@ class StatsBook:
         rec = self.current
         if rec is not None:
             rec.trace = self.trace
-            rec.time_every = 1 if rec.watch or self.trace is not None else rec.TIME_EVERY
+            rec.pace()
 
     def register_hook(self, fn: Callable[[LoaderStats], object], every: int) -> StatsHook:
         """``fn(stats)`` every ``every`` delivered batches (:class:`StatsHook`)."""
@@ -169,7 +165,7 @@ class StatsBook:
         rec = self.current
         if rec is not None:
             rec.watch = True
-            rec.time_every = 1
+            rec.pace()
         return hook
 
     def snapshot(self, cumulative: bool = False) -> LoaderStats:

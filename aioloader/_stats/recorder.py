@@ -1,13 +1,15 @@
 """The per-batch counters behind ``loader.stats()``: what the hot path writes.
 
 The hot path only does ``time.perf_counter_ns()`` reads and plain integer adds on
-a :class:`Recorder` (no locks, no allocation beyond the ints themselves), including one
-add to a latency histogram bucket per timed item (:meth:`Recorder.observe`, the one
-place a latency meets :mod:`aioloader._stats.hist`; the percentiles) and, only when
-``loader.record_trace()`` is on, one span tuple appended to a bounded ring per stage
-(:mod:`aioloader._stats.trace`); every ratio, mean and the hint are computed lazily by
-:meth:`aioloader._stats.book.StatsBook.snapshot` (folding, :mod:`aioloader._stats.book`;
-the results and their table, :mod:`aioloader._stats.report`).
+a :class:`Recorder` (no locks, no allocation beyond the ints themselves). Each stage
+reports through one call at its boundary, :meth:`Recorder.observe` (its count and
+time, one add to a latency histogram bucket, :mod:`aioloader._stats.hist`, for the
+percentiles, and only when ``loader.record_trace()`` is on one span tuple appended
+to a bounded ring, :mod:`aioloader._stats.trace`); which batches are timed at all is
+the policy :meth:`Recorder.due` (every one, or 1 in 16 in-process). Every ratio, mean
+and the hint are computed lazily by :meth:`aioloader._stats.book.StatsBook.snapshot`
+(folding, :mod:`aioloader._stats.book`; the results and their table,
+:mod:`aioloader._stats.report`).
 
 Where each stage is measured (all times are sums over batches):
 
@@ -97,22 +99,35 @@ class StatsHook:
 class Recorder:
     """Raw counters of one epoch. Written from the consumer's thread, the loop and
     (for in-process fetches) one fetch thread; integer adds only.
+
+    Every stage is observed at its boundaries through one call, :meth:`observe` (the
+    consumer's calls through :meth:`waited`, which observes their waits). Which batches
+    are timed at all is a policy, :meth:`due`: every batch, or with sampling on (an
+    in-process epoch of plain batches, :meth:`sample`) 1 in :attr:`TIME_EVERY`, the
+    others only counted (:attr:`untimed`) and their times estimated by the fold
+    (:class:`aioloader._stats.book.StatsBook`): a steady loop repeats itself.
     """
 
     # Each attribute is described where __init__ sets it.
     __slots__ = (
         "batches", "book", "count", "countdown", "epoch", "first_done_ns", "first_wait_ns",
-        "hist", "hmax", "hooks", "inline_ns", "inline_samples", "inline_timed",
-        "inline_untimed", "last_ns", "log_every_ns", "next_log_ns", "ns", "num_workers",
-        "occ_flight", "occ_n", "occ_ready", "occ_staged", "procs", "reading_ns", "samples",
-        "start_ns", "step_ns", "time_every", "trace", "w_batches", "w_collate", "w_fetch",
-        "w_idle", "wait_countdown", "wait_timed", "watch",
+        "hist", "hmax", "hooks", "last_ns", "log_every_ns", "next_log_ns", "ns",
+        "num_workers", "occ_flight", "occ_n", "occ_ready", "occ_staged", "period", "procs",
+        "reading_ns", "sampled", "samples", "start_ns", "step_from", "step_ns",
+        "time_every", "trace", "untimed", "w_batches", "w_collate", "w_fetch", "w_idle",
+        "watch",
     )
+
+    #: With sampling on, time one batch in this many (the others are only counted, and
+    #: their times estimated from the timed ones). Reading the clock costs ~0.15 us here;
+    #: a batch of tiny samples ~70 us, so timing each would cost a few percent.
+    TIME_EVERY = 16
 
     def __init__(self, num_workers: int, log_every_s: float | None = None,
                  book: Snapshots | None = None, epoch: int = 0,
                  trace: deque[tuple[int, int, int, int, int]] | None = None,
                  hooks: list[StatsHook] | None = None) -> None:
+        # Timed items by stage: their number and nanoseconds.
         self.count = [0] * len(STAGES)
         self.ns = [0] * len(STAGES)
         # Latency histograms by stage (percentiles, aioloader._stats.hist) and exact maxima.
@@ -126,12 +141,14 @@ class Recorder:
         self.procs: WorkerProcs | None = None
         self.batches = 0
         self.samples = 0
+        self.untimed = 0  # delivered batches the policy did not time (due() gave 0)
         self.step_ns = 0
         self.first_wait_ns = -1  # the first batch's wait (worker start-up), -1: none yet
         self.first_done_ns = 0  # when the first batch was delivered (0: not yet)
         self.reading_ns = 0  # when the main process started reading worker replies
         self.start_ns = 0
-        self.last_ns = 0  # when the latest batch was handed to the consumer
+        self.last_ns = 0  # when the consumer's latest timed call returned (the wall's end)
+        self.step_from = 0  # ... if the step from there to the next call is timed (else 0)
         self.num_workers = num_workers
         self.w_batches = [0] * num_workers
         self.w_fetch = [0] * num_workers
@@ -146,146 +163,104 @@ class Recorder:
         # Weak: the book holds its current recorder (no cycle to leave to the cyclic GC).
         self.book = weakref.ref(book) if book is not None else None
         self.epoch = epoch
-        # num_workers=0, plain map-style batches (see inline_batch): one in TIME_EVERY is
-        # timed stage by stage; the others only counted. Sums of the timed ones, by
-        # stage (SAMPLING, FETCH, COLLATE).
-        self.countdown = 1  # batches until the next timed one (the first one is timed)
-        # Periodic logging and stats hooks (opt-in) look at every batch, and a trace
-        # draws every batch: time them all then.
+        # The policy (due): countdown, batches until the next timed one (the first one is
+        # timed); period, what it was last set to; time_every, 1 unless sampling is on and
+        # nothing looks at every batch (periodic logging, stats hooks, a trace).
         self.watch = bool(self.log_every_ns or self.hooks)
-        self.time_every = 1 if self.watch or trace is not None else self.TIME_EVERY
-        self.inline_ns = [0] * len(STAGES)
-        self.inline_timed = 0
-        self.inline_untimed = 0  # counted by the loader itself (two adds, no call)
-        self.inline_samples = 0  # their samples (map-style batches of a list of keys)
-        # Consumer waits timed only 1 in time_every (num_workers=0 plain batches): their
-        # sum is inline_ns[WAIT]; wait_countdown paces `async for` (AsyncLoaderIter).
-        self.wait_timed = 0
-        self.wait_countdown = 1
+        self.sampled = False
+        self.countdown = self.period = self.time_every = 1
+
+    # -- the one observation, and the policy of which batches are timed ----------------
+
+    def observe(self, stage: int, t0: int, t1: int = 0, lane: int | None = None,
+                seq: int | None = None, spread: bool = True) -> int:
+        """One item of ``stage`` ran from ``t0`` to ``t1`` (0: now, returned): counted,
+        timed, into the stage's latency histogram (``spread``;
+        :func:`aioloader._stats.hist.bucket`) and, with a trace, a span on ``lane``
+        (default: the stage's) for batch ``seq`` (default: the one the consumer waits
+        for next)."""
+        if not t1:
+            t1 = _now()
+        ns = t1 - t0
+        self.count[stage] += 1
+        self.ns[stage] += ns
+        if spread:
+            self.hist[stage][_bucket(ns)] += 1
+            if ns > self.hmax[stage]:
+                self.hmax[stage] = ns
+        if self.trace is not None:
+            self.trace.append((stage, _LANE[stage] if lane is None else lane, t0, t1,
+                               self.count[WAIT] + self.untimed if seq is None else seq))
+        return t1
+
+    def fetched(self, t0: int, collated: int) -> int:
+        """A fetch from ``t0`` to now whose ``collate_fn`` is timed apart
+        (:class:`TimedCollate`; ``collated``: :attr:`ns` of ``COLLATE`` at ``t0``, so
+        that no collate time, its own or an overlapping fetch's, counts as reading):
+        :meth:`observe` it; returns now."""
+        t1 = _now()
+        self.observe(FETCH, t0, t0 + max(0, t1 - t0 - (self.ns[COLLATE] - collated)), t1)
+        return t1
+
+    def due(self) -> int:
+        """The timing policy, asked once per batch by an in-process source: the time now
+        if this batch is timed, else 0 (it is only counted: ``delivered(timed=False)``).
+        The epoch's first :attr:`time_every` batches are all timed (start-up, short
+        epochs), then one in :attr:`time_every`."""
+        self.countdown -= 1
+        if self.countdown > 0:
+            return 0
+        if self.period > 1:  # batches since the latest timed one were not: no step to time
+            self.step_from = 0
+        self.period = self.countdown = (
+            self.time_every if self.count[WAIT] >= self.time_every else 1)
+        return _now()
+
+    def sample(self, on: bool) -> None:
+        """Sampling on (an in-process epoch of plain batches) or off (every batch timed)."""
+        self.sampled = on
+        self.pace()
+
+    def pace(self) -> None:
+        """Set :attr:`time_every` from sampling, hooks, periodic logging and the trace."""
+        self.time_every = (self.TIME_EVERY if self.sampled and not self.watch
+                           and self.trace is None else 1)
 
     # -- consumer side -----------------------------------------------------------------
 
-    def begin_wait(self) -> int:
-        """The consumer asks for a batch; returns the start time for :meth:`end_wait`."""
-        t = _now()
-        self.begin_at(t)
-        return t
-
     def waiting(self) -> ConsumerWait:
-        """``with rec.waiting(): batch = next_batch()``: time one wait of the consumer
-        (:meth:`begin_wait` and :meth:`end_wait`; a call that raises delivered nothing)."""
+        """``with rec.waiting(): batch = next_batch()``: time one call of the consumer
+        (:meth:`waited`; a call that raises delivered nothing)."""
         return ConsumerWait(self)
 
-    def begin_at(self, t: int) -> None:
-        """:meth:`begin_wait`, the consumer having asked at ``t``."""
-        if self.last_ns:
-            self.step_ns += t - self.last_ns
-            if self.trace is not None:
-                self.trace.append((STEP, LANE_CONSUMER, self.last_ns, t, self.count[WAIT] - 1))
-        elif not self.start_ns:
-            self.start_ns = t
-
-    def end_wait(self, t0: int, delivered: bool, t: int = 0) -> None:
-        """The consumer's call returned (a batch when ``delivered``) or raised, at ``t``
-        (0: now)."""
-        if not t:
-            t = _now()
-        took = t - t0
-        self.ns[WAIT] += took
-        self.last_ns = t if delivered else 0
-        if delivered:
-            self.count[WAIT] += 1
-            if self.first_wait_ns < 0:
-                self.first_wait_ns = took
-                self.first_done_ns = t
-                if self.procs is not None:
-                    self.procs.begin()
-            else:  # percentiles leave the first wait (start-up, startup_s) out
-                self.observe(WAIT, took)
-            if self.trace is not None:
-                self.trace.append((WAIT, LANE_CONSUMER, t0, t, self.count[WAIT] - 1))
-            if self.watch:
-                self._tick(t)
-
-    #: num_workers=0 plain batches: time one in this many stage by stage (the others
-    #: are only counted, and their times estimated from the timed ones: a steady loop
-    #: repeats itself). Reading the clock costs ~0.15 us here; a batch of tiny samples
-    #: ~70 us, so timing each would cost a few percent.
-    TIME_EVERY = 16
-
-    def inline_batch(self, index: Any, auto_collation: bool, t_ask: int, t_draw: int,
-                     t_drawn: int, t_read: int, t_done: int) -> None:
-        """A plain ``num_workers=0`` batch (map-style, no policy, pinning or device),
-        timed, with ``for``: the consumer asked at ``t_ask``, the sampler was asked at
-        ``t_draw`` and answered at ``t_drawn``, the samples were read at ``t_read``,
-        collated at ``t_done``. One batch in :attr:`TIME_EVERY` is timed so; the
-        loader counts the others in :attr:`inline_untimed` / :attr:`inline_samples`,
-        and :class:`_Totals` scales the timed sums up to all of them (the training
-        step is the wall time left).
-        """
-        self.inline_split(index, auto_collation, t_draw, t_drawn, t_read, t_done)
-        self.sampled_wait(t_ask, t_done)
-
-    def sampled_wait(self, t_ask: int, t_done: int) -> None:
-        """One of the consumer's waits that are timed (1 in :attr:`time_every`): it
-        asked at ``t_ask`` and got its batch at ``t_done``."""
-        took = t_done - t_ask
-        self.inline_ns[WAIT] += took
-        self.wait_timed += 1
-        self.wait_countdown = self.time_every if self.wait_timed >= self.time_every else 1
-        if not self.start_ns:
-            self.start_ns = t_ask
-        elif self.trace is not None and self.last_ns:
-            self.trace.append((STEP, LANE_CONSUMER, self.last_ns, t_ask,
-                               self.batches + self.inline_untimed - 2))
-        self.last_ns = t_done
-        if self.first_wait_ns < 0:
-            self.first_wait_ns = took
-            self.first_done_ns = t_done
-        else:
-            self.observe(WAIT, took)
-        if self.trace is not None:
-            self.trace.append((WAIT, LANE_CONSUMER, t_ask, t_done,
-                               self.batches + self.inline_untimed - 1))
-        if self.watch:
-            self._tick(t_done)
-
-    def inline_split(self, index: Any, auto_collation: bool, t_draw: int, t_drawn: int,
-                     t_read: int, t_done: int) -> None:
-        """:meth:`inline_batch` for ``async for``, whose iterator times the consumer's
-        waits itself (:meth:`begin_wait`/:meth:`end_wait`)."""
-        # The epoch's first time_every batches are all timed (short epochs, start-up).
-        self.countdown = self.time_every if self.inline_timed >= self.time_every else 1
-        acc = self.inline_ns
-        a, b, c = t_drawn - t_draw, t_read - t_drawn, t_done - t_read
-        acc[SAMPLING] += a
-        acc[FETCH] += b
-        acc[COLLATE] += c
-        self.observe(SAMPLING, a)
-        self.observe(FETCH, b)
-        self.observe(COLLATE, c)
-        if self.trace is not None:
-            n = self.batches + self.inline_untimed
-            self.trace.extend(((SAMPLING, LANE_CONSUMER, t_draw, t_drawn, n),
-                               (FETCH, LANE_CONSUMER, t_drawn, t_read, n),
-                               (COLLATE, LANE_CONSUMER, t_read, t_done, n)))
-        self.inline_timed += 1
-        self.delivered(index, auto_collation)
-
-    def untimed_other(self, index: Any, auto_collation: bool) -> None:
-        """:attr:`inline_samples` of an untimed batch whose keys are not a list."""
-        if not auto_collation:
-            self.inline_samples += 1
+    def waited(self, t0: int, t1: int, delivered: bool = True) -> None:
+        """The consumer's call from ``t0`` (0: not timed, :meth:`due`) returned at ``t1``
+        with a batch (``delivered``) or raised: its wait, and the step before it."""
+        self.last_ns = t1
+        if not t0:
+            self.step_from = 0
             return
-        try:
-            self.inline_samples += len(index)
-        except TypeError:  # a batch sampler yielding something without len()
-            self.inline_samples += 1
-
-    def inline_end(self, t: int) -> None:
-        """``for`` with timed plain batches: the epoch's last call returned (or raised)
-        at ``t`` (the end of the wall time)."""
-        self.last_ns = t
+        if self.step_from:
+            self.step_ns += t0 - self.step_from
+            if self.trace is not None:
+                self.trace.append((STEP, LANE_CONSUMER, self.step_from, t0,
+                                   self.count[WAIT] + self.untimed - 1))
+        elif not self.start_ns:
+            self.start_ns = t0
+        if not delivered:  # its wait counts in the time, not as a batch's
+            self.ns[WAIT] += t1 - t0
+            self.step_from = 0
+            return
+        self.step_from = t1
+        first = self.first_wait_ns < 0
+        if first:  # the first batch's wait (start-up, startup_s): not in the percentiles
+            self.first_wait_ns = t1 - t0
+            self.first_done_ns = t1
+            if self.procs is not None:
+                self.procs.begin()
+        self.observe(WAIT, t0, t1, seq=self.count[WAIT] + self.untimed, spread=not first)
+        if self.watch:
+            self._tick(t1)
 
     def occupancy(self, in_flight: int, ready: int, staged: int) -> None:
         """Queue depths seen when the consumer asked for a batch (pipeline only)."""
@@ -294,10 +269,12 @@ class Recorder:
         self.occ_ready += ready
         self.occ_staged += staged
 
-    def delivered(self, index: Any, auto_collation: bool, batch: bool = True) -> None:
-        """A batch leaves the loader: count it (``batch``) and its sampled indices."""
-        if batch:
-            self.batches += 1
+    def delivered(self, index: Any, auto_collation: bool, timed: bool = True) -> None:
+        """A batch leaves the loader: count it and its sampled indices (``timed``: the
+        policy, :meth:`due`, timed it)."""
+        self.batches += 1
+        if not timed:
+            self.untimed += 1
         if auto_collation:
             try:
                 self.samples += len(index)
@@ -305,22 +282,6 @@ class Recorder:
                 self.samples += 1
         else:
             self.samples += 1
-
-    def add(self, stage: int, ns: int, end: int = 0) -> None:
-        """One item of ``stage`` took ``ns``, ending at ``end`` (0: it just ended)."""
-        self.count[stage] += 1
-        self.ns[stage] += ns
-        self.observe(stage, ns)
-        if self.trace is not None:
-            t = end or _now()
-            self.trace.append((stage, _LANE[stage], t - ns, t, self.count[WAIT]))
-
-    def observe(self, stage: int, ns: int) -> None:
-        """One latency of ``stage`` (``ns`` nanoseconds) into its histogram
-        (:func:`aioloader._stats.hist.bucket`) and its exact maximum."""
-        self.hist[stage][_bucket(ns)] += 1
-        if ns > self.hmax[stage]:
-            self.hmax[stage] = ns
 
     def worker_batch(self, worker: int, stamp: tuple[int, int, int, int], seq: int = -1) -> None:
         """A worker's reply arrived (just decoded) with its :class:`WorkerClock` stamp.
@@ -331,23 +292,12 @@ class Recorder:
         """
         total, collate, idle, sent = stamp
         fetch = total - collate if total > collate else 0
-        self.count[FETCH] += 1
-        self.ns[FETCH] += fetch
-        self.count[COLLATE] += 1
-        self.ns[COLLATE] += collate
-        self.count[TRANSPORT] += 1
-        now = _now()
-        took = now - (sent if sent > self.reading_ns else self.reading_ns)
-        took = took if took > 0 else 0
-        self.ns[TRANSPORT] += took
-        self.observe(FETCH, fetch)
-        self.observe(COLLATE, collate)
-        self.observe(TRANSPORT, took)
-        if self.trace is not None:
-            self.trace.extend(((FETCH, worker, sent - total, sent - collate, seq),
-                               (COLLATE, worker, sent - collate, sent, seq),
-                               (TRANSPORT, worker, now - took, now, seq)))
         began = sent - total  # the fetch started here, after `idle` ns of waiting
+        self.observe(FETCH, began, began + fetch, worker, seq)
+        self.observe(COLLATE, sent - collate, sent, worker, seq)
+        now = _now()
+        start = sent if sent > self.reading_ns else self.reading_ns
+        self.observe(TRANSPORT, start if start < now else now, now, worker, seq)
         first = self.first_done_ns
         if not first:
             idle = 0
@@ -405,10 +355,10 @@ class ConsumerWait:
         self.t0 = 0
 
     def __enter__(self) -> None:
-        self.t0 = self.rec.begin_wait()
+        self.t0 = _now()
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.rec.end_wait(self.t0, exc_type is None)
+        self.rec.waited(self.t0, _now(), exc_type is None)
 
 
 class TimedCollate:
@@ -418,16 +368,16 @@ class TimedCollate:
     keep ``count``/``ns`` lists indexed by stage. A call that raises is not counted.
     """
 
-    __slots__ = ("add", "fn")
+    __slots__ = ("fn", "observe")
 
     def __init__(self, fn: Callable[[Any], Any], sink: Recorder | WorkerClock) -> None:
         self.fn = fn
-        self.add = sink.add
+        self.observe = sink.observe
 
     def __call__(self, data: Any) -> Any:
         t0 = _now()
         batch = self.fn(data)
-        self.add(COLLATE, _now() - t0)
+        self.observe(COLLATE, t0)
         return batch
 
 
@@ -450,10 +400,10 @@ class WorkerClock:
     def wrap(self, collate_fn: Callable[[Any], Any]) -> TimedCollate:
         return TimedCollate(collate_fn, self)
 
-    def add(self, stage: int, ns: int) -> None:
-        """:class:`TimedCollate`'s sink: ``ns`` more in ``stage``."""
+    def observe(self, stage: int, t0: int) -> None:
+        """:class:`TimedCollate`'s sink: one item of ``stage`` from ``t0`` to now."""
         self.count[stage] += 1
-        self.ns[stage] += ns
+        self.ns[stage] += _now() - t0
 
     def reset(self) -> None:
         """A new epoch: idle time between epochs is not this epoch's."""
