@@ -114,11 +114,6 @@ class ThreadRunner(ParkableThread):
         self._parked = False
         self._lock = threading.Lock()  # orders starts, parks and the thread's own exit
 
-    @property
-    def thread(self) -> threading.Thread | None:
-        """The thread, while one runs."""
-        return self._thread
-
     def _submit(self, job: Any) -> None:
         """Queue ``job``, starting the thread if none runs (unless parked)."""
         with self._lock:
@@ -235,12 +230,6 @@ class ThreadRunner(ParkableThread):
             return
         if thread is not None:
             await _ended(thread)
-
-    def join(self, timeout: float | None = None) -> None:
-        """Block until the thread has exited (sync callers only)."""
-        self.close()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
 
 
 async def run_in_own_thread(name: str, fn: Callable[..., Any], *args: Any) -> Any:

@@ -116,11 +116,6 @@ class RayWorkerPool(PoolBase[_Actor]):
         """The Ray actor names, by worker id (``ray.get_actor(name)`` finds a live one)."""
         return [a.name for a in self._workers]
 
-    def is_running(self, worker_id: int) -> bool:
-        """True unless the actor died, retired or the pool closed."""
-        actor = self._workers[worker_id]
-        return not (actor.exited or actor.retiring or self._closing)
-
     def _repr_detail(self) -> str:
         return f"actors={self.actor_names}"
 

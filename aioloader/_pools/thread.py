@@ -121,11 +121,6 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
         """
         return sum(w.unanswered for w in self._workers)
 
-    def is_running(self, worker_id: int) -> bool:
-        """True if worker ``worker_id``'s thread has not ended."""
-        thread = self._workers[worker_id].thread
-        return thread is not None and thread.is_alive()
-
     def _repr_detail(self) -> str:
         return f"workers={len(self._workers)}"
 

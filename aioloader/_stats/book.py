@@ -126,9 +126,8 @@ class StatsBook:
         self.log_every_s = log_every_s
         self.current: Recorder | None = None
         self.done = _Totals()
-        # Opt-in trace ring (record_trace): spans of about the last `trace_batches`.
+        # Opt-in trace ring (record_trace): spans of about the last N batches.
         self.trace: deque[tuple[int, int, int, int, int]] | None = None
-        self.trace_batches = 0
         self.hooks: list[StatsHook] = []
         # Worker (pid, tid) by worker id as last seen, for the trace's rows.
         self.worker_ids: list[tuple[int | None, int | None]] = []
@@ -150,7 +149,6 @@ class StatsBook:
 
     def record_trace(self, last_n_batches: int) -> None:
         """Keep the spans of about the last ``last_n_batches`` (0: stop and forget)."""
-        self.trace_batches = last_n_batches
         self.trace = (deque(maxlen=last_n_batches * self.SPANS_PER_BATCH)
                       if last_n_batches else None)
         rec = self.current
