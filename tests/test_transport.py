@@ -24,10 +24,15 @@ from aioloader._worker.codec import (
     encode,
 )
 from aioloader._worker.fds import close_fds
-from aioloader._worker.wire import HEADER, FrameReader, FrameWriter, send_message
+from aioloader._worker.wire import HEADER, FrameReader, FrameWriter, send_frame
 
 #: A payload big enough to span many socket reads (1 MiB).
 LARGE_PAYLOAD = 1 << 20
+
+
+def send_message(sock: socket.socket, obj: Any) -> None:
+    """Encode ``obj`` and write it as one frame on a blocking socket (fds closed after)."""
+    send_frame(sock, *encode(obj))
 
 
 @pytest.fixture

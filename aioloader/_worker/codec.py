@@ -41,7 +41,7 @@ The parent decodes those with the worker's :class:`~aioloader._worker.segments.S
 
 File descriptor ownership: :func:`encode` returns descriptors that the caller
 owns (duplicates; the storages keep their own). Whoever sends them closes
-them (:func:`aioloader._worker.wire.send_message` and
+them (:func:`aioloader._worker.wire.send_frame` and
 :class:`aioloader._worker.wire.FrameWriter` do). :func:`decode` takes
 ownership of the descriptors it is given and closes each exactly once, even
 when unpickling fails; rebuilt storages hold their own duplicates.
@@ -81,21 +81,18 @@ SHARE_THRESHOLD = 64 * 1024
 """Storages of at least this many bytes are moved to shared memory and sent by fd."""
 
 
-def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
-           max_fds: int | None = None,
-           buffer_callback: Any = None,
+def encode(obj: Any, *, buffer_callback: Any = None,
            dispatch_table: Any = None) -> tuple[bytes, list[int]]:
     """Pickle ``obj``; large or shared CPU tensor storages become attached fds.
 
+    Storages of at least :data:`SHARE_THRESHOLD` bytes are moved to shared memory
+    (``share_memory_()``) and sent by fd; smaller ones travel inline unless they are
+    already shared. At most :data:`MAX_FDS_PER_MESSAGE` storages go by their own
+    descriptor (already in torch's shared memory, or where there is no segment pool);
+    further ones are copied into a segment, or inline.
+
     Args:
         obj: any picklable object.
-        share_threshold: storages of at least this many bytes are moved to
-            shared memory (``share_memory_()``) and sent by fd; smaller ones
-            travel inline unless they are already shared.
-        max_fds: the most storages sent by their own descriptor (already in torch's
-            shared memory, or where there is no segment pool) in one message
-            (``None``: :data:`MAX_FDS_PER_MESSAGE`); further ones are copied into a
-            segment, or inline. The wire carries any number of descriptors.
         buffer_callback: pickle's protocol-5 out-of-band hook (the caller then hands
             the buffers to :func:`decode`); ``None``: every buffer in-band.
         dispatch_table: the pickler's ``dispatch_table`` (``None``: ``copyreg``'s).
@@ -119,12 +116,11 @@ def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
         True
     """
     buf = io.BytesIO()
-    max_fds = MAX_FDS_PER_MESSAGE if max_fds is None else max_fds
     pool = _segments.current()
+    pickler = Pickler(buf, SHARE_THRESHOLD, MAX_FDS_PER_MESSAGE, pool, buffer_callback)
+    if dispatch_table is not None:
+        pickler.dispatch_table = dispatch_table
     if pool is None:
-        pickler = Pickler(buf, share_threshold, max_fds, None, buffer_callback)
-        if dispatch_table is not None:
-            pickler.dispatch_table = dispatch_table
         try:
             pickler.dump(obj)
         except BaseException:
@@ -132,9 +128,6 @@ def encode(obj: Any, *, share_threshold: int = SHARE_THRESHOLD,
             raise
         return buf.getvalue(), pickler.fds
     with pool.lock:  # a worker with a segment pool: this reply seals the open arena
-        pickler = Pickler(buf, share_threshold, max_fds, pool, buffer_callback)
-        if dispatch_table is not None:
-            pickler.dispatch_table = dispatch_table
         retired = pool.take_retired()
         try:
             pickler.dump(_segments.Retired(retired, obj) if retired else obj)

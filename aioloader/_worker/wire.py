@@ -25,7 +25,7 @@ its own frame: :class:`FrameReader` keeps received descriptors in arrival order 
 gives a frame its count of them once the frame's last byte is in.
 
 Senders close the descriptors they were given once sent (:func:`send_frame`,
-:func:`send_message`, :class:`FrameWriter`); a :class:`Frame` read by
+:class:`FrameWriter`); a :class:`Frame` read by
 :class:`FrameReader` owns its descriptors until :func:`decode` closes them.
 """
 
@@ -50,7 +50,6 @@ __all__ = [
     "FrameReader",
     "FrameWriter",
     "send_frame",
-    "send_message",
 ]
 
 HEADER = struct.Struct("<QI")
@@ -98,28 +97,6 @@ def _fd_chunks(fds: list[int], nbytes: int) -> list[list[int]]:
         raise ValueError(f"a frame of {nbytes} bytes cannot carry {len(fds)} descriptors "
                          f"(at most {SCM_MAX_FD} per byte)")
     return chunks
-
-
-def send_message(sock: socket.socket, obj: Any) -> None:
-    """Encode ``obj`` and write it as one frame; blocks until fully written.
-
-    For the worker side (a blocking socket). The fds made by :func:`encode`
-    are closed afterwards, whether or not sending succeeded.
-
-    Example:
-        >>> import socket
-        >>> from aioloader._worker.codec import decode
-        >>> a, b = socket.socketpair()
-        >>> send_message(a, {"k": 1})
-        >>> reader = FrameReader(b)
-        >>> reader.read_available()
-        False
-        >>> decode(*reader.pop())
-        {'k': 1}
-        >>> a.close(); b.close()
-    """
-    payload, fds = encode(obj)
-    send_frame(sock, payload, fds)
 
 
 def send_frame(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
