@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.context
 import os
 from typing import Any
 
@@ -16,13 +15,6 @@ from .ray import RayWorkerPool
 from .thread import ThreadWorkerPool
 
 
-def _resolve_context(config: LoaderConfig) -> multiprocessing.context.BaseContext:
-    ctx = config.mp_context
-    if ctx is None:
-        return multiprocessing.get_context()
-    return ctx
-
-
 def start_pool(config: LoaderConfig, base_seed: int,
                 resume_states: dict[int, Any] | None = None,
                 shared_seed: int | None = None,
@@ -31,7 +23,7 @@ def start_pool(config: LoaderConfig, base_seed: int,
 
     A DataPipe's workers shard it first (torch's ``_sharding_worker_init_fn`` wraps
     ``worker_init_fn``) and an ``IterDataPipe``'s are seeded from ``shared_seed``; thread
-    workers each get their own copy of the graph (:mod:`aioconfig._datapipes`).
+    workers each get their own copy of the graph (:mod:`aioloader._datapipes`).
     ``resume_states``/``resume_rngs``: per worker, the iterable dataset's state and the RNG
     states a resumed worker starts from (:mod:`aioloader._resume.tracker`).
     """
@@ -68,5 +60,6 @@ def start_pool(config: LoaderConfig, base_seed: int,
         return ThreadWorkerPool(configs)
     if config.worker_method == "ray":
         return RayWorkerPool(configs, config.ray_address, config.ray_actor_options)
-    return WorkerPool(configs, _resolve_context(config))
+    ctx = config.mp_context
+    return WorkerPool(configs, multiprocessing.get_context() if ctx is None else ctx)
 

@@ -270,7 +270,9 @@ class RayWorkerPool(PoolBase[_Actor]):
             wake = actor.wake
             if wake is not None:
                 wake()
-        self._kill_all()
+        for actor in self._workers:
+            self._kill(actor)
+        self._dataset_ref = None  # the object store may free the dataset
         yield from ()
 
     def _kill(self, actor: _Actor) -> None:
@@ -285,8 +287,3 @@ class RayWorkerPool(PoolBase[_Actor]):
                 ray.kill(handle, no_restart=True)
         except Exception:  # Ray already shut down: its actors are gone with it
             logger.debug("ray.kill(%s) failed", actor.name, exc_info=True)
-
-    def _kill_all(self) -> None:
-        for actor in self._workers:
-            self._kill(actor)
-        self._dataset_ref = None  # the object store may free the dataset

@@ -49,7 +49,7 @@ from typing import Any
 import anyio
 
 from .._errors import IteratorClosedError, WorkerDiedError
-from .._threads import ThreadRunner
+from .._threads import ThreadRunner, run_in_own_thread
 from .._worker.config import WorkerConfig
 from .._worker.segments import POOL_LIMIT, WorkerSegments
 from .._worker.thread import Channel, thread_worker_main, torch_thread_local
@@ -234,12 +234,9 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
         worker.retiring = True
         worker.commands.put(("exit",))
         if worker.thread is not None:
-            runner = ThreadRunner("aioloader-thread-join")
-            try:
-                with anyio.CancelScope(shield=True):
-                    await runner.run(join_threads, [worker.thread], self.DEFAULT_GRACE)
-            finally:
-                await runner.aclose()
+            with anyio.CancelScope(shield=True):
+                await run_in_own_thread("aioloader-thread-join", join_threads, [worker.thread],
+                                        self.DEFAULT_GRACE)
 
     # ------------------------------------------------------------------ stop
 
@@ -267,11 +264,8 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
         join_threads(live, limit)
 
     async def _wait(self, live: list[threading.Thread], limit: float) -> None:
-        runner = ThreadRunner("aioloader-thread-join")  # joins block: not on the loop
-        try:
-            await runner.run(join_threads, live, limit)
-        finally:
-            await runner.aclose()
+        # Joins block: not on the loop.
+        await run_in_own_thread("aioloader-thread-join", join_threads, live, limit)
 
     def _free(self) -> None:
         for w in self._workers:
