@@ -23,12 +23,12 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
-__all__ = ["PARK_WAIT_S", "Parkable", "ParkableThread", "forking_here", "join_ending_threads",
-           "quiet_for_fork", "register", "track_ending"]
+__all__ = ["PARK_WAIT_S", "Parkable", "ParkableThread", "forking_here", "join_all",
+           "join_ending_threads", "quiet_for_fork", "register", "track_ending"]
 
 _LG = logging.getLogger(__name__)
 
@@ -228,6 +228,13 @@ def _runs_here(thread: Joinable) -> bool:
     return thread is threading.current_thread()
 
 
+def join_all(threads: Sequence[Joinable], limit: float) -> None:
+    """Block up to ``limit`` s in all until ``threads`` have ended (nothing can stop one)."""
+    deadline = time.monotonic() + limit
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
 def join_ending_threads(limit: float = ENDING_WAIT_S) -> None:
     """Block up to ``limit`` s in all until every thread of :func:`track_ending` ended.
 
@@ -238,9 +245,7 @@ def join_ending_threads(limit: float = ENDING_WAIT_S) -> None:
         threads = [t for t in _ending if not _runs_here(t)]
     if not threads:
         return
-    deadline = time.monotonic() + limit
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
+    join_all(threads, limit)
     with _ending_lock:
         for thread in threads:
             if not thread.is_alive():

@@ -27,7 +27,6 @@ import functools
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import wait as mp_wait
@@ -35,8 +34,8 @@ from typing import Protocol, TypeVar
 
 import anyio
 
-__all__ = ["KILL_WAIT", "TERM_WAIT", "Proc", "climb", "is_alive", "join_threads", "process_steps",
-           "reap", "reap_blocking", "wait_exit", "wait_exit_blocking"]
+__all__ = ["KILL_WAIT", "TERM_WAIT", "Proc", "climb", "is_alive", "process_steps", "reap",
+           "reap_blocking", "wait_exit", "wait_exit_blocking"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,10 +163,3 @@ async def reap(proc: Proc, wait: float) -> None:
     """Reap ``proc`` if it ended, waiting on the loop up to ``wait`` s for its exit status."""
     for pause in _reap_pauses(proc, wait):
         await anyio.sleep(pause)
-
-
-def join_threads(threads: list[threading.Thread], limit: float) -> None:
-    """Block up to ``limit`` s in all until ``threads`` have ended (nothing can stop one)."""
-    deadline = time.monotonic() + limit
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))

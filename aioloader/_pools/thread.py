@@ -49,12 +49,13 @@ from typing import Any
 import anyio
 
 from .._errors import IteratorClosedError, WorkerDiedError
+from .._park import join_all
 from .._threads import ThreadRunner, run_in_own_thread
 from .._worker.config import WorkerConfig
 from .._worker.segments import POOL_LIMIT, WorkerSegments
 from .._worker.thread import Channel, thread_worker_main, torch_thread_local
 from .base import ConfigSource, PoolBase
-from .ladder import climb, join_threads
+from .ladder import climb
 from .serve import Deliver
 
 __all__ = ["ThreadWorkerPool"]
@@ -235,7 +236,7 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
         worker.commands.put(("exit",))
         if worker.thread is not None:
             with anyio.CancelScope(shield=True):
-                await run_in_own_thread("aioloader-thread-join", join_threads, [worker.thread],
+                await run_in_own_thread("aioloader-thread-join", join_all, [worker.thread],
                                         self.DEFAULT_GRACE)
 
     # ------------------------------------------------------------------ stop
@@ -261,11 +262,11 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
                            "abandoning them (threads cannot be interrupted)", busy, grace)
 
     def _wait_blocking(self, live: list[threading.Thread], limit: float) -> None:
-        join_threads(live, limit)
+        join_all(live, limit)
 
     async def _wait(self, live: list[threading.Thread], limit: float) -> None:
         # Joins block: not on the loop.
-        await run_in_own_thread("aioloader-thread-join", join_threads, live, limit)
+        await run_in_own_thread("aioloader-thread-join", join_all, live, limit)
 
     def _free(self) -> None:
         for w in self._workers:
