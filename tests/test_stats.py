@@ -324,7 +324,7 @@ def test_histogram_percentiles_are_within_the_stated_relative_error() -> None:
 
     rng = random.Random(0)
     values = [int(rng.lognormvariate(13, 1.5)) for _ in range(20000)] + [0, 5, 31, 32, 33]
-    counts = hist.new()
+    counts = hist.new_set(1)[0]
     for v in values:
         counts[hist.bucket(v)] += 1
     exact = sorted(values)
@@ -334,12 +334,12 @@ def test_histogram_percentiles_are_within_the_stated_relative_error() -> None:
         true = exact[max(1, -int(-q * len(exact) // 1)) - 1]
         assert est is not None and abs(est - true) <= hist.REL_ERROR * true + 0.5, (q, est, true)
     # Mergeable: two halves folded together give the same histogram as the whole.
-    a, b = hist.new(), hist.new()
+    a, b = hist.new_set(1)[0], hist.new_set(1)[0]
     for i, v in enumerate(values):
         (a if i % 2 else b)[hist.bucket(v)] += 1
     hist.merge_into(a, b)
     assert a == counts
-    assert hist.percentiles(hist.new(), (0.5,)) == [None]
+    assert hist.percentiles(hist.new_set(1)[0], (0.5,)) == [None]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -36,12 +36,9 @@ from .dispatch import (
 _SPARSE_LAYOUTS = frozenset(
     {torch.sparse_coo, torch.sparse_csr, torch.sparse_bsr, torch.sparse_csc, torch.sparse_bsc}
 )
-_NESTED_ERROR = (
-    "Batches of nested tensors are not currently supported by the default collate_fn; "
-    "please provide a custom collate_fn to handle them appropriately."
-)
-_SPARSE_ERROR = (
-    "Batches of sparse tensors are not currently supported by the default collate_fn; "
+# torch's message, for "nested" and "sparse" batches.
+_UNSUPPORTED_ERROR = (
+    "Batches of {} tensors are not currently supported by the default collate_fn; "
     "please provide a custom collate_fn to handle them appropriately."
 )
 
@@ -188,9 +185,9 @@ def collate_tensor_fn(
     """
     elem = batch[0]
     if elem.is_nested:
-        raise RuntimeError(_NESTED_ERROR)
+        raise RuntimeError(_UNSUPPORTED_ERROR.format("nested"))
     if elem.layout in _SPARSE_LAYOUTS:
-        raise RuntimeError(_SPARSE_ERROR)
+        raise RuntimeError(_UNSUPPORTED_ERROR.format("sparse"))
     info = get_worker_info()
     if info is not None:
         if _crosses_processes(info):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
-__all__ = ["NBUCKETS", "REL_ERROR", "Hist", "bucket", "merge_into", "new", "new_set",
+__all__ = ["NBUCKETS", "REL_ERROR", "Hist", "bucket", "merge_into", "new_set",
            "percentiles"]
 
 _MANTISSA = 4  # bits: 16 buckets per power of two
@@ -32,11 +32,6 @@ REL_ERROR = 1 / (2 * _SUB)
 
 
 Hist = defaultdict[int, int]
-
-
-def new() -> Hist:
-    """An empty histogram."""
-    return defaultdict(int)
 
 
 def new_set(n: int) -> list[Hist]:

@@ -24,6 +24,7 @@ import resource
 
 from .._errors import TransportError
 from .._worker_info import get_worker_info
+from .fds import exception_chain
 
 __all__ = [
     "TOO_MANY_FDS",
@@ -86,15 +87,9 @@ def is_out_of_files(exc: BaseException | None) -> bool:
     """Whether ``exc``, its cause or its context says a process ran out of descriptors
     (an ``EMFILE``/``ENFILE`` ``OSError``, or torch's allocator saying so in a
     ``RuntimeError``)."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in _ERRNOS:
-            return True
-        if isinstance(exc, RuntimeError) and "Too many open files" in str(exc):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any((isinstance(link, OSError) and link.errno in _ERRNOS)
+               or (isinstance(link, RuntimeError) and "Too many open files" in str(link))
+               for link in exception_chain(exc))
 
 
 def out_of_fds(fd: int) -> bool:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 try:
     import _posixshmem  # CPython's shm_open/shm_unlink (multiprocessing.shared_memory)
 except ImportError:  # pragma: no cover - not POSIX
     _posixshmem = None
 
-__all__ = ["close_fds", "unlink_failed_segments"]
+__all__ = ["close_fds", "exception_chain", "unlink_failed_segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,17 +37,23 @@ def unlink_failed_segments(exc: BaseException | None) -> list[str]:
     when it is this process's (torch names it after the pid). Returns the names removed.
     """
     removed: list[str] = []
-    seen: set[int] = set()
     me = str(os.getpid())
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, RuntimeError):
-            for match in _FAILED_SEGMENT.finditer(str(exc)):
+    for link in exception_chain(exc):
+        if isinstance(link, RuntimeError):
+            for match in _FAILED_SEGMENT.finditer(str(link)):
                 name, pid = match.group(1), match.group(2)
                 if pid == me and _shm_unlink(name):
                     removed.append(name)
-        exc = exc.__cause__ or exc.__context__
     return removed
+
+
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc``, then its cause (or else its context), and so on; each once."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def _shm_unlink(name: str) -> bool:
