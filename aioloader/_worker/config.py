@@ -17,11 +17,13 @@ from typing import Any
 import torch
 
 from .._datapipes import is_iter_datapipe, seed_graph
+from .._errors import RemoteError
 from .._fetch.policy import FailurePolicy
 from .._fetch.sync import DatasetKind
 from .._worker_info import WorkerInfo, _set_worker_info
 
-__all__ = ["WorkerConfig", "generate_numpy_seed", "reseed_datapipe", "seed_worker"]
+__all__ = ["WorkerConfig", "generate_numpy_seed", "reseed_datapipe", "run_worker_init",
+           "seed_worker"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -165,6 +167,17 @@ def reseed_datapipe(cfg: WorkerConfig, shared_seed: int | None) -> None:
     if shared_seed is not None and is_iter_datapipe(cfg.dataset):
         cfg.shared_seed = shared_seed
         seed_graph(cfg.dataset, shared_seed)
+
+
+def run_worker_init(cfg: WorkerConfig) -> RemoteError | None:
+    """Call ``worker_init_fn(worker_id)``; what it raised, to answer every fetch with (as
+    torch's workers do), or ``None``."""
+    try:
+        if cfg.worker_init_fn is not None:
+            cfg.worker_init_fn(cfg.worker_id)
+    except Exception:
+        return RemoteError.from_current(_where(cfg))
+    return None
 
 
 def _where(cfg: WorkerConfig) -> str:

@@ -15,8 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .._errors import RemoteError
-from .config import WorkerConfig, _where, reseed_datapipe, seed_worker
+from .config import WorkerConfig, reseed_datapipe, run_worker_init, seed_worker
 from .loop import _SyncEpoch
 from .reply import Reply
 
@@ -88,12 +87,7 @@ class RayWorker:
         cfg = dataclasses.replace(cfg, dataset=dataset)
         self._cfg = cfg
         seed_worker(cfg)
-        self._init_error: RemoteError | None = None
-        try:
-            if cfg.worker_init_fn is not None:
-                cfg.worker_init_fn(cfg.worker_id)
-        except Exception:
-            self._init_error = RemoteError.from_current(_where(cfg))
+        self._init_error = run_worker_init(cfg)
         self._epoch = _SyncEpoch(cfg, self._init_error)
 
     def info(self) -> tuple[int, str]:

@@ -23,9 +23,8 @@ from typing import Any
 import torch
 
 from .._collate.fns import set_thread_allocator
-from .._errors import RemoteError
 from .._worker_info import WorkerInfo, _set_thread_worker_info
-from .config import WorkerConfig, _where, generate_numpy_seed, reseed_datapipe
+from .config import WorkerConfig, generate_numpy_seed, reseed_datapipe, run_worker_init
 from .loop import serve_commands
 from .reply import Reply
 from .segments import WorkerSegments
@@ -110,12 +109,7 @@ def thread_worker_main(cfg: WorkerConfig, commands: queue.SimpleQueue[tuple[Any,
             rng=rng, worker_method="thread"))
         if torch_local is not None:
             torch_local.worker_info = _torch_worker_info(cfg, seed, rng)
-        init_error: RemoteError | None = None
-        try:
-            if cfg.worker_init_fn is not None:
-                cfg.worker_init_fn(worker_id)
-        except Exception:
-            init_error = RemoteError.from_current(_where(cfg))
+        init_error = run_worker_init(cfg)
 
         def next_command() -> Any:
             if channel.stop.is_set():
