@@ -29,7 +29,7 @@ from .._threads import ThreadRunner
 from .._worker.codec import decode
 from .._worker.config import WorkerConfig
 from .._worker.fdlimit import is_out_of_files, out_of_files_error
-from .._worker.fds import close_fds
+from .._worker.fds import close_fds, sharing_strategy
 from .._worker.main import worker_main
 from .._worker.reply import Reply
 from .._worker.segments import SegmentMaps
@@ -101,7 +101,7 @@ class Conn:
                          if method == "fork" else [])
             cfg = dataclasses.replace(cfg, parent_pid=parent_pid, close_fds=close_fds,
                                       start_method=method,
-                                      sharing_strategy=_sharing_strategy())
+                                      sharing_strategy=sharing_strategy())
             proc: Proc | None = None
             if zygote is not None:
                 try:
@@ -321,13 +321,6 @@ def _identities(fds: list[int]) -> list[tuple[int, int, int]]:
             continue
         out.append((fd, st.st_dev, st.st_ino))
     return out
-
-
-def _sharing_strategy() -> str:
-    """torch's sharing strategy here, which the workers started now follow."""
-    import torch.multiprocessing as tmp
-
-    return str(tmp.get_sharing_strategy())  # type: ignore[no-untyped-call]
 
 
 def _decode_into(out: list[Reply], frames: list[Frame], maps: SegmentMaps,

@@ -1,4 +1,5 @@
-"""Descriptors a message owns, and shared-memory files a failed allocation left behind.
+"""Descriptors a message owns, shared-memory files a failed allocation left behind, and
+whether storages are shared by descriptor here (torch's sharing strategy).
 
 :func:`close_fds` closes every descriptor of a message that was not (or will not be)
 sent; :func:`unlink_failed_segments` removes the ``/dev/shm`` file torch's allocator
@@ -18,7 +19,8 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     _posixshmem = None
 
-__all__ = ["close_fds", "exception_chain", "unlink_failed_segments"]
+__all__ = ["close_fds", "exception_chain", "memfd_sharing", "sharing_strategy",
+           "unlink_failed_segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,3 +77,16 @@ def close_fds(fds: Iterable[int]) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+def sharing_strategy() -> str:
+    """torch's sharing strategy here (the workers started now follow it)."""
+    import torch.multiprocessing as tmp
+
+    return str(tmp.get_sharing_strategy())  # type: ignore[no-untyped-call]
+
+
+def memfd_sharing() -> bool:
+    """True where memory files can be made and sent: ``memfd_create`` exists and torch
+    shares storages by descriptor (``file_descriptor``, its default on Linux)."""
+    return hasattr(os, "memfd_create") and sharing_strategy() == "file_descriptor"

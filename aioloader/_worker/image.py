@@ -45,7 +45,7 @@ from typing import Any
 
 from .._datapipes import GRAPH_LOCK
 from .codec import decode, encode
-from .fds import close_fds
+from .fds import close_fds, memfd_sharing
 
 __all__ = ["DatasetImage"]
 
@@ -84,11 +84,7 @@ class DatasetImage:
     @staticmethod
     def supported() -> bool:
         """True where an image can be made (``memfd_create``, descriptor sharing)."""
-        if not hasattr(os, "memfd_create"):
-            return False
-        import torch.multiprocessing as tmp
-
-        return bool(tmp.get_sharing_strategy() == "file_descriptor")  # type: ignore[no-untyped-call]
+        return memfd_sharing()
 
     @classmethod
     def pack(cls, dataset: Any) -> DatasetImage | None:

@@ -22,19 +22,12 @@ import torch
 
 from . import segments as _segments
 from .fdlimit import is_out_of_files, out_of_files_error
-from .fds import unlink_failed_segments
+from .fds import sharing_strategy, unlink_failed_segments
 from .unpickler import rebuild_memoryview, rebuild_ndarray, rebuild_tensor
 
 __all__ = ["Pickler"]
 
 logger = logging.getLogger(__name__)
-
-
-def _fd_sharing_enabled() -> bool:
-    import torch.multiprocessing as tmp
-
-    return bool(tmp.get_sharing_strategy() == "file_descriptor")  # type: ignore[no-untyped-call]
-
 
 
 def _reduce_tensor(t: torch.Tensor) -> Any:
@@ -83,7 +76,7 @@ class Pickler(pickle.Pickler):
         self._ids: dict[int, tuple[Any, ...]] = {}
         self._threshold = share_threshold
         self._max_fds = max_fds
-        self._fd_ok = _fd_sharing_enabled()
+        self._fd_ok = sharing_strategy() == "file_descriptor"
         self.pool = pool
         self.refs: list[Any] = []  # one segment per distinct reference sent
         self.fd_sent: list[Any] = []

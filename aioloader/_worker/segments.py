@@ -60,6 +60,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .fds import memfd_sharing
+
 __all__ = [
     "POOL_LIMIT",
     "Freed",
@@ -391,12 +393,9 @@ def install(limit: int = POOL_LIMIT) -> WorkerSegments | None:
     ``file_descriptor`` (batches then travel as before: torch's shared memory, or inline).
     """
     global _current
-    import torch.multiprocessing as tmp
-
     from .._collate import fns
 
-    if not hasattr(os, "memfd_create") or tmp.get_sharing_strategy() != (  # type: ignore[no-untyped-call]
-            "file_descriptor"):
+    if not memfd_sharing():
         return None
     pool = WorkerSegments(limit)
     _current = pool
