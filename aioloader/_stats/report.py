@@ -281,26 +281,22 @@ def bottleneck_hint(s: LoaderStats, is_async: bool) -> str:
                 cpu = _mean([w.cpu_fraction for w in s.workers])
                 runq = _mean([w.runq_fraction for w in s.workers]) or 0.0
                 fn = "collate_fn" if in_collate else "__getitem__"
+                head = (f"consumer waited {_pct(wait)} of the time on workers (busy "
+                        f"{_pct(1 - idle_frac)}, mostly {what})")
                 if cpu is not None and cpu + runq >= CPU_BOUND and runq >= RUNQ_BUSY:
-                    return (f"consumer waited {_pct(wait)} of the time on workers (busy "
-                            f"{_pct(1 - idle_frac)}, mostly {what}); workers at "
-                            f"{_pct(cpu)} CPU and waiting {_pct(runq)} of the time for a "
-                            f"core: the machine's CPUs are all busy, more workers will "
-                            f"not help: make {fn} cheaper")
+                    return (f"{head}; workers at {_pct(cpu)} CPU and waiting {_pct(runq)} "
+                            f"of the time for a core: the machine's CPUs are all busy, more "
+                            f"workers will not help: make {fn} cheaper")
                 if cpu is not None and cpu >= CPU_BOUND:
-                    return (f"consumer waited {_pct(wait)} of the time on workers (busy "
-                            f"{_pct(1 - idle_frac)}, mostly {what}); workers at "
-                            f"{_pct(cpu)} CPU: raise num_workers or make {fn} cheaper")
+                    return (f"{head}; workers at {_pct(cpu)} CPU: raise num_workers or make "
+                            f"{fn} cheaper")
                 if cpu is not None and cpu + runq < CPU_IDLE:
                     threads = any(w.tid is not None for w in s.workers)
                     fix = ("raise fetch_concurrency" if is_async
                            else "raise fetch_threads (or num_workers)")
-                    return (f"consumer waited {_pct(wait)} of the time on workers (busy "
-                            f"{_pct(1 - idle_frac)}, mostly {what}) but workers at "
-                            f"{_pct(cpu)} CPU: workers idle waiting on I/O"
-                            f"{' or the GIL' if threads else ''}: {fix}")
-                return (f"consumer waited {_pct(wait)} of the time on workers (busy "
-                        f"{_pct(1 - idle_frac)}, mostly {what}): raise num_workers")
+                    return (f"{head} but workers at {_pct(cpu)} CPU: workers idle waiting on "
+                            f"I/O{' or the GIL' if threads else ''}: {fix}")
+                return f"{head}: raise num_workers"
             main = max(("transport", "pin", "device"), key=lambda n: st[n].seconds)
             return (f"consumer waited {_pct(wait)} of the time while workers were idle "
                     f"{_pct(idle_frac)}: the main process is the bottleneck (most in "
