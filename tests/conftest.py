@@ -161,6 +161,17 @@ def segment_fds() -> list[str]:
     return [t for t in fd_table().values() if t.startswith("/memfd:aioloader-")]
 
 
+def segment_counts(pool: Any) -> dict[str, int]:
+    """A :class:`aioloader._worker.segments.WorkerSegments`' live segments, pooled ones,
+    free ones, bytes held and segments made so far (once it has collected what came free)."""
+    with pool.lock:
+        pool._collect()
+        segs = list(pool._segments.values())
+        return {"live": len(segs), "pooled": sum(s.pooled for s in segs),
+                "free": len(pool._free), "bytes": sum(s.size for s in segs),
+                "created": pool.created}
+
+
 def open_fds() -> int:
     """This process's open fds, the accelerator driver's left out (CUDA's first use opens
     some in whichever test makes it)."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 from _loader_datasets import ShardedRange
-from conftest import wait_until
+from conftest import segment_counts, wait_until
 from torch.utils.data import get_worker_info as torch_get_worker_info  # captured at import
 
 import aioloader
@@ -679,7 +679,7 @@ def test_thread_workers_stack_big_batches_into_recycled_buffers() -> None:
             addresses.add(x.untyped_storage().data_ptr())
         del x, i
         pools = _thread_pools(it)
-        assert all(p.stats()["created"] <= p.limit for p in pools)
+        assert all(segment_counts(p)["created"] <= p.limit for p in pools)
         del it
     assert len(addresses) <= sum(p.limit for p in pools)  # 24 batches, a few buffers
     del loader
@@ -764,15 +764,15 @@ def test_thread_worker_buffers_lowered_bound_and_clean_up() -> None:
         pool.seal()
     del held[1:]
     pool.released([], limit=1)
-    assert pool.stats()["live"] == 1 and pool.take_retired() == []
+    assert segment_counts(pool)["live"] == 1 and pool.take_retired() == []
     pool.close()
 
     loader = DataLoader(_Big(), batch_size=4, num_workers=2, worker_method="thread")
     it = iter(loader)
     x, i = next(it)
     pools = _thread_pools(it)
-    assert any(p.stats()["live"] for p in pools)
+    assert any(segment_counts(p)["live"] for p in pools)
     it.close()
     assert_threads_gone()
-    assert all(p.stats()["live"] == 0 for p in pools)
+    assert all(segment_counts(p)["live"] == 0 for p in pools)
     assert (x[:, 0, 0, 0] == i.float()).all()  # the kept batch keeps its memory

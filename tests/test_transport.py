@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import open_fds, segment_fds, shm_entries
+from conftest import open_fds, segment_counts, segment_fds, shm_entries
 
 from aioloader._errors import TransportError
 from aioloader._worker.codec import (
@@ -331,7 +331,7 @@ def _hand_back(maps: Any, pool: Any) -> None:
     cmd = maps.attach(("fetch",))
     if isinstance(cmd, Freed):
         decode(*encode(cmd))  # a worker's decode hands the ids to its pool
-        assert pool.stats()["free"] >= 1
+        assert segment_counts(pool)["free"] >= 1
 
 
 def test_segment_is_reused_only_once_every_view_is_gone(no_fd_leak: None, seg_pool: Any) -> None:
@@ -346,17 +346,17 @@ def test_segment_is_reused_only_once_every_view_is_gone(no_fd_leak: None, seg_po
     del first
     gc.collect()
     _hand_back(maps, seg_pool)  # nothing released yet: no envelope
-    assert seg_pool.stats()["free"] == 0
+    assert segment_counts(seg_pool)["free"] == 0
     second = _send(("data", collate_tensor_fn([torch.full((64, 64), 2.0)] * 8)), maps)[1]
     assert second.data_ptr() != keep_view.data_ptr() - 2 * 64 * 64 * 4  # another segment
     assert (keep_view == 1).all() and (keep_np == 1).all() and keep_storage.nbytes() > 0
     del keep_view, keep_np, keep_storage, second
     gc.collect()
     _hand_back(maps, seg_pool)
-    stats = seg_pool.stats()
+    stats = segment_counts(seg_pool)
     assert stats["free"] == stats["pooled"] == 2 and len(maps) == 2
     third = _send(("data", collate_tensor_fn([torch.full((64, 64), 3.0)] * 8)), maps)[1]
-    assert (third == 3).all() and seg_pool.stats()["live"] == 2  # reused, not a new one
+    assert (third == 3).all() and segment_counts(seg_pool)["live"] == 2  # reused, not a new one
     del third
     maps.close()
 
@@ -370,12 +370,12 @@ def test_pool_bound_orphans_beyond_it_are_freed(no_fd_leak: None, seg_pool: Any)
     maps = SegmentMaps()
     kept = [_send(collate_tensor_fn([torch.full((32, 32), float(i))] * 4), maps)
             for i in range(POOL_LIMIT + 3)]
-    assert seg_pool.stats()["pooled"] == POOL_LIMIT and len(maps) == POOL_LIMIT
+    assert segment_counts(seg_pool)["pooled"] == POOL_LIMIT and len(maps) == POOL_LIMIT
     assert [int(t[0, 0, 0]) for t in kept] == list(range(POOL_LIMIT + 3))
     del kept
     gc.collect()
     _hand_back(maps, seg_pool)
-    stats = seg_pool.stats()
+    stats = segment_counts(seg_pool)
     assert stats["live"] == stats["free"] == POOL_LIMIT  # the orphans are gone
     maps.close()
 
@@ -610,7 +610,7 @@ def test_the_bound_follows_the_prefetch_window(no_fd_leak: None, seg_pool: Any) 
     gc.collect()
     maps.limit = 2
     decode(*encode(maps.attach(("fetch",))))  # the worker reads the releases and the bound
-    assert seg_pool.limit == 2 and seg_pool.stats()["pooled"] == 2
+    assert seg_pool.limit == 2 and segment_counts(seg_pool)["pooled"] == 2
     out = _send(collate_tensor_fn([torch.full((32, 32), 9.0)] * 4), maps)  # carries Retired
     assert (out == 9).all() and len(maps) == 2
     del out

@@ -189,7 +189,7 @@ class WorkerSegments:
         >>> pool.seal()  # the batch is handed over
         >>> del first  # ...and dropped: its segment is free again
         >>> second = pool.alloc(1 << 20)
-        >>> pool.stats()["created"]  # the same warm segment, reused
+        >>> pool.created  # the same warm segment, reused
         1
         >>> pool.close()
     """
@@ -355,15 +355,6 @@ class WorkerSegments:
         if announce and seg.pooled and not self.private:
             self._retired.append(seg.id)
         seg.destroy()
-
-    def stats(self) -> dict[str, int]:
-        """Counts for tests: live segments, pooled ones, free ones, bytes held."""
-        with self.lock:
-            self._collect()
-            segs = list(self._segments.values())
-            return {"live": len(segs), "pooled": sum(s.pooled for s in segs),
-                    "free": len(self._free), "bytes": sum(s.size for s in segs),
-                    "created": self.created}
 
     def close(self) -> None:
         """Let go of every segment (views still alive keep their memory)."""
