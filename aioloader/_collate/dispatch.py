@@ -70,41 +70,24 @@ class WatchedMap(dict):  # type: ignore[type-arg]
     def _changed(self) -> None:
         self.sequences_claimed = _claims_sequences(self)
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, value)
-        self._changed()
 
-    def __delitem__(self, key: Any) -> None:
-        super().__delitem__(key)
-        self._changed()
+def _watching(name: str) -> Callable[..., Any]:
+    """``dict``'s mutating method ``name``, followed by :meth:`WatchedMap._changed`."""
+    method = getattr(dict, name)
 
-    def __ior__(self, other: Any) -> WatchedMap:  # type: ignore[misc]
-        super().__ior__(other)
+    def watched(self: WatchedMap, *args: Any, **kwargs: Any) -> Any:
+        out = method(self, *args, **kwargs)  # __ior__ returns self, as dict's does
         self._changed()
-        return self
+        return out
 
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        super().update(*args, **kwargs)
-        self._changed()
+    watched.__name__, watched.__qualname__ = name, f"WatchedMap.{name}"
+    return watched
 
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        value = super().setdefault(key, default)
-        self._changed()
-        return value
 
-    def pop(self, *args: Any) -> Any:
-        value = super().pop(*args)
-        self._changed()
-        return value
-
-    def popitem(self) -> Any:
-        item = super().popitem()
-        self._changed()
-        return item
-
-    def clear(self) -> None:
-        super().clear()
-        self._changed()
+for _name in ("__setitem__", "__delitem__", "__ior__", "update", "setdefault", "pop",
+              "popitem", "clear"):
+    setattr(WatchedMap, _name, _watching(_name))
+del _name
 
 
 def _is_namedtuple(obj: object) -> bool:
