@@ -25,9 +25,6 @@ from .._worker_info import WorkerInfo, _set_worker_info
 __all__ = ["WorkerConfig", "generate_numpy_seed", "reseed_datapipe", "run_worker_init",
            "seed_worker"]
 
-_MASK32 = 0xFFFFFFFF
-
-
 @dataclass
 class WorkerConfig:
     """Everything one worker process needs (picklable for spawn/forkserver).
@@ -95,42 +92,18 @@ class WorkerConfig:
 
 
 def generate_numpy_seed(base_seed: int, worker_id: int) -> list[int]:
-    """The four 32-bit words a worker feeds ``numpy.random.seed``, as torch does.
-
-    torch derives them with the hash-and-mix steps of numpy's ``SeedSequence``
-    from the entropy ``[worker_id, base_seed low 32 bits, base_seed >> 32, 0]``
-    so that numpy's and Python's generators do not collide.
+    """The four 32-bit words a worker feeds ``numpy.random.seed``: torch's own
+    ``_generate_state`` (the hash-and-mix steps of numpy's ``SeedSequence`` over
+    ``[worker_id, base_seed low 32 bits, base_seed >> 32, 0]``, so that numpy's and
+    Python's generators do not collide).
 
     Example:
-        >>> from torch.utils.data._utils.worker import _generate_state
-        >>> generate_numpy_seed(1234, 3) == _generate_state(1234, 3)
-        True
+        >>> generate_numpy_seed(1234, 3)
+        [518877948, 2568827709, 782319892, 1978426413]
     """
-    # SeedSequence's hashmix: a multiplier that evolves with every call.
-    def hasher(init: int, mult: int) -> Callable[[int], int]:
-        const = init
+    from torch.utils.data._utils.worker import _generate_state
 
-        def hash32(value: int) -> int:
-            nonlocal const
-            value = (value ^ const) & _MASK32
-            const = (const * mult) & _MASK32
-            value = (value * const) & _MASK32
-            return value ^ (value >> 16)
-
-        return hash32
-
-    def mix(x: int, y: int) -> int:
-        r = (0xCA01F9DD * x - 0x4973F715 * y) & _MASK32
-        return r ^ (r >> 16)
-
-    hash_a = hasher(0x43B0D7E5, 0x931E8875)
-    pool = [hash_a(v) for v in (worker_id, base_seed & _MASK32, base_seed >> 32, 0)]
-    for src in range(4):
-        for dst in range(4):
-            if src != dst:
-                pool[dst] = mix(pool[dst], hash_a(pool[src]))
-    hash_b = hasher(0x8B51F9DD, 0x58F38DED)
-    return [hash_b(v) for v in pool]
+    return list(_generate_state(base_seed, worker_id))  # type: ignore[no-untyped-call]
 
 
 def seed_worker(cfg: WorkerConfig) -> int:
