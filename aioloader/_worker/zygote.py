@@ -43,6 +43,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
 from .config import WorkerConfig
+from .fds import close_fds
 from .image import DatasetImage
 from .main import worker_main
 from .wire import FrameReader, send_frame
@@ -156,11 +157,7 @@ def _cuda_initialized() -> bool:
 
 def _worker(sock_fd: int, cfg: WorkerConfig, own: list[int]) -> NoReturn:
     """A forked worker: drop the zygote's descriptors, unpickle its dataset, serve."""
-    for fd in own:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    close_fds(own)
     sock = socket.socket(fileno=sock_fd)
     dataset = cfg.dataset
     if isinstance(dataset, DatasetImage):
