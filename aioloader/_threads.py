@@ -264,11 +264,7 @@ def close_at_exit(pools: weakref.WeakSet[Any], **close_kwargs: Any) -> None:
             except Exception:
                 _LG.debug("closing %r at exit failed", pool, exc_info=True)
 
-    register = getattr(threading, "_register_atexit", None)
     try:
-        if register is not None:
-            register(close_all)
-        else:  # pragma: no cover
-            atexit.register(close_all)
-    except RuntimeError:  # pragma: no cover - imported during interpreter shutdown
+        threading._register_atexit(close_all)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):  # pragma: no cover - no such hook, or shutting down
         atexit.register(close_all)
