@@ -155,14 +155,9 @@ class FrameReader:
         self._big: bytearray | None = None
         self._big_filled = 0
         self._big_nfds = 0
-        self._eof = False
+        self.eof = False  # the peer closed its end: no more bytes will arrive
         self._closed = False
         self._pid = os.getpid()  # the received fds are this process's
-
-    @property
-    def eof(self) -> bool:
-        """True once the peer closed its end (no more bytes will arrive)."""
-        return self._eof
 
     def __len__(self) -> int:
         """Number of complete frames waiting in :meth:`pop`."""
@@ -183,7 +178,7 @@ class FrameReader:
             raise TransportError("reader is closed")
         sock = self._sock
         scratch = memoryview(self._scratch)
-        while not self._eof:
+        while not self.eof:
             big = self._big
             target = memoryview(big)[self._big_filled:] if big is not None else scratch
             try:
@@ -194,7 +189,7 @@ class FrameReader:
                 n, anc, flags = 0, [], 0
             self._take_fds(anc, flags)
             if n == 0:
-                self._eof = True
+                self.eof = True
                 break
             if big is not None:
                 self._big_filled += n
@@ -204,7 +199,7 @@ class FrameReader:
             else:
                 self._buf += scratch[:n]
                 self._parse()
-        return self._eof
+        return self.eof
 
     def _take_fds(self, anc: list[tuple[int, int, bytes]], flags: int) -> None:
         for level, kind, data in anc:
