@@ -60,7 +60,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .fds import memfd_sharing
+from .fds import close_fds, memfd_sharing
 
 __all__ = [
     "POOL_LIMIT",
@@ -161,10 +161,7 @@ class _Segment:
 
     def close_fd(self) -> None:
         if self.fd is not None:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
+            close_fds([self.fd])
             self.fd = None
 
     def destroy(self) -> None:
