@@ -168,27 +168,23 @@ _SEEDING_MODULES = ("multiprocessing.context", "multiprocessing.popen_fork",
                     "torch.xpu.random", "torch.mtia")
 
 
-def read_seeding_lines(*modules: str) -> None:
-    """Read into ``linecache`` the source the seeding of a worker forked later formats.
+def read_seeding_lines() -> None:
+    """Read into ``linecache``, before forking workers, the source their seeding formats.
 
     ``torch.manual_seed`` (called by :func:`seed_worker`, as by torch's workers) queues
     the seed of each device type not initialised yet (CUDA, XPU, MTIA) with the stack it
     was called from, ``traceback.format_stack()``, which reads every file on that stack
     through ``linecache``. A forked worker inherits its parent's cache: with the files
-    read here, in the thread that forks (its stack is the bottom of the workers'), a
-    worker seeds in about 1.3 ms instead of 2.5 ms, ahead of its first batch. The first
-    read costs the parent about as much (1.3 ms): the pool reads them after its first
-    fork, which does not wait for it. ``modules``: those the fork goes through beyond
-    the caller's stack (the pool's). A file already read costs a lookup.
+    read once here, in the thread that forks (its stack is the bottom of the workers'),
+    a worker seeds in about 1 ms instead of 2-2.5 ms (7-10 ms on a CPU shared with its
+    siblings' forks), ahead of its first batch. A file already read costs a lookup.
     """
-    import multiprocessing.popen_fork  # noqa: F401  (forks go through it: imported at the first)
-
-    names = {frame.f_code.co_filename for frame, _ in traceback.walk_stack(None)}
-    for name in (*_SEEDING_MODULES, *modules):
-        names.add(getattr(sys.modules.get(name), "__file__", None) or "<none>")
-    for name in names:
-        if not name.startswith("<"):  # "<frozen ...>", "<string>": no file to read
-            linecache.getlines(name)
+    files = {frame.f_code.co_filename for frame, _ in traceback.walk_stack(None)}
+    for name in _SEEDING_MODULES:
+        files.add(getattr(sys.modules.get(name), "__file__", None) or "<none>")
+    for file in files:
+        if not file.startswith("<"):  # "<frozen ...>", "<string>": no file to read
+            linecache.getlines(file)
 
 
 def reseed_datapipe(cfg: WorkerConfig, shared_seed: int | None) -> None:
