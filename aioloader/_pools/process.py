@@ -45,7 +45,7 @@ from anyio.abc import ObjectSendStream
 from .._errors import IteratorClosedError, WorkerDiedError
 from .._park import quiet_for_fork
 from .._threads import ThreadRunner
-from .._worker.config import WorkerConfig, read_seeding_lines
+from .._worker.config import WorkerConfig
 from .._worker.image import DatasetImage
 from .base import ConfigSource, PoolBase
 from .conn import Conn, register_parent_end
@@ -170,8 +170,6 @@ class WorkerPool(PoolBase[Conn]):
             if self._zygote is not None:  # a worker forked later (another pool) lets go of it
                 register_parent_end(self._zygote.sock)
         self._configs = configs
-        if method == "fork":
-            read_seeding_lines()  # each worker's torch.manual_seed reads them (~1 ms saved)
         # Never fork while a thread of ours is alive: the loader's threads are parked.
         with quiet_for_fork() if method == "fork" else contextlib.nullcontext():
             for worker_id, cfg in enumerate(configs):

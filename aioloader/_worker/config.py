@@ -9,10 +9,7 @@ info exactly as torch's workers do, whatever runs the worker (a process of
 
 from __future__ import annotations
 
-import linecache
 import random
-import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,8 +21,7 @@ from .._fetch.policy import FailurePolicy
 from .._fetch.sync import DatasetKind
 from .._worker_info import WorkerInfo, _set_worker_info
 
-__all__ = ["WorkerConfig", "generate_numpy_seed", "read_seeding_lines", "reseed_datapipe",
-           "seed_worker"]
+__all__ = ["WorkerConfig", "generate_numpy_seed", "reseed_datapipe", "seed_worker"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -158,33 +154,6 @@ def seed_worker(cfg: WorkerConfig) -> int:
     torch_worker._worker_info = torch_worker.WorkerInfo(
         id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset)
     return seed
-
-
-#: Modules on a forked worker's stack when :func:`seed_worker` calls ``torch.manual_seed``
-#: (besides those on the forking thread's): see :func:`read_seeding_lines`.
-_SEEDING_MODULES = ("multiprocessing.context", "multiprocessing.popen_fork",
-                    "multiprocessing.process", "aioloader._worker.main", __name__,
-                    "torch.random", "torch.cuda", "torch.cuda.random", "torch.xpu",
-                    "torch.xpu.random", "torch.mtia")
-
-
-def read_seeding_lines() -> None:
-    """Read into ``linecache``, before forking workers, the source their seeding formats.
-
-    ``torch.manual_seed`` (called by :func:`seed_worker`, as by torch's workers) queues
-    the seed of each device type not initialised yet (CUDA, XPU, MTIA) with the stack it
-    was called from, ``traceback.format_stack()``, which reads every file on that stack
-    through ``linecache``. A forked worker inherits its parent's cache: with the files
-    read once here, in the thread that forks (its stack is the bottom of the workers'),
-    a worker seeds in about 1 ms instead of 2-2.5 ms (7-10 ms on a CPU shared with its
-    siblings' forks), ahead of its first batch. A file already read costs a lookup.
-    """
-    files = {frame.f_code.co_filename for frame, _ in traceback.walk_stack(None)}
-    for name in _SEEDING_MODULES:
-        files.add(getattr(sys.modules.get(name), "__file__", None) or "<none>")
-    for file in files:
-        if not file.startswith("<"):  # "<frozen ...>", "<string>": no file to read
-            linecache.getlines(file)
 
 
 def reseed_datapipe(cfg: WorkerConfig, shared_seed: int | None) -> None:
