@@ -27,14 +27,18 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
-__all__ = ["PARK_WAIT_S", "Parkable", "ParkableThread", "forking_here", "join_all",
-           "join_ending_threads", "quiet_for_fork", "register", "track_ending"]
+__all__ = ["HAND_OVER_S", "PARK_WAIT_S", "Parkable", "ParkableThread", "forking_here",
+           "join_all", "join_ending_threads", "let_others_run", "quiet_for_fork", "register",
+           "track_ending"]
 
 _LG = logging.getLogger(__name__)
 
 #: Longest wait for one owner to park (its thread finishing the call it is in). After
 #: that a warning is logged and the fork goes ahead: never a hang.
 PARK_WAIT_S = 20.0
+
+#: How long the thread about to fork sleeps first (:func:`let_others_run`).
+HAND_OVER_S = 1e-4
 
 #: Longest wait, before a fork, for the loader's threads that are ending (a teardown left to
 #: finish on its loop thread climbs the workers' ladder: seconds at most).
@@ -203,6 +207,19 @@ def quiet_for_fork(limit: float = PARK_WAIT_S) -> Iterator[None]:
             _depth -= 1
             if _depth == 0:
                 _forking_thread = None
+
+
+def let_others_run() -> None:
+    """Right before a fork: let a thread that waits for the GIL (the consumer's event
+    loop) take it now, rather than after the fork.
+
+    ``fork()`` holds the GIL while the kernel copies the page tables, 3-8 ms in a process
+    that imported torch. A thread that asked for the GIL just before would wait for the
+    forking thread's Python work, then for the whole fork (the interpreter hands the GIL
+    over on its own only after its 5 ms switch interval); a sleep of :data:`HAND_OVER_S`
+    lets it run first, so that its wait is the fork alone.
+    """
+    time.sleep(HAND_OVER_S)
 
 
 _ending: set[Joinable] = set()

@@ -104,3 +104,20 @@ class WhatLoaded(aioloader.Dataset[Any]):
 
         return [name for name in ("aioloader._facade", "aioloader._pipeline.epoch", "anyio")
                 if name in sys.modules]
+
+
+class SaysWhenFetched(aioloader.Dataset[Any]):
+    """Writes a byte to the pipe ``fd`` (inherited by forked workers) as each sample is
+    read; sample ``i`` is ``(i, worker id)``."""
+
+    def __init__(self, fd: int, n: int = 8) -> None:
+        self.fd = fd
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        os.write(self.fd, b"x")
+        info = aioloader.get_worker_info()
+        return i, info.id if info is not None else -1

@@ -1,9 +1,12 @@
-"""Start-up of spawn/forkserver workers: the dataset pickled once (issue 20)."""
+"""Start-up of workers: spawn/forkserver's dataset pickled once (issue 20); a forked
+worker's first batch while its siblings start (issue 32)."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
+import select
 import signal
 from typing import Any
 
@@ -11,7 +14,14 @@ import numpy as np
 import pytest
 import torch
 from _failure_datasets import CrashOnce
-from _startup_datasets import Arrays, FailsToUnpickle, HoldsQueue, Pids, WhatLoaded
+from _startup_datasets import (
+    Arrays,
+    FailsToUnpickle,
+    HoldsQueue,
+    Pids,
+    SaysWhenFetched,
+    WhatLoaded,
+)
 
 from aioloader import DataLoader, SkippedSamplesWarning, WorkerDiedError
 from aioloader._pools.process import WorkerPool
@@ -207,3 +217,37 @@ def test_a_config_the_zygote_cannot_take_is_spawned(monkeypatch: pytest.MonkeyPa
     batches = list(it)
     assert [b[0].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5]]
     assert multiprocessing.current_process().pid in {int(p) for b in batches for p in b[2]}
+
+
+@pytest.mark.parametrize("how", ["async for", "for"])
+def test_worker_0_fetches_its_first_batch_while_worker_1_is_not_started_yet(
+        monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Regression test for issue 32: a forked worker is handed its primed batches as soon as
+    it is up, not once every worker is: worker 1's start is held until worker 0 has read a
+    sample, and the epoch is torch's (batch i from worker i % 2, every sample once)."""
+    r, w = os.pipe()
+    seen_before_worker_1: list[bool] = []
+    start_one = WorkerPool._start_one
+
+    def held_start_one(self: WorkerPool, worker_id: int, *args: Any) -> None:
+        if worker_id == 1 and not seen_before_worker_1:
+            seen_before_worker_1.append(bool(select.select([r], [], [], 60)[0]))
+        start_one(self, worker_id, *args)
+
+    monkeypatch.setattr(WorkerPool, "_start_one", held_start_one)
+    loader = DataLoader(SaysWhenFetched(w), batch_size=2, num_workers=2,
+                        multiprocessing_context="fork")
+    try:
+        if how == "for":
+            batches = list(loader)
+        else:
+            async def take() -> list[Any]:
+                return [b async for b in loader]
+
+            batches = asyncio.run(take())
+    finally:
+        os.close(r)
+        os.close(w)
+    assert seen_before_worker_1 == [True]
+    assert [(b[0].tolist(), b[1].tolist()) for b in batches] == [
+        ([2 * k, 2 * k + 1], [k % 2] * 2) for k in range(4)]

@@ -336,13 +336,12 @@ class EpochLifecycle:
         """Start worker processes now, from the calling thread (the sync facade)."""
         if self.lease is not None:
             self._wait_for_previous()
+            assert isinstance(self.source, PoolSource)
             try:
-                self.lease.start_sync()
+                self.source.start_sync()
             except BaseException:
                 self.close_from_gc()
                 raise
-            assert isinstance(self.source, PoolSource)
-            self.source.push_now()
 
     def _allow_respawn(self, error: WorkerDiedError) -> bool:
         """respawn_workers: may the dead worker be replaced (bounded per worker per epoch)?"""

@@ -66,6 +66,41 @@ class PoolSource:
 
     # -- commands ----------------------------------------------------------------------------
 
+    def _bound_segments(self) -> None:
+        """Bound each worker's recycled segments for this epoch's window (processes and
+        threads, not Ray); a worker started later gets the bound too."""
+        set_limit = getattr(self.lease.pool, "set_segment_limit", None)
+        if set_limit is not None:
+            set_limit(limit_for(self.window, self.num_workers))
+
+    def _early_sender(self) -> _EarlySender | None:
+        """Before the pool starts: what hands each worker its primed commands as soon as
+        it is up (:meth:`PoolBase.start`'s ``on_started``), None if the pool runs already.
+
+        torch forks every worker, then puts the primed index batches on their queues;
+        here worker 0 has its batches while worker 1 is still being forked. Which worker
+        gets which batch is the round robin's, unchanged (the commands are taken out of
+        the dispatcher's queue, by worker, in their order).
+        """
+        if self.lease.started:
+            return None
+        self._bound_segments()
+        pending = self.dispatch.pending
+        by_worker: dict[int, list[tuple[Any, ...]]] = {}
+        while pending:
+            worker, cmd = pending.popleft()
+            by_worker.setdefault(worker, []).append(cmd)
+        return _EarlySender(self.lease.pool, by_worker, self.rec)
+
+    def start_sync(self) -> None:
+        """Start the workers (if not yet) from the calling thread and send what is primed:
+        the sync facade's start, before its loop thread exists."""
+        early = self._early_sender()
+        self.lease.start_sync(early)
+        if early is not None:
+            early.rest()
+        self.push_now()
+
     def push_now(self) -> None:
         """Hand the primed commands to the started workers at once (no loop needed).
 
@@ -77,9 +112,7 @@ class PoolSource:
         if not lease.started:
             return
         pool = lease.pool
-        set_limit = getattr(pool, "set_segment_limit", None)  # processes and threads, not Ray
-        if set_limit is not None:
-            set_limit(limit_for(self.window, self.num_workers))
+        self._bound_segments()
         if self.fresh_epoch:
             self.fresh_epoch = False
             seed = self.reset_seed  # an IterDataPipe's shared seed for the epoch
@@ -98,8 +131,15 @@ class PoolSource:
                 rec.observe(DISPATCH, t0)
 
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
-        """Start the workers (if not yet), send what is primed, and read their replies."""
-        await self.lease.start(self.runner)
+        """Start the workers (if not yet), send what is primed, and read their replies.
+
+        Each worker started here gets its primed commands as soon as it is up (from the
+        epoch's thread, which starts the workers: :meth:`_early_sender`).
+        """
+        early = self._early_sender()
+        await self.lease.start(self.runner, early)
+        if early is not None:
+            early.rest()
         self.push_now()
         tg.start_soon(self._serve)
 
@@ -184,3 +224,29 @@ class PoolSource:
         slot.data = data
         slot.has_data = True
         self.wake()
+
+
+class _EarlySender:
+    """An epoch's primed commands, by worker, each worker's sent as soon as it is started
+    (called with its id from the thread that starts the pool); :meth:`rest` sends those
+    of workers never announced, once the pool has started."""
+
+    __slots__ = ("by_worker", "pool", "rec")
+
+    def __init__(self, pool: Any, by_worker: dict[int, list[tuple[Any, ...]]],
+                 rec: Recorder | None) -> None:
+        self.pool = pool
+        self.by_worker = by_worker
+        self.rec = rec
+
+    def __call__(self, worker: int) -> None:
+        rec = self.rec
+        for cmd in self.by_worker.pop(worker, ()):
+            t0 = _ns()
+            self.pool.send_nowait(worker, cmd)  # writes what the socket takes; never blocks
+            if rec is not None:
+                rec.observe(DISPATCH, t0)
+
+    def rest(self) -> None:
+        for worker in sorted(self.by_worker):
+            self(worker)

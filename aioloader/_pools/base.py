@@ -81,6 +81,8 @@ class PoolBase(ServeLoop[W]):
         #: The id of the worker being started (set by :meth:`_start_workers`), for the
         #: message of a failed start; None once every worker started.
         self._starting: int | None = None
+        #: During :meth:`start`: its ``on_started`` (see :meth:`_worker_up`).
+        self._on_started: Callable[[int], None] | None = None
 
     def set_shared_seed(self, shared_seed: int) -> None:
         """An ``IterDataPipe``'s shared seed for a new epoch: a respawned worker starts with it."""
@@ -123,8 +125,15 @@ class PoolBase(ServeLoop[W]):
 
     # ------------------------------------------------------------------ start
 
-    def start(self) -> None:
+    def start(self, on_started: Callable[[int], None] | None = None) -> None:
         """Start every worker from the calling thread. Nothing leaks on failure.
+
+        Args:
+            on_started: called (in the calling thread) with a worker's id as soon as that
+                worker is started, before the next one starts, by a pool that starts its
+                workers one by one (worker processes): its first commands can go out while
+                the others start. Not called for a worker of a pool that starts them
+                otherwise.
 
         Raises:
             RuntimeError: already started or closed.
@@ -143,11 +152,14 @@ class PoolBase(ServeLoop[W]):
                         f"config #{worker_id} says worker_id={cfg.worker_id}, "
                         f"num_workers={cfg.num_workers}; configs must be given in worker-id "
                         f"order, one per worker ({len(configs)} given)")
+            self._on_started = on_started
             try:
                 self._start_workers(configs)
             except Exception as exc:
                 add_note(exc, self._start_failure_note(exc, len(configs)))
                 raise
+            finally:
+                self._on_started = None
         except BaseException:
             # Stop the workers started so far (they are idle: asked to leave, they go at
             # once; the ladder escalates for any that does not) and close their fds.
@@ -177,6 +189,11 @@ class PoolBase(ServeLoop[W]):
     def _start_workers(self, configs: list[WorkerConfig]) -> None:
         """Start one worker per config (validated), filling :attr:`_workers`."""
         raise NotImplementedError
+
+    def _worker_up(self, worker_id: int) -> None:
+        """Worker ``worker_id`` was just started by :meth:`start`: tell its ``on_started``."""
+        if self._on_started is not None:
+            self._on_started(worker_id)
 
     # ------------------------------------------------------------------ serve bookkeeping
 

@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 
 from .._errors import WorkerDiedError
+from .._park import let_others_run
 from .._threads import ThreadRunner
 from .._worker.codec import decode
 from .._worker.config import WorkerConfig
@@ -113,6 +114,8 @@ class Conn:
                 spawned = ctx.Process(target=worker_main, args=(child_sock, cfg),
                                       name=f"aioloader-worker-{worker_id}", daemon=True)
                 proc = spawned
+                if method == "fork":
+                    let_others_run()  # the loop's thread runs now, not after the fork
                 try:
                     spawned.start()
                 except (pickle.PicklingError, AttributeError, TypeError) as exc:

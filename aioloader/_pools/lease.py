@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from .._threads import ThreadRunner
@@ -61,18 +62,23 @@ class _PoolLease:
                 return
         self.close()
 
-    def start_sync(self) -> None:
+    def start_sync(self, on_started: Callable[[int], None] | None = None) -> None:
+        """Start the pool's workers now, from the calling thread (once); ``on_started``:
+        :meth:`~aioloader._pools.base.PoolBase.start`'s."""
         if not self.started:
             self.started = True
-            self.pool.start()
+            self.pool.start(on_started)
 
-    async def start(self, runner: ThreadRunner) -> None:
+    async def start(self, runner: ThreadRunner,
+                    on_started: Callable[[int], None] | None = None) -> None:
+        """Start the pool's workers (once) without blocking the loop: in ``runner``'s
+        thread (``on_started`` is called there), threads at once."""
         if self.started:
             return
         if self.pool.start_method == "thread":  # threads start at once
-            self.start_sync()
+            self.start_sync(on_started)
         else:  # a fork, a new interpreter, an actor: never on the loop's thread
-            await runner.run(self.start_sync)
+            await runner.run(self.start_sync, on_started)
 
     async def aclose(self) -> None:
         self.closed = True

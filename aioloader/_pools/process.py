@@ -172,6 +172,7 @@ class WorkerPool(PoolBase[Conn]):
             for worker_id, cfg in enumerate(configs):
                 self._starting = worker_id
                 self._start_one(worker_id, cfg, method, parent_pid)
+                self._worker_up(worker_id)  # its first commands go out before the next fork
         self._starting = None
         logger.debug("started %d %s workers: pids %s", len(self._workers), method, self.pids)
 

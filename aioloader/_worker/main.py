@@ -37,6 +37,7 @@ the process: its set-up, the watch on its parent, and how it leaves.
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import logging
 import multiprocessing.util
@@ -181,9 +182,10 @@ def _start_watchdog(sock: socket.socket, cfg: WorkerConfig, watch_ppid: bool,
                     leaving: threading.Event) -> None:
     """Exit the process when the parent dies, even while user code hangs.
 
-    A daemon thread waits for the parent's end of the socket to hang up
-    (``POLLHUP``) and, where the parent is our parent process (fork/spawn),
-    also checks ``os.getppid()`` at least once per second. A parent that
+    A thread (ended with the process, as a daemon thread is) waits for the
+    parent's end of the socket to hang up (``POLLHUP``) and, where the parent
+    is our parent process (fork/spawn), also checks ``os.getppid()`` at least
+    once per second. A parent that
     closes the pool hangs up right after its ``("exit",)`` command: when the
     main thread is ``leaving`` (or starts to within a check interval), it is
     given up to :data:`_EXIT_HANDLERS_LIMIT` seconds to run the worker's
@@ -202,7 +204,9 @@ def _start_watchdog(sock: socket.socket, cfg: WorkerConfig, watch_ppid: bool,
             time.sleep(_EXIT_HANDLERS_LIMIT)  # the main thread ends the process before this
         os._exit(0)
 
-    threading.Thread(target=watch, name="aioloader-worker-watchdog", daemon=True).start()
+    # A bare thread: threading.Thread.start() would wait for it to be scheduled, which
+    # delays the first batch by milliseconds on a busy CPU (siblings being forked beside it).
+    _thread.start_new_thread(watch, ())
 
 
 # --------------------------------------------------------------------------- sync serving
