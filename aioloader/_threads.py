@@ -169,11 +169,13 @@ class ThreadRunner(ParkableThread):
                 _LG.debug("result of %s dropped: event loop closed", fn, exc_info=True)
             del job, fn, args, deliver, value
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run(self, fn: Callable[..., Any], *args: Any, last: bool = False) -> Any:
         """Run ``fn(*args)`` in the thread and return its result.
 
         If the waiting task is cancelled, the call still finishes in the
         thread (Python threads cannot be interrupted); its result is dropped.
+        ``last``: the runner is closed behind this call, so its thread ends after it
+        whether or not anyone is still waiting (a loop that closes meanwhile).
         """
         if sniffio.current_async_library() == "asyncio":
             loop = asyncio.get_running_loop()
@@ -183,6 +185,8 @@ class ThreadRunner(ParkableThread):
                 loop.call_soon_threadsafe(_resolve, fut, ok, value)
 
             self._submit((fn, args, deliver))
+            if last:
+                self.close()
             return await fut
         import trio  # anyio's only other backend
 
@@ -196,6 +200,8 @@ class ThreadRunner(ParkableThread):
             token.run_sync_soon(waiter.event.set)
 
         self._submit((fn, args, deliver_generic))
+        if last:
+            self.close()
         await waiter.event.wait()
         if waiter.ok:
             return waiter.value
@@ -242,10 +248,20 @@ async def run_in_own_thread(name: str, fn: Callable[..., Any], *args: Any) -> An
         3
     """
     runner = ThreadRunner(name)
+    # The thread ends after the call whatever happens here: awaited below when this
+    # coroutine goes on; left to end alone when it is cancelled or its loop closes.
     try:
-        return await runner.run(fn, *args)
-    finally:
-        await runner.aclose()
+        result = await runner.run(fn, *args, last=True)
+    except Exception:
+        await _ended_if_started(runner)
+        raise
+    await _ended_if_started(runner)
+    return result
+
+
+async def _ended_if_started(runner: ThreadRunner) -> None:
+    if runner._thread is not None:
+        await _ended(runner._thread)
 
 
 def close_at_exit(pools: weakref.WeakSet[Any], **close_kwargs: Any) -> None:

@@ -420,3 +420,36 @@ def test_a_worker_dying_while_unpickling_the_dataset_leaks_no_image(persistent: 
     # The death is raised at once; the pool's teardown (which closes the image) may still
     # be under way in the loader's thread.
     assert wait_until(lambda: _dataset_images() == [], LEAK_GRACE_S), _dataset_images()
+
+
+def test_a_pools_release_thread_ends_when_its_loop_is_closed_first() -> None:
+    """``run_in_own_thread`` (a pool's release at teardown) awaited by a task whose loop is
+    closed before the call returns: the thread still ends once its call does (nobody is
+    left to close it), instead of waiting for more work forever."""
+    import asyncio
+
+    from aioloader._threads import run_in_own_thread
+
+    release = threading.Event()
+
+    async def start() -> asyncio.Task[Any]:
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+
+        def work() -> int:
+            loop.call_soon_threadsafe(ready.set_result, None)
+            release.wait(30)
+            return 1
+
+        task = asyncio.ensure_future(run_in_own_thread("aioloader-release-test", work))
+        await ready
+        return task
+
+    loop = asyncio.new_event_loop()
+    task = loop.run_until_complete(start())
+    loop.close()  # the awaiting task never resumes
+    release.set()
+    (thread,) = [t for t in threading.enumerate() if t.name == "aioloader-release-test"]
+    thread.join(30)
+    assert not thread.is_alive()
+    del task
