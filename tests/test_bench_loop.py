@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +18,10 @@ MS = r"\d+\.\d\d"
 
 
 def _run(script: str) -> str:
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick"], cwd=ROOT,
+    # The checkout's aioloader, installed or not (the script's own folder is on its path).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
