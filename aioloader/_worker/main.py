@@ -57,7 +57,8 @@ import torch
 from .._errors import RemoteError
 from .aserver import _serve_async
 from .codec import decode
-from .config import WorkerConfig, _where, seed_worker
+from .config import WorkerConfig, run_worker_init, seed_worker
+from .fds import sharing_strategy
 from .loop import _encode_reply, serve_commands
 from .reply import Reply
 from .segments import install as install_segments
@@ -103,9 +104,9 @@ def _setup_process(cfg: WorkerConfig) -> int:
 
 def _follow_sharing_strategy(strategy: str) -> None:
     """Use the parent's sharing strategy (a spawned worker starts with torch's default)."""
-    import torch.multiprocessing as tmp
+    if strategy and strategy != sharing_strategy():
+        import torch.multiprocessing as tmp
 
-    if strategy and strategy != tmp.get_sharing_strategy():  # type: ignore[no-untyped-call]
         tmp.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]
 
 
@@ -311,12 +312,7 @@ def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
         install_segments()  # collate into recycled shared memory (aioloader._worker.segments)
         logger.debug("worker %d (pid %d) started", cfg.worker_id, os.getpid())
         _start_watchdog(sock, cfg, watch_ppid, leaving)
-        init_error: RemoteError | None = None
-        try:
-            if cfg.worker_init_fn is not None:
-                cfg.worker_init_fn(cfg.worker_id)
-        except Exception:
-            init_error = RemoteError.from_current(_where(cfg))
+        init_error = run_worker_init(cfg)
         if cfg.kind.is_async:
             _serve_async(sock, cfg, init_error)
         else:
