@@ -31,7 +31,7 @@ import sniffio
 
 from ._park import ParkableThread, register, track_ending
 
-__all__ = ["ThreadRunner", "close_at_exit", "run_in_own_thread"]
+__all__ = ["ThreadRunner", "close_at_exit", "run_in_own_thread", "threadsafe_call_soon"]
 
 _LG = logging.getLogger(__name__)
 
@@ -236,6 +236,29 @@ class ThreadRunner(ParkableThread):
             return
         if thread is not None:
             await _ended(thread)
+
+
+def threadsafe_call_soon() -> Callable[[Callable[[], None]], Any]:
+    """The running loop's "run this callback on the loop, from any thread" (asyncio's
+    ``call_soon_threadsafe`` or trio's ``run_sync_soon``; each raises a RuntimeError once
+    the loop is gone).
+
+    Example:
+        >>> import anyio
+        >>> async def main():
+        ...     call_soon = threadsafe_call_soon()
+        ...     done = anyio.Event()
+        ...     call_soon(done.set)
+        ...     await done.wait()
+        ...     return done.is_set()
+        >>> anyio.run(main)
+        True
+    """
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    return asyncio.get_running_loop().call_soon_threadsafe
 
 
 async def run_in_own_thread(name: str, fn: Callable[..., Any], *args: Any) -> Any:

@@ -6,7 +6,7 @@ import asyncio
 import importlib
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio.streams.memory  # imported here for the warm-up below
 import anyio.to_thread
@@ -25,8 +25,7 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
-if TYPE_CHECKING:
-    from .._threads import ThreadRunner
+from .._threads import ThreadRunner, threadsafe_call_soon
 
 #: anyio's trio backend: imported by a trio loader's first batch, in the epoch's thread
 #: (not with the package: it would import trio for every asyncio user).
@@ -53,26 +52,16 @@ class _LoopHandle:
 
     def __init__(self) -> None:
         self.lib = sniffio.current_async_library()
-        if self.lib == "asyncio":
-            self.loop: Any = asyncio.get_running_loop()
-        elif self.lib == "trio":
-            import trio
-
-            self.loop = trio.lowlevel.current_trio_token()
-        else:  # pragma: no cover - anyio supports only these two
+        if self.lib not in ("asyncio", "trio"):  # pragma: no cover - anyio's only two
             raise RuntimeError(f"unsupported async library {self.lib!r}")
+        #: Run a callback on the loop from any thread; raises RuntimeError if the loop is gone.
+        self.call_soon = threadsafe_call_soon()
 
     def spawn(self, fn: Callable[[], Any]) -> Any:
+        """Start ``fn()`` as a task on the loop (called on it)."""
         if self.lib == "asyncio":
-            return self.loop.create_task(fn())
+            return asyncio.get_running_loop().create_task(fn())
         import trio
 
         trio.lowlevel.spawn_system_task(fn, name="aioloader-pipeline")
         return None
-
-    def call_soon(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` on the loop; raises RuntimeError if the loop is gone."""
-        if self.lib == "asyncio":
-            self.loop.call_soon_threadsafe(fn)
-        else:
-            self.loop.run_sync_soon(fn)

@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import anyio
-import sniffio
 
 from .._errors import IteratorClosedError, WorkerDiedError
+from .._threads import threadsafe_call_soon
 from .._worker.reply import Reply
 
 __all__ = ["Deliver", "Respawn", "ServeLoop", "Transform", "waker"]
@@ -203,17 +203,6 @@ class ServeLoop(Generic[W]):
                 await event.wait()
         finally:
             holder.wake = None
-
-
-def threadsafe_call_soon() -> Callable[[Callable[[], None]], Any]:
-    """The running loop's "run this callback on the loop, from any thread"."""
-    if sniffio.current_async_library() == "trio":
-        import trio
-
-        return trio.lowlevel.current_trio_token().run_sync_soon
-    import asyncio
-
-    return asyncio.get_running_loop().call_soon_threadsafe
 
 
 def waker(call_soon: Callable[[Callable[[], None]], Any],
