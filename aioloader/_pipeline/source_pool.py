@@ -121,14 +121,9 @@ class PoolSource:
             for w in range(self.num_workers):
                 pool.send_nowait(w, ("reset", self.epoch) if seed is None
                                  else ("reset", self.epoch, seed))
-        rec = self.rec
         pending = self.dispatch.pending
         while pending:
-            worker, cmd = pending.popleft()
-            t0 = _ns()
-            pool.send_nowait(worker, cmd)
-            if rec is not None:
-                rec.observe(DISPATCH, t0)
+            _send_now(pool, *pending.popleft(), self.rec)
 
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Start the workers (if not yet), send what is primed, and read their replies.
@@ -240,13 +235,18 @@ class _EarlySender:
         self.rec = rec
 
     def __call__(self, worker: int) -> None:
-        rec = self.rec
         for cmd in self.by_worker.pop(worker, ()):
-            t0 = _ns()
-            self.pool.send_nowait(worker, cmd)  # writes what the socket takes; never blocks
-            if rec is not None:
-                rec.observe(DISPATCH, t0)
+            _send_now(self.pool, worker, cmd, self.rec)
 
     def rest(self) -> None:
         for worker in sorted(self.by_worker):
             self(worker)
+
+
+def _send_now(pool: Any, worker: int, cmd: tuple[Any, ...], rec: Recorder | None) -> None:
+    """Hand ``cmd`` to ``worker`` without waiting (the socket takes what it can; never
+    blocks), its dispatch time observed."""
+    t0 = _ns()
+    pool.send_nowait(worker, cmd)
+    if rec is not None:
+        rec.observe(DISPATCH, t0)
