@@ -18,6 +18,10 @@ from .sync import EXHAUSTED, IterFetcher, MapFetcher
 __all__ = ["GuardedIterFetcher", "GuardedMapFetcher", "aguard", "guard_fetcher"]
 
 
+def _in_order(fn: Callable[[Any], Any], keys: list[Any]) -> list[Any]:
+    return [fn(key) for key in keys]
+
+
 class GuardedMapFetcher:
     """A :class:`MapFetcher` that drops samples whose read raises (``on_error="skip"``).
 
@@ -30,18 +34,25 @@ class GuardedMapFetcher:
         self.inner = inner
         self.worker_id = worker_id
 
-    def _read_one(self, tally: Tally, key: Any, read: Callable[[Any], Any]) -> Any:
-        try:
-            return read(key)
-        except Exception as exc:
-            tally.failures.append(SampleFailure.from_exc(key, exc, 1, self.worker_id))
-            return NOTHING
+    def _read_each(self, tally: Tally, keys: Any, read: Callable[[Any], Any],
+                   map_keys: Callable[..., list[Any]] = _in_order) -> list[Any]:
+        """``read(key)`` for each key (``map_keys`` may run them side by side): the samples
+        in key order, :data:`NOTHING` for each that raised, its failure added to ``tally``
+        (in key order too)."""
+        keys = keys if isinstance(keys, list) else list(keys)
+        data = []
+        for key, (ok, value) in zip(keys, map_keys(_attempt(read), keys), strict=True):
+            if not ok:
+                tally.failures.append(SampleFailure.from_exc(key, value, 1, self.worker_id))
+                value = NOTHING
+            data.append(value)
+        return data
 
     def fetch(self, index: Any) -> Any:
         f = self.inner
         tally = Tally()
         if not f.auto_collation:
-            sample = self._read_one(tally, index, f.dataset.__getitem__)
+            (sample,) = self._read_each(tally, [index], f.dataset.__getitem__)
             if sample is NOTHING:
                 return _finish(tally, NOTHING)
             return _finish(tally, f.collate_fn(sample))
@@ -52,16 +63,9 @@ class GuardedMapFetcher:
             except Exception:
                 def read(key: Any) -> Any:
                     return getitems([key])[0]
-                data = [self._read_one(tally, key, read) for key in index]
-        else:  # in the fetch_threads pool when there is one; failures kept in key order
-            keys = index if isinstance(index, list) else list(index)
-            outcomes = f.map_keys(_attempt(f.dataset.__getitem__), keys)
-            data = []
-            for key, (ok, value) in zip(keys, outcomes, strict=True):
-                if not ok:
-                    tally.failures.append(SampleFailure.from_exc(key, value, 1, self.worker_id))
-                    value = NOTHING
-                data.append(value)
+                data = self._read_each(tally, index, read)
+        else:  # in the fetch_threads pool when there is one
+            data = self._read_each(tally, index, f.dataset.__getitem__, f.map_keys)
         if tally.failures:
             data = [d for d in data if d is not NOTHING]
             if not data:
