@@ -346,12 +346,10 @@ class PinPolicy:
         self.requested = bool(pin_memory)
         self.device: str | None = None
         self.due: list[str] = []  # warnings of a deferred decision, for the loop to raise
-        self._enabled: bool | None = False
-        if pin_memory:
-            self._enabled = None
-            if not (defer and not _availability_is_quick()):
-                self.resolve()
-                self.warn_due(stacklevel=5)
+        self._enabled: bool | None = None if pin_memory else False  # None: not decided yet
+        if pin_memory and (not defer or _availability_is_quick()):
+            self.resolve()
+            self.warn_due(stacklevel=5)
 
     @property
     def enabled(self) -> bool:
