@@ -353,5 +353,3 @@ class PoolBase(ServeLoop[W]):
                 self._release()
         except Exception:
             pass
-
-

@@ -204,8 +204,9 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
     async def _replace(self, dead: _Worker) -> _Worker:
         """A new thread with a fresh command queue: the caller re-sends what the old
         thread did not answer."""
-        if dead.thread is not None:
-            dead.thread.join()  # it posted its end as its last act
+        if dead.thread is not None:  # it posted its end as its last act; joined off the loop
+            with anyio.CancelScope(shield=True):  # the replacement is never left half-done
+                await run_in_own_thread("aioloader-thread-join", dead.thread.join)
         worker = self._workers[dead.worker_id] = _Worker(dead.worker_id, self._stop)
         self._start_thread(dead.worker_id)
         return worker
