@@ -99,6 +99,10 @@ class ParkableThread:
         """Start a new thread if there is work for one (no thread runs)."""
         raise NotImplementedError
 
+    def _wait_started(self, limit: float) -> None:
+        """Before a park joins the thread: wait (up to ``limit`` s) until it was started,
+        for an owner whose thread another thread starts."""
+
     def park(self, limit: float) -> None:
         """End the thread (waiting up to ``limit`` s); never the calling thread.
 
@@ -112,6 +116,7 @@ class ParkableThread:
             if thread is None:
                 return
             self._ask_to_end()
+        self._wait_started(limit)
         thread.join(limit)
         if thread.is_alive():
             _LG.warning("thread %s still busy after %.0f s; forking beside it", thread.name,

@@ -17,6 +17,7 @@ current job and a new one serves the jobs handed over meanwhile once the fork is
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import atexit
 import logging
@@ -112,27 +113,75 @@ class ThreadRunner(ParkableThread):
         # Parking (around a fork): the thread ends after its current job; jobs handed over
         # meanwhile wait in the queue until unpark() starts a new thread.
         self._parked = False
+        self._launching = False  # a launcher thread is about to start the thread
+        self._started = threading.Event()  # set once the latest launch is over
+        self._started.set()
         self._lock = threading.Lock()  # orders starts, parks and the thread's own exit
 
     def _submit(self, job: Any) -> None:
-        """Queue ``job``, starting the thread if none runs (unless parked)."""
+        """Queue ``job`` (on the event loop), having the thread started if none runs
+        (unless parked: it starts once the fork is done).
+
+        ``Thread.start`` waits until the new thread runs, which takes a free core and
+        the GIL: milliseconds when workers and the loader's threads keep both busy. So
+        a short-lived launcher thread starts it (:meth:`_launch`) and the loop goes on;
+        the queued job waits for the new thread.
+        """
         with self._lock:
             if self._closed:
                 raise RuntimeError("ThreadRunner is closed")
-            if self._thread is None and not self._parked:
+            if self._thread is None and not self._parked and not self._launching:
                 if not self._registered:
                     self._registered = True
                     if register(self):  # a fork is under way: start once it is done
                         self._parked = True
                 if not self._parked:
-                    self._spawn()
+                    self._launching = True
+                    self._started = threading.Event()  # a park waits for it (see _launch)
+                    _thread.start_new_thread(self._launch, (self._started,))
             self._jobs.put(job)
 
+    def _launch(self, started: threading.Event) -> None:
+        """In a launcher thread: start the runner's thread, unless a fork's park or unpark
+        came first; then set ``started`` (a park joins only a started thread). If it
+        cannot start, every job queued so far fails with the error."""
+        thread = None
+        try:
+            with self._lock:
+                self._launching = False
+                if self._thread is not None or self._parked:
+                    return  # started by an unpark, or parked: the unpark starts it
+                self._thread = thread = self._new_thread()
+                if self._closed:
+                    self._jobs.put(_STOP)
+            thread.start()
+        except BaseException as exc:
+            with self._lock:  # taken with the lock: a job queued later starts a new launch
+                if self._thread is thread:
+                    self._thread = None
+                failed = []
+                while not self._jobs.empty():
+                    failed.append(self._jobs.get_nowait())
+            for job in failed:
+                if job is not _STOP and job is not _PARK:
+                    try:
+                        job[2](False, exc)
+                    except Exception:  # the loop is gone: nobody waits any more
+                        pass
+        finally:
+            started.set()
+
+    def _wait_started(self, limit: float) -> None:
+        """A park: the thread it is about to join may still be being started by a launcher."""
+        self._started.wait(limit)
+
+    def _new_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._main, name=self._name, daemon=True)
+
     def _spawn(self) -> None:
-        """Start the thread (``self._lock`` held)."""
-        self._thread = threading.Thread(target=self._main, name=self._name, daemon=True)
+        """Start the thread (``self._lock`` held; in a thread that is not an event loop's)."""
+        self._thread = self._new_thread()
         self._thread.start()
-        _LG.debug("started thread %s", self._name)
 
     def _ask_to_end(self) -> None:
         """Parking: the thread ends after the jobs queued so far (see :meth:`_main`)."""
@@ -146,6 +195,7 @@ class ThreadRunner(ParkableThread):
                 self._jobs.put(_STOP)
 
     def _main(self) -> None:
+        _LG.debug("started thread %s", self._name)
         jobs = self._jobs
         while True:
             job = jobs.get()
@@ -223,7 +273,8 @@ class ThreadRunner(ParkableThread):
         interrupted; after ``grace`` the daemon thread is abandoned and a
         warning is logged.
         """
-        if self._closed or (self._thread is None and not self._parked):
+        if self._closed or (self._thread is None and not self._parked
+                            and not self._launching):
             self.close()
             return
         with anyio.CancelScope(shield=True):

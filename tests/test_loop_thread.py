@@ -7,8 +7,8 @@ cancellation, garbage collection of an un-closed iterator, a persistent pool's e
 switch, an autotuned first epoch handing over to workers, a respawn. Events: imports,
 forks, process spawns (``subprocess.Popen``, ``os.posix_spawn``, ``os.exec``), memory
 mappings, blocking sleeps. What has no audit event is spied on: a join of a thread or
-process still alive, a blocking wait for processes to end, and the pickling of a
-dataset for ``spawn`` workers.
+process still alive, a thread's start (it waits until the new thread runs), a blocking
+wait for processes to end, and the pickling of a dataset for ``spawn`` workers.
 
 Deterministic: no timing, only *where* each call runs. Every mode (``num_workers=0``,
 process workers with ``fork`` and ``spawn``/``forkserver``, thread workers, async
@@ -131,6 +131,13 @@ def _spy_blocking_calls() -> None:
             SPY.record("DatasetImage.pack (pickling the dataset)")
         return pack(cls, dataset)
 
+    thread_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if SPY.on_loop():  # waits until the new thread runs: a free core and the GIL
+            SPY.record(f"Thread.start({self.name})")
+        thread_start(self)
+
     mp_wait = ladder.mp_wait
 
     def wait(objects: Any, timeout: float | None = None) -> Any:
@@ -140,6 +147,7 @@ def _spy_blocking_calls() -> None:
 
     ladder.mp_wait = wait
     threading.Thread.join = join  # type: ignore[method-assign]
+    threading.Thread.start = start  # type: ignore[method-assign]
     multiprocessing.process.BaseProcess.join = pjoin  # type: ignore[method-assign]
     _image.DatasetImage.pack = classmethod(pack_spy)  # type: ignore[method-assign,assignment]
 

@@ -475,3 +475,41 @@ def test_torch_style_partial_iteration_and_shutdown() -> None:
     for w in workers:
         w.join(10)
         assert not w.is_alive()
+
+
+class SeedingSeen(tud.Dataset):  # type: ignore[type-arg]
+    """What a worker's seeding left: torch's seed, ``traceback.format_stack`` itself, and
+    the record of the CUDA seeding that ``torch.manual_seed`` queued (if this torch keeps
+    one)."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> Any:
+        import traceback
+
+        import torch.cuda
+
+        tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
+        queued = getattr(tracker, "manual_seed_all_cb", None)
+        record = "".join(queued[1]) if queued else None
+        real = traceback.format_stack.__code__.co_filename == traceback.__file__
+        return torch.initial_seed(), real, record
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_worker_seeding_keeps_torch_seed_and_traceback(ctx: str) -> None:
+    """A worker's torch seed is torch's (``base_seed + worker_id``); the queued CUDA seeding
+    names aioloader's worker set-up as its caller (the worker does not read the source of
+    its whole stack for it), and ``traceback.format_stack`` is the real one afterwards."""
+    loader = DataLoader(SeedingSeen(), batch_size=None, num_workers=2,
+                        multiprocessing_context=ctx, generator=torch.Generator().manual_seed(7))
+    got = list(loader)
+    torch_seeds = [s for s, _, _ in tud.DataLoader(
+        SeedingSeen(), batch_size=None, num_workers=2, multiprocessing_context=ctx,
+        generator=torch.Generator().manual_seed(7))]
+    assert [s for s, _, _ in got] == torch_seeds
+    assert all(real for _, real, _ in got)
+    for _, _, record in got:
+        if record is not None:  # torch keeps the queued seeding's caller
+            assert "aioloader's worker set-up" in record

@@ -72,12 +72,9 @@ class _PoolLease:
     async def start(self, runner: ThreadRunner,
                     on_started: Callable[[int], None] | None = None) -> None:
         """Start the pool's workers (once) without blocking the loop: in ``runner``'s
-        thread (``on_started`` is called there), threads at once."""
-        if self.started:
-            return
-        if self.pool.start_method == "thread":  # threads start at once
-            self.start_sync(on_started)
-        else:  # a fork, a new interpreter, an actor: never on the loop's thread
+        thread (``on_started`` is called there). A fork, a new interpreter, an actor, and
+        a thread too (``Thread.start`` waits until the new thread runs)."""
+        if not self.started:
             await runner.run(self.start_sync, on_started)
 
     async def aclose(self) -> None:

@@ -99,7 +99,29 @@ def _setup_process(cfg: WorkerConfig) -> int:
             pass
     torch.set_num_threads(1)
     _follow_sharing_strategy(cfg.sharing_strategy)
-    return seed_worker(cfg)
+    return _seed_quickly(cfg)
+
+
+def _seed_quickly(cfg: WorkerConfig) -> int:
+    """:func:`seed_worker`, with ``traceback.format_stack`` answering at once meanwhile.
+
+    ``torch.manual_seed`` queues CUDA's seeding for a CUDA start that may never come
+    and records where it was called with ``traceback.format_stack()``, which reads the
+    source of every frame on the stack through ``linecache``: about 10 ms in a fresh
+    worker, most of its set-up (torch's workers pay it too). That record is shown only
+    if the queued seeding fails at a later CUDA start; it names this call instead. Safe
+    to swap: the worker runs one thread at this point (its watchdog starts later).
+    """
+    capture = traceback.format_stack
+    traceback.format_stack = _named_stack
+    try:
+        return seed_worker(cfg)
+    finally:
+        traceback.format_stack = capture
+
+
+def _named_stack(*_args: Any, **_kwargs: Any) -> list[str]:
+    return ["  torch.manual_seed(base_seed + worker_id), in aioloader's worker set-up\n"]
 
 
 def _follow_sharing_strategy(strategy: str) -> None:
