@@ -126,20 +126,31 @@ class DyingDataset:
         return i
 
 
-class AsyncSleepDataset:
-    """Async map-style: every item sleeps ``delay`` seconds (I/O-like) then returns its index."""
+class AsyncTogetherDataset:
+    """Async map-style: items ``0..n-1`` each return only once all ``n`` are in flight at
+    the same time (so they must be fetched concurrently; a fetch that waits 30 s for the
+    others fails); item 13 then raises. Index ``n`` returns at once (a warm-up)."""
 
-    def __init__(self, n: int = 64, delay: float = 0.05) -> None:
+    def __init__(self, n: int = 64) -> None:
         self.n = n
-        self.delay = delay
+        self._waiting = 0
+        self._all: Any = None  # made in the worker's event loop
 
     def __len__(self) -> int:
-        return self.n
+        return self.n + 1
 
     async def __getitem__(self, i: int) -> int:
         import anyio
 
-        await anyio.sleep(self.delay)
+        if i >= self.n:
+            return i
+        if self._all is None:
+            self._all = anyio.Event()
+        self._waiting += 1
+        if self._waiting == self.n:
+            self._all.set()
+        with anyio.fail_after(30):
+            await self._all.wait()
         if i == 13:
             raise BadItem("async bad item 13")
         return i

@@ -110,12 +110,10 @@ async def test_concurrency_limit_is_reached_and_respected() -> None:
 async def test_error_cancels_the_batch_and_keeps_type() -> None:
     """One failing fetch cancels its batch's other fetches and surfaces as ValueError quickly."""
     ds = AsyncItems(8, fail_at=2)
-    t0 = time.monotonic()
-    with pytest.raises(ValueError, match="fetch 2 failed"):
+    with anyio.fail_after(30), pytest.raises(ValueError, match="fetch 2 failed"):
         async for _ in DataLoader(ds, batch_size=4):
             pass
     await ds.wait_idle()
-    assert time.monotonic() - t0 < 5
     assert ds.cancelled >= 3
 
 

@@ -513,7 +513,9 @@ class WhoFetched(torch.utils.data.Dataset[Any]):
     """Sample i, tagged with the id of the worker that fetched it and a draw of its RNG."""
 
     def __len__(self) -> int:
-        return 300
+        # 300 batches of 3: the scripted moves need 12 windows of 2 batches, and windows
+        # do not count while a worker starts or drains (samples this cheap go by fast).
+        return 900
 
     def __getitem__(self, i: int) -> tuple[int, int]:
         info = get_worker_info()
