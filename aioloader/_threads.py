@@ -135,10 +135,10 @@ class ThreadRunner(ParkableThread):
                     self._registered = True
                     if register(self):  # a fork is under way: start once it is done
                         self._parked = True
-                if not self._parked:
-                    self._launching = True
-                    self._started = threading.Event()  # a park waits for it (see _launch)
-                    _thread.start_new_thread(self._launch, (self._started,))
+                if not self._parked:  # the launcher waits for the lock held here
+                    started = threading.Event()  # a park waits for it (see _launch)
+                    _thread.start_new_thread(self._launch, (started,))
+                    self._started, self._launching = started, True
             self._jobs.put(job)
 
     def _launch(self, started: threading.Event) -> None:
