@@ -95,13 +95,8 @@ class WorkerPool(PoolBase[Conn]):
         mp_context: a ``multiprocessing`` context object (``fork``,
             ``spawn`` or ``forkserver``).
 
-    Lifecycle: :meth:`start` (sync) once; then any number of :meth:`serve`
-    calls (one at a time, e.g. one per epoch with persistent workers) and
-    :meth:`send` calls; then :meth:`aclose` (or the sync :meth:`close`).
-    A pool that is garbage collected or still open at interpreter exit is
-    closed then.
+    Its lifecycle is :class:`~aioloader._pools.base.PoolBase`'s.
     """
-
 
     def __init__(self, configs: ConfigSource, mp_context: Any) -> None:
         super().__init__(configs)

@@ -30,9 +30,7 @@ pinning are the same code for both kinds of workers. What differs:
 * a thread cannot be killed: a fetch stuck in user code at close is
   abandoned after the grace period (daemon thread) with a warning.
 
-Example: :mod:`aioloader._pools.process`'s, with ``pool = ThreadWorkerPool(configs)`` (no
-``multiprocessing`` context); replies carry the batch objects themselves. The serve loop
-is :class:`~aioloader._pools.serve.ServeLoop`'s; this pool supplies how one thread's
+The serve loop is :class:`~aioloader._pools.serve.ServeLoop`'s; this pool supplies how one thread's
 replies are read (``_pump``) and how a thread is replaced (``_replace``).
 """
 
@@ -81,18 +79,8 @@ class _Worker:
 
 
 class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
-    """Worker threads with known ids: the same interface as the process pool's ``WorkerPool``.
-
-    Args:
-        configs: one :class:`~aioloader._worker.config.WorkerConfig` per worker (in
-            worker-id order), or a zero-argument callable returning them,
-            called by :meth:`start`.
-
-    Lifecycle: :meth:`start` once; any number of :meth:`serve` calls (one at
-    a time) and :meth:`send` calls; then :meth:`aclose` or :meth:`close`
-    (also run when the pool is garbage collected, and at interpreter exit).
-    """
-
+    """Worker threads with known ids: :class:`~aioloader._pools.base.PoolBase`'s
+    arguments and lifecycle, the same interface as the process pool's ``WorkerPool``."""
 
     def __init__(self, configs: ConfigSource) -> None:
         super().__init__(configs)
