@@ -209,7 +209,8 @@ class _PipelineCore(lifecycle.EpochLifecycle):
         if self.track.discard and not self.track.replaying:
             await self.track.areplay(self.anext)
         if self.rec is not None:
-            self._record_occupancy(self.rec)
+            staged = len(self.device_stage.staged) if self.device_stage is not None else 0
+            self.rec.occupancy(*self.buffer.counts(), staged)
         t_ask = _ns() if self.tuner is not None else 0
         try:
             if self.device_stage is None:
@@ -256,10 +257,6 @@ class _PipelineCore(lifecycle.EpochLifecycle):
 
     # -- the reorder buffer's consumer side --------------------------------------------------
 
-    def _record_occupancy(self, rec: Recorder) -> None:
-        staged = len(self.device_stage.staged) if self.device_stage is not None else 0
-        rec.occupancy(*self.buffer.counts(), staged)
-
     async def _next_host(self) -> Any:
         """Next batch in order (or as it comes with in_order=False), before the device stage."""
         dispatch = self.dispatch
@@ -301,21 +298,18 @@ class _PipelineCore(lifecycle.EpochLifecycle):
                 # A worker the autotuner added (map-style): the resume state names workers
                 # of the epoch's starting count (only the round robin's start depends on it).
                 worker %= self.num_workers
-            failed = isinstance(data, (RemoteError, _ErrorBox))
-            if not failed:
-                data = self.delivery.absorb(slot.index, data)
-                if data is NOTHING:  # every sample of the batch failed (on_error="skip")
-                    self.delivery.commit(slot.logical, worker, slot.wstate, slot.rng,
-                                         yielded=False)
-                    continue
-            if failed:  # an error counts as consumed now (raised here, as in torch)
+            if isinstance(data, (RemoteError, _ErrorBox)):
+                # An error counts as consumed now (raised here, as in torch).
                 self.delivery.commit(slot.logical, worker, slot.wstate, slot.rng)
-            else:
-                self.delivery.hold(slot.logical, worker, slot.wstate, slot.rng)
-            if isinstance(data, RemoteError):
-                data.reraise(batch_note(slot.logical, slot.index))
-            if isinstance(data, _ErrorBox):
+                if isinstance(data, RemoteError):
+                    data.reraise(batch_note(slot.logical, slot.index))
                 data.raise_it()
+            data = self.delivery.absorb(slot.index, data)
+            if data is NOTHING:  # every sample of the batch failed (on_error="skip")
+                self.delivery.commit(slot.logical, worker, slot.wstate, slot.rng,
+                                     yielded=False)
+                continue
+            self.delivery.hold(slot.logical, worker, slot.wstate, slot.rng)
             return data
 
     async def _wait_for_data(self) -> None:
