@@ -7,17 +7,11 @@ instead of local processes. The dispatch, the reorder buffer, the timeout and th
 exactly-once bookkeeping stay in the loader: this module only moves commands to
 the actors and replies back, through Ray's object store.
 
-Each actor (:class:`aioloader._worker.ray_actor.RayWorker`) does what a worker process
-does, with the same code: it seeds ``random``, torch and numpy (``base_seed +
-worker_id``) and installs both ``get_worker_info()``\\ s, runs ``worker_init_fn``,
-then serves ``fetch``/``reset`` calls with the worker's own fetch logic. A Ray actor
-runs the calls of one caller one at a time in submission order, so a worker's
-replies keep their order, as on a worker socket.
-
-Waiting never blocks the event loop and works under asyncio and trio alike: each
-reply's ``ObjectRef.future()`` is completed by Ray's own thread (which also
-deserialises the reply), and its done-callback wakes the loop with the loop's
-thread-safe ``call_soon``. There is no thread per reply and no polling.
+Each actor (:class:`aioloader._worker.ray_actor.RayWorker`) runs a worker process's own
+code; each reply's ``ObjectRef.future()`` is completed by Ray's own thread, whose
+done-callback wakes the loop (asyncio or trio) with its thread-safe ``call_soon``: no
+thread per reply, no polling. The semantics this gives (a worker process's ids, seeds,
+order and errors; dead actors): docs/ray.md.
 
 Ray itself is imported lazily: the package imports and runs without it.
 """
