@@ -6,18 +6,11 @@ pure controller (:class:`aioloader._tune.controller.Tuner`). The epoch calls
 consumer waited for it; every measurement window (:data:`WINDOW_S` and at least
 :data:`WINDOW_BATCHES` batches) it builds a
 :class:`~aioloader._tune.controller.Measurement` from its own clock and the stats
-recorder, and applies the controller's decision through the knobs:
-
-* ``prefetch_factor``: the dispatcher's window (:meth:`Dispatcher.resize`);
-* ``fetch_concurrency``: the async fetcher's runners
-  (:meth:`aioloader._fetch.amap.AsyncFetchPool.set_concurrency`), and the window that
-  keeps them busy;
-* ``num_workers`` (map-style datasets): one worker more (:meth:`add_worker` on the pool,
-  then the dispatcher) or, to undo, the last one drained (no new batch; its outstanding
-  ones arrive) and then retired.
-
-Which batch is drawn, and in which order batches come out, never depends on a knob:
-only how many are in flight and which worker fetches each.
+recorder, and applies the controller's decision through the knobs: the dispatcher's
+window (``prefetch_factor``), the async fetcher's runners (``fetch_concurrency``), a
+worker added or, to undo, the last one drained and retired (``num_workers``, map-style).
+How each knob moves, and why which batch is drawn and in which order never depends on a
+knob: docs/autotune.md, "How a knob moves".
 """
 
 from __future__ import annotations
