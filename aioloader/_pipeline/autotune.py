@@ -137,19 +137,14 @@ class EpochTuner:
         self.t0 = 0  # set by the first batch of the window
         self.batches = 0
         self.wait_ns = 0
-        rec = self.rec
-        self.rec0 = self._rec_totals() if rec is not None else None
+        self.rec0 = self._rec_totals() if self.rec is not None else None
         self.cpu0 = self._cpu(self._workers_now())
-
-    def _pids(self) -> list[int]:
-        if self.lease is None or not self.lease.started:
-            return []
-        return list(self.lease.pool.pids)
 
     def _workers_now(self) -> tuple[float, int, int] | None:
         """The workers' CPU seconds so far, their largest RSS and how many they are (one
         ``/proc`` read each; ``None``: no local worker processes, or one is unknown)."""
-        pids = self._pids()
+        lease = self.lease
+        pids = list(lease.pool.pids) if lease is not None and lease.started else []
         got = proc_workers(pids) if pids else None
         return None if got is None else (got[0], got[1], len(pids))
 
