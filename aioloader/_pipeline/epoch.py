@@ -9,23 +9,12 @@ statistics (the recorder) as values the loader reads.
 Its parts (books, seeds and pool lease, window, source, tuner) are built by
 :mod:`aioloader._pipeline.epoch_setup`; its lifecycle (state, background task,
 teardown) is :class:`aioloader._pipeline.epoch_lifecycle.EpochLifecycle`'s. This module
-composes them and takes the batches out in order. What differs between modes is the
-choice of source:
-
-* :class:`~aioloader._pipeline.source_inline.InlineSource` (``num_workers=0``, sync
-  dataset): each batch is fetched inside the call that drew it; no background task.
-  Under ``num_workers="auto"`` a sync map-style dataset's first epoch has a
-  :class:`~aioloader._pipeline.source_probe.ProbingInlineSource`, which may hand the
-  rest of the epoch to workers: :meth:`_PipelineCore.hand_over` builds the pool epoch
-  that continues it (docs/autotune.md, "The first epoch").
-* :class:`~aioloader._pipeline.source_async.AsyncFetchSource` (``num_workers=0``, async
-  dataset) and :class:`~aioloader._pipeline.source_pool.PoolSource` (workers): a
-  background task on the consumer's loop runs the source and the sender; the
-  consumer's ``__anext__`` samples and dispatches (so global RNG draws happen while the
-  consumer waits, at the points torch makes them) through the
-  :class:`~aioloader._pipeline.dispatch.Dispatcher`, then takes the next batch in order
-  from the :class:`~aioloader._pipeline.dispatch.ReorderBuffer`, through the device
-  stage when ``device=`` is set.
+composes them and takes the batches out in order, through the device stage when
+``device=`` is set. What differs between modes is the choice of source
+(:class:`~aioloader._pipeline.source_inline.InlineSource`, its probing variant,
+:class:`~aioloader._pipeline.source_async.AsyncFetchSource`,
+:class:`~aioloader._pipeline.source_pool.PoolSource`): docs/pipeline.md's table of
+sources, "One iterator shape".
 """
 
 from __future__ import annotations
