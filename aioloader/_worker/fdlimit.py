@@ -75,9 +75,9 @@ def too_many_open_files(side: str | None = None) -> str:
             f"are copied through their sockets instead, which is slower.")
 
 
-def out_of_files_error(side: str | None = None) -> TransportError:
+def out_of_files_error() -> TransportError:
     """The error to raise (``from`` the ``OSError`` or ``RuntimeError`` that said so)."""
-    return TransportError(too_many_open_files(side))
+    return TransportError(too_many_open_files())
 
 
 def is_out_of_files(exc: BaseException | None) -> bool:
