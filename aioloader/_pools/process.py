@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -203,8 +202,8 @@ class WorkerPool(PoolBase[Conn]):
         method = self.start_method
         # With fork, every parent-side socket so far is inherited (the new one is added).
         inherited = [c.sock.fileno() for c in self._workers] if method == "fork" else []
-        conn = Conn.start(self._ctx, worker_id, self._configs[worker_id], method, os.getpid(),
-                          inherited, self._zygote)
+        conn = Conn.start(self._ctx, worker_id, self._configs[worker_id], method, inherited,
+                          self._zygote)
         conn.segments.limit = self._segment_limit  # a respawned worker gets it too
         if worker_id < len(self._workers):  # a respawn: the replacement takes the same id
             self._workers[worker_id] = conn
