@@ -135,24 +135,30 @@ class RayWorkerPool(PoolBase[_Actor]):
         self._configs = [dataclasses.replace(cfg, dataset=None, parent_pid=0, close_fds=[],
                                              start_method="ray") for cfg in configs]
         for worker_id in range(len(configs)):
-            actor = self._create_actor(worker_id)
-            with self._close_lock:  # a close() from another thread meanwhile kills it
-                closing = self._closing
-                if not closing:
-                    self._workers.append(actor)
-            if closing:
-                self._kill(actor)
-                raise IteratorClosedError("the worker pool was closed while it started")
+            self._create_actor(worker_id, "the worker pool was closed while it started")
         logger.debug("started %d Ray actor workers: %s", len(self._workers), self.actor_names)
 
-    def _create_actor(self, worker_id: int) -> _Actor:
-        """Create actor ``worker_id`` (again, for a respawn: a new name, same config)."""
+    def _create_actor(self, worker_id: int, closed: str) -> _Actor:
+        """Create actor ``worker_id`` (again, for a respawn: a new name, same config) and
+        put it in its slot, unless a close() from another thread came first: then it is
+        killed and ``IteratorClosedError(closed)`` raised."""
         self._generation[worker_id] = generation = self._generation.get(worker_id, -1) + 1
         name = f"{self._prefix}-worker-{worker_id}" + (f"-r{generation}" if generation else "")
         handle = self._actor_cls.options(name=name, max_restarts=0, max_task_retries=0,
                                          **self._actor_options).remote(
             self._configs[worker_id], self._dataset_ref)
-        return _Actor(worker_id, name, handle, handle.info.remote())
+        actor = _Actor(worker_id, name, handle, handle.info.remote())
+        with self._close_lock:
+            closing = self._closing
+            if not closing:
+                if worker_id < len(self._workers):  # a respawn
+                    self._workers[worker_id] = actor
+                else:
+                    self._workers.append(actor)
+        if closing:
+            self._kill(actor)
+            raise IteratorClosedError(closed)
+        return actor
 
     # ------------------------------------------------------------------ talk
 
@@ -206,15 +212,7 @@ class RayWorkerPool(PoolBase[_Actor]):
     async def _replace(self, dead: _Actor) -> _Actor:
         """A new actor in ``dead``'s place."""
         self._kill(dead)  # it is dead already; this frees Ray's record of it
-        actor = self._create_actor(dead.worker_id)
-        with self._close_lock:
-            closing = self._closing
-            if not closing:
-                self._workers[dead.worker_id] = actor
-        if closing:
-            self._kill(actor)
-            raise IteratorClosedError("the worker pool is closed")
-        return actor
+        return self._create_actor(dead.worker_id, "the worker pool is closed")
 
     def _reply(self, actor: _Actor, entry: _Entry,
                future: concurrent.futures.Future[Any]) -> Reply:
