@@ -1,20 +1,11 @@
 """torch's DataPipe handling, at the points torch's DataLoader does it.
 
 ``IterDataPipe``/``MapDataPipe`` graphs get from the loader what torch's DataLoader gives
-them (``torch/utils/data/dataloader.py`` and ``_utils/worker.py``):
-
-* ``__init__``: the dataset is wrapped in torch's serialization wrapper (pickle, or dill
-  when pickle fails, for the trip to a worker); with an ``IterDataPipe``, ``shuffle=`` is
-  not a sampler option but turns every ``.shuffle()`` of the graph on or off
-  (:func:`apply_shuffle`).
-* each epoch (``iter()``): an ``IterDataPipe`` draws a *shared seed* from the loader's
-  ``generator`` (broadcast from rank 0 when ``torch.distributed`` is initialised) and seeds
-  the graph's random pipes from it (:func:`share_seed`, :func:`seed_graph`), so every
-  worker and rank shuffles alike; without workers, the graph is sharded over the
-  distributed ranks (:func:`shard_main`).
-* in each worker: the graph is seeded again from the shared seed before
-  ``worker_init_fn``, and the ``sharding_filter`` keeps this worker's share of this rank's
-  share (:func:`sharding_init_fn`, torch's ``_sharding_worker_init_fn``).
+them (``torch/utils/data/dataloader.py`` and ``_utils/worker.py``), at the same points: the
+serialization wrapper and ``shuffle=`` at ``__init__`` (:func:`wrap`,
+:func:`apply_shuffle`), a shared seed each epoch (:func:`share_seed`, :func:`seed_graph`),
+sharding over the ranks (:func:`shard_main`) and workers (:func:`sharding_init_fn`).
+What each does: docs/migration.md, "DataPipes".
 
 torch's own functions do the work wherever they exist, so that a graph behaves exactly as
 under torch's DataLoader (and ``_get_distributed_settings`` patched in torch applies here).

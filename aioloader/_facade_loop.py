@@ -4,7 +4,7 @@
 :class:`PortalDriver` runs one epoch's pipeline core on a private event loop
 (:class:`_FacadeLoop`: uvloop's when installed) in a background thread, through an anyio
 blocking portal, and tears both down when the iterator is closed, collected or left at
-interpreter exit (:func:`_close_open_drivers`). The loop thread is parked around the
+interpreter exit (:func:`aioloader._threads.close_at_exit`). The loop thread is parked around the
 loader's forks (:mod:`aioloader._park`). :mod:`aioloader._facade` (the public
 ``DataLoader`` and its iterators) starts it.
 """
@@ -25,6 +25,7 @@ from anyio.from_thread import BlockingPortal
 from ._park import ParkableThread, forking_here, join_ending_threads, register, track_ending
 from ._pipeline.epoch import _PipelineCore
 from ._pipeline.epoch_lifecycle import PipelineState, superseded_error
+from ._threads import close_at_exit
 
 __all__ = ["PortalDriver", "open_drivers"]
 
@@ -319,17 +320,6 @@ class _FacadeLoop(ParkableThread):
 
 
 open_drivers: weakref.WeakSet[PortalDriver] = weakref.WeakSet()
-
-
-def _close_open_drivers() -> None:
-    for driver in list(open_drivers):
-        driver.close()
-    join_ending_threads()  # teardowns that were left to finish on their loop threads
-
-
-try:  # run at exit before threads are joined or abandoned (the loop threads are daemons)
-    threading._register_atexit(_close_open_drivers)  # type: ignore[attr-defined]
-except (AttributeError, RuntimeError):  # pragma: no cover
-    import atexit
-
-    atexit.register(_close_open_drivers)
+# At exit, before threads are joined or abandoned (the loop threads are daemons); then the
+# teardowns that were left to finish on their loop threads.
+close_at_exit(open_drivers, after=join_ending_threads)

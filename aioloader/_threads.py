@@ -338,8 +338,10 @@ async def _ended_if_started(runner: ThreadRunner) -> None:
         await _ended(runner._thread)
 
 
-def close_at_exit(pools: weakref.WeakSet[Any], **close_kwargs: Any) -> None:
-    """At interpreter exit, ``pool.close(**close_kwargs)`` every pool still in ``pools``.
+def close_at_exit(pools: weakref.WeakSet[Any], *, after: Callable[[], None] | None = None,
+                  **close_kwargs: Any) -> None:
+    """At interpreter exit, ``pool.close(**close_kwargs)`` every pool still in ``pools``,
+    then ``after()``.
 
     Registered with ``threading._register_atexit``: those hooks run before non-daemon
     threads are joined (so workers stop even while a thread that would have closed them
@@ -353,6 +355,8 @@ def close_at_exit(pools: weakref.WeakSet[Any], **close_kwargs: Any) -> None:
                 pool.close(**close_kwargs)
             except Exception:
                 _LG.debug("closing %r at exit failed", pool, exc_info=True)
+        if after is not None:
+            after()
 
     try:
         threading._register_atexit(close_all)  # type: ignore[attr-defined]

@@ -6,22 +6,12 @@ drops a sample whose read raised from its batch, collates the rest, and
 reports it; ``retries=N`` re-awaits a failing async read with exponential
 backoff first. See ``docs/failure_policy.md``.
 
-The pieces, by module (import each name from its own):
-
-* :mod:`aioloader._fetch.policy` - :class:`FailurePolicy`, the validated
-  settings, picklable (workers get a copy), built by :func:`make_policy`.
-* :mod:`aioloader._fetch.records` - :class:`SampleFailure` (one skipped
-  sample: its index, where, its error text) and :class:`Outcome` (what a
-  guarded fetch returns when something was skipped or retried: the batch, or
-  :data:`NOTHING` when every sample failed, plus the failures, carried through
-  the worker pipe like any batch).
-* :mod:`aioloader._fetch.guard` - :class:`GuardedMapFetcher`,
-  :class:`GuardedIterFetcher` (sync fetchers that catch per-sample errors) and
-  :func:`aguard` (the async read loop with retries).
-* here - :class:`FailureReport`, the per-epoch tally on the consumer side
-  (``loader.failures``, ``iterator.failures``); raises
-  :class:`TooManyFailuresError` past ``max_failures`` and warns a summary at
-  the end of the epoch.
+Its settings are :mod:`aioloader._fetch.policy`'s, its records
+:mod:`aioloader._fetch.records`', its guarded reads :mod:`aioloader._fetch.guard`'s (import
+each name from its own module). Here: :class:`FailureReport`, the per-epoch tally on the
+consumer side (``loader.failures``, ``iterator.failures``); it raises
+:class:`TooManyFailuresError` past ``max_failures`` and warns a summary at the end of the
+epoch.
 
 Failures are counted where batches are handed to the consumer, in sampler
 order, so ``max_failures`` trips at the same batch on every run.

@@ -6,18 +6,11 @@ pure controller (:class:`aioloader._tune.controller.Tuner`). The epoch calls
 consumer waited for it; every measurement window (:data:`WINDOW_S` and at least
 :data:`WINDOW_BATCHES` batches) it builds a
 :class:`~aioloader._tune.controller.Measurement` from its own clock and the stats
-recorder, and applies the controller's decision through the knobs:
-
-* ``prefetch_factor``: the dispatcher's window (:meth:`Dispatcher.resize`);
-* ``fetch_concurrency``: the async fetcher's runners
-  (:meth:`aioloader._fetch.amap.AsyncFetchPool.set_concurrency`), and the window that
-  keeps them busy;
-* ``num_workers`` (map-style datasets): one worker more (:meth:`add_worker` on the pool,
-  then the dispatcher) or, to undo, the last one drained (no new batch; its outstanding
-  ones arrive) and then retired.
-
-Which batch is drawn, and in which order batches come out, never depends on a knob:
-only how many are in flight and which worker fetches each.
+recorder, and applies the controller's decision through the knobs: the dispatcher's
+window (``prefetch_factor``), the async fetcher's runners (``fetch_concurrency``), a
+worker added or, to undo, the last one drained and retired (``num_workers``, map-style).
+How each knob moves, and why which batch is drawn and in which order never depends on a
+knob: docs/autotune.md, "How a knob moves".
 """
 
 from __future__ import annotations
@@ -144,19 +137,14 @@ class EpochTuner:
         self.t0 = 0  # set by the first batch of the window
         self.batches = 0
         self.wait_ns = 0
-        rec = self.rec
-        self.rec0 = self._rec_totals() if rec is not None else None
+        self.rec0 = self._rec_totals() if self.rec is not None else None
         self.cpu0 = self._cpu(self._workers_now())
-
-    def _pids(self) -> list[int]:
-        if self.lease is None or not self.lease.started:
-            return []
-        return list(self.lease.pool.pids)
 
     def _workers_now(self) -> tuple[float, int, int] | None:
         """The workers' CPU seconds so far, their largest RSS and how many they are (one
         ``/proc`` read each; ``None``: no local worker processes, or one is unknown)."""
-        pids = self._pids()
+        lease = self.lease
+        pids = list(lease.pool.pids) if lease is not None and lease.started else []
         got = proc_workers(pids) if pids else None
         return None if got is None else (got[0], got[1], len(pids))
 

@@ -9,23 +9,12 @@ statistics (the recorder) as values the loader reads.
 Its parts (books, seeds and pool lease, window, source, tuner) are built by
 :mod:`aioloader._pipeline.epoch_setup`; its lifecycle (state, background task,
 teardown) is :class:`aioloader._pipeline.epoch_lifecycle.EpochLifecycle`'s. This module
-composes them and takes the batches out in order. What differs between modes is the
-choice of source:
-
-* :class:`~aioloader._pipeline.source_inline.InlineSource` (``num_workers=0``, sync
-  dataset): each batch is fetched inside the call that drew it; no background task.
-  Under ``num_workers="auto"`` a sync map-style dataset's first epoch has a
-  :class:`~aioloader._pipeline.source_probe.ProbingInlineSource`, which may hand the
-  rest of the epoch to workers: :meth:`_PipelineCore.hand_over` builds the pool epoch
-  that continues it (docs/autotune.md, "The first epoch").
-* :class:`~aioloader._pipeline.source_async.AsyncFetchSource` (``num_workers=0``, async
-  dataset) and :class:`~aioloader._pipeline.source_pool.PoolSource` (workers): a
-  background task on the consumer's loop runs the source and the sender; the
-  consumer's ``__anext__`` samples and dispatches (so global RNG draws happen while the
-  consumer waits, at the points torch makes them) through the
-  :class:`~aioloader._pipeline.dispatch.Dispatcher`, then takes the next batch in order
-  from the :class:`~aioloader._pipeline.dispatch.ReorderBuffer`, through the device
-  stage when ``device=`` is set.
+composes them and takes the batches out in order, through the device stage when
+``device=`` is set. What differs between modes is the choice of source
+(:class:`~aioloader._pipeline.source_inline.InlineSource`, its probing variant,
+:class:`~aioloader._pipeline.source_async.AsyncFetchSource`,
+:class:`~aioloader._pipeline.source_pool.PoolSource`): docs/pipeline.md's table of
+sources, "One iterator shape".
 """
 
 from __future__ import annotations
@@ -209,7 +198,8 @@ class _PipelineCore(lifecycle.EpochLifecycle):
         if self.track.discard and not self.track.replaying:
             await self.track.areplay(self.anext)
         if self.rec is not None:
-            self._record_occupancy(self.rec)
+            staged = len(self.device_stage.staged) if self.device_stage is not None else 0
+            self.rec.occupancy(*self.buffer.counts(), staged)
         t_ask = _ns() if self.tuner is not None else 0
         try:
             if self.device_stage is None:
@@ -256,10 +246,6 @@ class _PipelineCore(lifecycle.EpochLifecycle):
 
     # -- the reorder buffer's consumer side --------------------------------------------------
 
-    def _record_occupancy(self, rec: Recorder) -> None:
-        staged = len(self.device_stage.staged) if self.device_stage is not None else 0
-        rec.occupancy(*self.buffer.counts(), staged)
-
     async def _next_host(self) -> Any:
         """Next batch in order (or as it comes with in_order=False), before the device stage."""
         dispatch = self.dispatch
@@ -301,21 +287,18 @@ class _PipelineCore(lifecycle.EpochLifecycle):
                 # A worker the autotuner added (map-style): the resume state names workers
                 # of the epoch's starting count (only the round robin's start depends on it).
                 worker %= self.num_workers
-            failed = isinstance(data, (RemoteError, _ErrorBox))
-            if not failed:
-                data = self.delivery.absorb(slot.index, data)
-                if data is NOTHING:  # every sample of the batch failed (on_error="skip")
-                    self.delivery.commit(slot.logical, worker, slot.wstate, slot.rng,
-                                         yielded=False)
-                    continue
-            if failed:  # an error counts as consumed now (raised here, as in torch)
+            if isinstance(data, (RemoteError, _ErrorBox)):
+                # An error counts as consumed now (raised here, as in torch).
                 self.delivery.commit(slot.logical, worker, slot.wstate, slot.rng)
-            else:
-                self.delivery.hold(slot.logical, worker, slot.wstate, slot.rng)
-            if isinstance(data, RemoteError):
-                data.reraise(batch_note(slot.logical, slot.index))
-            if isinstance(data, _ErrorBox):
+                if isinstance(data, RemoteError):
+                    data.reraise(batch_note(slot.logical, slot.index))
                 data.raise_it()
+            data = self.delivery.absorb(slot.index, data)
+            if data is NOTHING:  # every sample of the batch failed (on_error="skip")
+                self.delivery.commit(slot.logical, worker, slot.wstate, slot.rng,
+                                     yielded=False)
+                continue
+            self.delivery.hold(slot.logical, worker, slot.wstate, slot.rng)
             return data
 
     async def _wait_for_data(self) -> None:

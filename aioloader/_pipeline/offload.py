@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from .._fetch.records import NOTHING, Outcome
 from .._fetch.sync import EXHAUSTED
@@ -123,7 +123,7 @@ class _ErrorBox:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
 
-    def raise_it(self) -> None:
+    def raise_it(self) -> NoReturn:
         exc, self.exc = self.exc, None  # type: ignore[assignment]
         raise exc
 

@@ -3,19 +3,10 @@
 The pipeline's pin and device stages call these functions in a thread, never
 on the event loop. All three share one structure walk (:mod:`.walk`): tensors,
 containers, namedtuples and dataclasses are handled alike; they differ in what
-they ask of other objects.
-
-* :func:`pin_memory` is torch's ``pin_memory`` walk: an object with a
-  ``pin_memory()`` method is asked to pin itself (torch's custom-batch protocol),
-  any other object is returned untouched. Dataclasses are walked field by field
-  (an addition: torch passes them through untouched).
-* :func:`move_to_device` (``device=``) keeps the loader's promise that batches
-  arrive on the device: an object with a ``to`` method is asked to move itself
-  (``obj.to(device, non_blocking=...)``); an object it cannot move that holds
-  tensors off the device is refused with a ``TypeError`` naming its type and the
-  method to add, instead of arriving on the CPU.
-* :func:`record_stream` tags every CUDA tensor, those inside objects moved by
-  their own ``to`` included.
+they ask of other objects: :func:`pin_memory` is torch's walk (dataclasses too, an
+addition), :func:`move_to_device` (``device=``) moves what it can and refuses, with a
+``TypeError``, an object holding tensors it cannot move, :func:`record_stream` tags
+every CUDA tensor.
 
 The warning texts torch 2.13 emits when ``pin_memory=True`` cannot be honoured
 are kept here so that the loader warns with exactly torch's words.
@@ -167,23 +158,13 @@ def move_to_device(
 ) -> Any:
     """Copy every tensor of ``data`` to ``device``, or refuse what cannot be moved.
 
-    The protocol (docs/migration.md, "Custom batches and ``device=``"):
-
-    * tensors get ``tensor.to(device, non_blocking=non_blocking)``;
-    * mappings, tuples, namedtuples, sequences and dataclasses (frozen ones too)
-      are rebuilt, with their type, around their moved contents;
-    * an object with a ``to`` method moves itself: ``obj.to(device,
-      non_blocking=non_blocking)``, or ``obj.to(device)`` when its ``to`` has
-      neither a ``non_blocking`` parameter nor ``**kwargs``, the device by
-      keyword when ``device`` is keyword-only (torch's storages); decided once
-      per method; what it returns takes its place;
-    * strings, bytes, numbers, ``None`` and classes pass through;
-    * any other object passes through unless it holds a tensor that is not on
-      ``device`` (found through its ``__dict__``/``__slots__`` and the containers
-      in them, :func:`~aioloader._pipeline.walk.tensors_inside`), or it has a
-      ``pin_memory()`` method (torch's custom batch), no tensor found and
-      ``device`` is not the CPU: then a ``TypeError`` names its type and the
-      method to add.
+    Tensors get ``tensor.to(device, non_blocking=non_blocking)``; containers and
+    dataclasses are rebuilt around their moved contents; an object with a ``to`` method
+    moves itself (called as its signature allows, :func:`_to_style`); any other object
+    passes through unless it holds a tensor off ``device``
+    (:func:`~aioloader._pipeline.walk.tensors_inside`) or is a custom batch it cannot
+    move (:func:`_refuse_unmovable`). The whole protocol: docs/migration.md, "Custom
+    batches and ``device=``".
 
     Args:
         data: the batch.

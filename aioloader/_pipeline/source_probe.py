@@ -13,7 +13,6 @@ is drawn twice or skipped. docs/autotune.md, "The first epoch".
 from __future__ import annotations
 
 import time
-from collections.abc import Coroutine
 from typing import Any
 
 from .._tune.probe import Probe, Verdict
@@ -84,11 +83,8 @@ class ProbingInlineSource(InlineSource):
         self._observe(t0, c0)
         return data
 
-    def anext(self) -> Coroutine[Any, Any, Any]:
+    async def anext(self) -> Any:
         """:meth:`InlineSource.anext`, timed (or :class:`HandOver`)."""
-        return self._anext_probed()
-
-    async def _anext_probed(self) -> Any:
         self._hand_over_if_due()
         t0, c0 = _ns(), _cpu_ns()
         data = await self._anext_in_process()

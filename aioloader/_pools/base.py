@@ -62,7 +62,7 @@ class PoolBase(ServeLoop[W]):
     def __init_subclass__(cls, exit_grace: float | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._live = weakref.WeakSet()
-        close_at_exit(cls._live, **({} if exit_grace is None else {"grace": exit_grace}))
+        close_at_exit(cls._live, grace=exit_grace)  # None: close()'s default
 
     def __init__(self, configs: ConfigSource) -> None:
         super().__init__()

@@ -79,7 +79,7 @@ class Conn:
     # ------------------------------------------------------------------ start
 
     @classmethod
-    def start(cls, ctx: Any, worker_id: int, cfg: WorkerConfig, method: str, parent_pid: int,
+    def start(cls, ctx: Any, worker_id: int, cfg: WorkerConfig, method: str,
               inherited: list[int], zygote: Zygote | None = None) -> Conn:
         """Start worker ``worker_id``'s process (daemonic) on a new socket pair.
 
@@ -100,7 +100,7 @@ class Conn:
             # this pool's parent ends and those of every other pool (other loaders) here.
             close_fds = (_identities([*inherited, parent_sock.fileno(), *_live_parent_ends()])
                          if method == "fork" else [])
-            cfg = dataclasses.replace(cfg, parent_pid=parent_pid, close_fds=close_fds,
+            cfg = dataclasses.replace(cfg, parent_pid=os.getpid(), close_fds=close_fds,
                                       start_method=method,
                                       sharing_strategy=sharing_strategy())
             proc: Proc | None = None

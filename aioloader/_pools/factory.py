@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
 from typing import Any
 
 from .._config import LoaderConfig
@@ -45,8 +44,6 @@ def start_pool(config: LoaderConfig, base_seed: int,
             worker_init_fn=worker_init_fn,
             fetch_concurrency=config.fetch_concurrency,
             fetch_threads=config.fetch_threads,
-            parent_pid=os.getpid(),
-            close_fds=[],
             failure=config.failure_policy if config.failure_policy.guards_reads else None,
             resume_state=(resume_states or {}).get(i),
             resume_rng=(resume_rngs or {}).get(i),

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,13 +94,8 @@ class WorkerPool(PoolBase[Conn]):
         mp_context: a ``multiprocessing`` context object (``fork``,
             ``spawn`` or ``forkserver``).
 
-    Lifecycle: :meth:`start` (sync) once; then any number of :meth:`serve`
-    calls (one at a time, e.g. one per epoch with persistent workers) and
-    :meth:`send` calls; then :meth:`aclose` (or the sync :meth:`close`).
-    A pool that is garbage collected or still open at interpreter exit is
-    closed then.
+    Its lifecycle is :class:`~aioloader._pools.base.PoolBase`'s.
     """
-
 
     def __init__(self, configs: ConfigSource, mp_context: Any) -> None:
         super().__init__(configs)
@@ -156,7 +150,6 @@ class WorkerPool(PoolBase[Conn]):
         with a message that says what to change.
         """
         method = self.start_method
-        parent_pid = os.getpid()
         if method != "fork":
             configs = self._share_dataset(configs, method)
         if method == "forkserver":
@@ -169,9 +162,9 @@ class WorkerPool(PoolBase[Conn]):
         self._configs = configs
         # Never fork while a thread of ours is alive: the loader's threads are parked.
         with quiet_for_fork() if method == "fork" else contextlib.nullcontext():
-            for worker_id, cfg in enumerate(configs):
+            for worker_id in range(len(configs)):
                 self._starting = worker_id
-                self._start_one(worker_id, cfg, method, parent_pid)
+                self._start_one(worker_id)
                 self._worker_up(worker_id)  # its first commands go out before the next fork
         self._starting = None
         logger.debug("started %d %s workers: pids %s", len(self._workers), method, self.pids)
@@ -204,10 +197,12 @@ class WorkerPool(PoolBase[Conn]):
         logger.debug("dataset pickled once for %d workers: %r", len(configs), image)
         return [dataclasses.replace(cfg, dataset=image) for cfg in configs]
 
-    def _start_one(self, worker_id: int, cfg: WorkerConfig, method: str, parent_pid: int) -> None:
+    def _start_one(self, worker_id: int) -> None:
+        """Start worker ``worker_id`` from its config (a new one, or a respawn)."""
+        method = self.start_method
         # With fork, every parent-side socket so far is inherited (the new one is added).
         inherited = [c.sock.fileno() for c in self._workers] if method == "fork" else []
-        conn = Conn.start(self._ctx, worker_id, cfg, method, parent_pid, inherited,
+        conn = Conn.start(self._ctx, worker_id, self._configs[worker_id], method, inherited,
                           self._zygote)
         conn.segments.limit = self._segment_limit  # a respawned worker gets it too
         if worker_id < len(self._workers):  # a respawn: the replacement takes the same id
@@ -328,22 +323,19 @@ class WorkerPool(PoolBase[Conn]):
     async def _replace(self, dead: Conn) -> Conn:
         # The dead worker's fds go first (a fork would inherit them otherwise).
         dead.free(notify=False)
-        wid = dead.worker_id
-        cfg, method, parent_pid = self._configs[wid], self.start_method, os.getpid()
         # A fork or a new interpreter: never on the loop's thread.
         runner = ThreadRunner("aioloader-respawn")
         try:
-            await runner.run(self._start_one_quietly, wid, cfg, method, parent_pid)
+            await runner.run(self._start_one_quietly, dead.worker_id)
         finally:
             await runner.aclose()
-        return self._workers[wid]
+        return self._workers[dead.worker_id]
 
-    def _start_one_quietly(self, worker_id: int, cfg: WorkerConfig, method: str,
-                           parent_pid: int) -> None:
+    def _start_one_quietly(self, worker_id: int) -> None:
         """:meth:`_start_one` from a loader thread: with ``fork``, the loader's other
         threads parked (this one stays alive, as does the consumer's loop thread)."""
-        with quiet_for_fork() if method == "fork" else contextlib.nullcontext():
-            self._start_one(worker_id, cfg, method, parent_pid)
+        with quiet_for_fork() if self.start_method == "fork" else contextlib.nullcontext():
+            self._start_one(worker_id)
 
     # ------------------------------------------------------------------ resize (autotune)
 
@@ -356,10 +348,10 @@ class WorkerPool(PoolBase[Conn]):
         if self._closing:
             raise IteratorClosedError("the worker pool is closed")
         cfg = self._next_config()
-        wid, method, parent_pid = cfg.worker_id, self.start_method, os.getpid()
+        wid = cfg.worker_id
         self._configs.append(cfg)
         try:
-            await runner.run(self._start_one_quietly, wid, cfg, method, parent_pid)
+            await runner.run(self._start_one_quietly, wid)
         except BaseException:
             self._configs.pop()
             raise

@@ -7,17 +7,11 @@ instead of local processes. The dispatch, the reorder buffer, the timeout and th
 exactly-once bookkeeping stay in the loader: this module only moves commands to
 the actors and replies back, through Ray's object store.
 
-Each actor (:class:`aioloader._worker.ray_actor.RayWorker`) does what a worker process
-does, with the same code: it seeds ``random``, torch and numpy (``base_seed +
-worker_id``) and installs both ``get_worker_info()``\\ s, runs ``worker_init_fn``,
-then serves ``fetch``/``reset`` calls with the worker's own fetch logic. A Ray actor
-runs the calls of one caller one at a time in submission order, so a worker's
-replies keep their order, as on a worker socket.
-
-Waiting never blocks the event loop and works under asyncio and trio alike: each
-reply's ``ObjectRef.future()`` is completed by Ray's own thread (which also
-deserialises the reply), and its done-callback wakes the loop with the loop's
-thread-safe ``call_soon``. There is no thread per reply and no polling.
+Each actor (:class:`aioloader._worker.ray_actor.RayWorker`) runs a worker process's own
+code; each reply's ``ObjectRef.future()`` is completed by Ray's own thread, whose
+done-callback wakes the loop (asyncio or trio) with its thread-safe ``call_soon``: no
+thread per reply, no polling. The semantics this gives (a worker process's ids, seeds,
+order and errors; dead actors): docs/ray.md.
 
 Ray itself is imported lazily: the package imports and runs without it.
 """
@@ -141,24 +135,30 @@ class RayWorkerPool(PoolBase[_Actor]):
         self._configs = [dataclasses.replace(cfg, dataset=None, parent_pid=0, close_fds=[],
                                              start_method="ray") for cfg in configs]
         for worker_id in range(len(configs)):
-            actor = self._create_actor(worker_id)
-            with self._close_lock:  # a close() from another thread meanwhile kills it
-                closing = self._closing
-                if not closing:
-                    self._workers.append(actor)
-            if closing:
-                self._kill(actor)
-                raise IteratorClosedError("the worker pool was closed while it started")
+            self._create_actor(worker_id, "the worker pool was closed while it started")
         logger.debug("started %d Ray actor workers: %s", len(self._workers), self.actor_names)
 
-    def _create_actor(self, worker_id: int) -> _Actor:
-        """Create actor ``worker_id`` (again, for a respawn: a new name, same config)."""
+    def _create_actor(self, worker_id: int, closed: str) -> _Actor:
+        """Create actor ``worker_id`` (again, for a respawn: a new name, same config) and
+        put it in its slot, unless a close() from another thread came first: then it is
+        killed and ``IteratorClosedError(closed)`` raised."""
         self._generation[worker_id] = generation = self._generation.get(worker_id, -1) + 1
         name = f"{self._prefix}-worker-{worker_id}" + (f"-r{generation}" if generation else "")
         handle = self._actor_cls.options(name=name, max_restarts=0, max_task_retries=0,
                                          **self._actor_options).remote(
             self._configs[worker_id], self._dataset_ref)
-        return _Actor(worker_id, name, handle, handle.info.remote())
+        actor = _Actor(worker_id, name, handle, handle.info.remote())
+        with self._close_lock:
+            closing = self._closing
+            if not closing:
+                if worker_id < len(self._workers):  # a respawn
+                    self._workers[worker_id] = actor
+                else:
+                    self._workers.append(actor)
+        if closing:
+            self._kill(actor)
+            raise IteratorClosedError(closed)
+        return actor
 
     # ------------------------------------------------------------------ talk
 
@@ -212,15 +212,7 @@ class RayWorkerPool(PoolBase[_Actor]):
     async def _replace(self, dead: _Actor) -> _Actor:
         """A new actor in ``dead``'s place."""
         self._kill(dead)  # it is dead already; this frees Ray's record of it
-        actor = self._create_actor(dead.worker_id)
-        with self._close_lock:
-            closing = self._closing
-            if not closing:
-                self._workers[dead.worker_id] = actor
-        if closing:
-            self._kill(actor)
-            raise IteratorClosedError("the worker pool is closed")
-        return actor
+        return self._create_actor(dead.worker_id, "the worker pool is closed")
 
     def _reply(self, actor: _Actor, entry: _Entry,
                future: concurrent.futures.Future[Any]) -> Reply:

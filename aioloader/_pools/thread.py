@@ -16,24 +16,12 @@ pinning are the same code for both kinds of workers. What differs:
   by the commands in flight: the pool counts them (:attr:`ThreadWorkerPool.in_flight`);
 * a ``serve()`` waiting for a thread is woken by the thread itself, with the loop's
   thread-safe ``call_soon`` (only while it waits): no polling, no thread per message;
-* seeding follows torch's thread workers (torch PR #161044): the global
-  ``random``/``torch``/``numpy`` generators are shared by every thread and are
-  **not** touched. Each thread gets its own generators, seeded exactly as a
-  worker process seeds the global ones (``base_seed + id``, and numpy's
-  4-word state), in ``get_worker_info().rng``; ``torch.thread_safe_generator()``
-  returns its ``torch.Generator`` inside the thread;
-* ``get_worker_info()`` (aioloader's and torch's) answers per thread: the
-  worker's info inside it, ``None`` in the main thread. On a torch whose
-  ``get_worker_info`` reads only the process-wide global, its code is swapped
-  once for torch's upstream thread-aware version (see
-  :func:`aioloader._worker.thread.torch_thread_local`);
-* a thread cannot be killed: a fetch stuck in user code at close is
-  abandoned after the grace period (daemon thread) with a warning.
+* seeding, ``get_worker_info()`` per thread and a thread stuck in user code at close
+  (abandoned after the grace period, with a warning) follow torch's thread workers:
+  docs/migration.md, "Thread workers" (:mod:`aioloader._worker.thread`).
 
-Example: :mod:`aioloader._pools.process`'s, with ``pool = ThreadWorkerPool(configs)`` (no
-``multiprocessing`` context); replies carry the batch objects themselves. The serve loop
-is :class:`~aioloader._pools.serve.ServeLoop`'s; this pool supplies how one thread's
-replies are read (``_pump``) and how a thread is replaced (``_replace``).
+The serve loop is :class:`~aioloader._pools.serve.ServeLoop`'s; this pool supplies how one
+thread's replies are read (``_pump``) and how a thread is replaced (``_replace``).
 """
 
 from __future__ import annotations
@@ -81,18 +69,8 @@ class _Worker:
 
 
 class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
-    """Worker threads with known ids: the same interface as the process pool's ``WorkerPool``.
-
-    Args:
-        configs: one :class:`~aioloader._worker.config.WorkerConfig` per worker (in
-            worker-id order), or a zero-argument callable returning them,
-            called by :meth:`start`.
-
-    Lifecycle: :meth:`start` once; any number of :meth:`serve` calls (one at
-    a time) and :meth:`send` calls; then :meth:`aclose` or :meth:`close`
-    (also run when the pool is garbage collected, and at interpreter exit).
-    """
-
+    """Worker threads with known ids: :class:`~aioloader._pools.base.PoolBase`'s
+    arguments and lifecycle, the same interface as the process pool's ``WorkerPool``."""
 
     def __init__(self, configs: ConfigSource) -> None:
         super().__init__(configs)

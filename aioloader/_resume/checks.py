@@ -125,9 +125,9 @@ def _optional(inner: Check) -> Check:
     return check
 
 
-def _dict(value: Any, path: str, what: str = "a dict") -> None:
+def _dict(value: Any, path: str) -> None:
     if not isinstance(value, dict):
-        raise _type_error(path, what, value)
+        raise _type_error(path, "a dict", value)
 
 
 def _record(fields: dict[str, Check], strict: bool = True) -> Check:

@@ -5,24 +5,10 @@ against the loading loader; this module checks that the keys agree with each oth
 that a state whose keys contradict each other (edited, or pieced together from several
 states) is refused with a ValueError naming the keys, instead of resuming a silently
 wrong epoch (issue 31). A state as ``state_dict()`` returned it always passes. The
-relations (docs/resume.md, "What `load_state_dict` checks"):
-
-* the consumed batches (``prefix``, ``extra``) lie inside the epoch: the loader's
-  ``len()``, or for an epoch resumed across world sizes (``elastic``) this rank's share,
-  computed from ``elastic`` as :mod:`aioloader._resume.elastic` builds it;
-* ``finished`` means every batch of the epoch was consumed (where the sampler's length is
-  the number of batches it draws: torch's samplers), every worker's shard of an iterable
-  dataset had ended, and no ``elastic`` source is kept;
-* ``yielded`` counts handed-out batches, at most the consumed ones;
-* a state with a position has a ``base_seed``, and the RNG states the resume draws the
-  consumed batches again from (``rng``, its ``global`` part, or a ``Stateful`` sampler's
-  ``sampler_state``);
-* per-worker entries (``worker_rng``, ``worker_states``) come from workers that delivered
-  consumed batches: none with ``num_workers=0``, no more workers than consumed batches,
-  no RNG states after the end of an epoch of non-persistent workers;
-* ``persistent_workers`` needs workers; ``shared_seed`` an ``IterDataPipe``;
-  ``distributed`` and ``elastic`` a map-style dataset read by a ``DistributedSampler``,
-  ``elastic['layout']`` the state's ``config``.
+relations (consumed batches inside the epoch, ``finished`` only at its end, ``yielded`` at
+most the consumed batches, seeds and RNG states where draws were made, per-worker entries
+only from workers that delivered, settings that need each other) are listed in
+docs/resume.md, "What `load_state_dict` checks" (checked by :func:`check_positions`).
 
 Every check is arithmetic on the state (an elastic share's length included): nothing is
 drawn or fetched.

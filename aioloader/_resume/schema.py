@@ -6,15 +6,9 @@ included (per-worker dataset states, RNG states), then against the loader that l
 it (the configuration recorded in the state, positions within the epoch, generator
 states of the right length). The result is a state in the current layout
 (:data:`FORMAT_VERSION`), which :class:`aioloader._resume.tracker.EpochTracker` then
-trusts. Two layouts are read:
-
-* aioloader's, version 3: the position in the epoch, ``config`` (the loader's
-  configuration, :func:`loader_config`, compared field by field with the loading
-  loader), ``worker_rng`` (each worker's RNG states after its last consumed batch),
-  ``distributed`` (a ``DistributedSampler``'s settings) and ``elastic`` (where an epoch
-  resumed across world sizes takes its samples from). Versions 1 and 2 were made and
-  replaced before any release: a state of theirs is refused (take a new one);
-* torchdata's ``StatefulDataLoader`` states (:func:`read_torchdata`).
+trusts. Two layouts are read: aioloader's, version 3 (:data:`_FIELDS`; versions 1 and
+2, made and replaced before any release, are refused), and torchdata's
+``StatefulDataLoader`` states (:func:`read_torchdata`).
 
 This module knows the layouts and reads them; the checks it composes live below it:
 each value alone in :mod:`aioloader._resume.checks`, what must match the loading loader
@@ -22,12 +16,8 @@ in :mod:`aioloader._resume.loader_fit`, and last, the keys against each other in
 :mod:`aioloader._resume.consistency` (a state whose keys contradict each other describes
 no epoch).
 
-Errors name the key path (``state['config']['batch_size']``): :class:`TypeError` for a
-value of the wrong type, :class:`ValueError` for a missing or unknown key, a value out
-of range, or a state that does not match this loader. Nothing in a state is ever
-unpickled, imported or evaluated: type names are compared as strings, bytes are
-refused where the layout has none, and the states of a ``Stateful`` sampler or dataset
-are handed to its own ``load_state_dict`` unread.
+The errors (key paths, ``TypeError`` or ``ValueError``) and why nothing in a state is
+ever unpickled, imported or evaluated: docs/resume.md, "What ``load_state_dict`` checks".
 
 A new version after a release gets its own reader here (and an upgrade into the
 current layout); a check that a later feature relaxes (``num_workers``, for a resume

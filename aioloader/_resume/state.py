@@ -6,31 +6,8 @@ Same method names and call semantics as torchdata's ``StatefulDataLoader``
 yielded are not part of it and are fetched again after a resume);
 ``load_state_dict(sd)`` affects the *next* ``iter()``/``aiter()`` of the loader.
 
-How a state is made exact without fetching the skipped samples:
-
-* **samplers** (map-style datasets): the RNG states the sampler draws from
-  (torch's global RNG and every ``torch.Generator`` reachable from the loader)
-  are captured just before the sampler's first draw of the epoch. A resume puts
-  them back, draws the consumed batches of indices again (without fetching
-  them), then restores the global RNG, so the resumed run draws from the global
-  RNG exactly what the uninterrupted run still had to draw from that point on
-  (nothing, for this epoch). A sampler that implements the ``Stateful`` protocol
-  (``state_dict``/``load_state_dict``) is asked for its state instead.
-* **worker randomness**: each worker sends its RNG states after a batch when they
-  changed (:mod:`aioloader._worker.rng`); the state keeps, per worker, those after its
-  last consumed batch, and resumed workers start from them.
-* **elastic resume**: a map-style state resumes with another ``num_workers``, and the
-  states of all ranks of a ``DistributedSampler`` run, merged
-  (:mod:`aioloader._resume.elastic`), resume on another number of ranks.
-* **consumed batches** are a prefix ``[0, prefix)`` of the epoch's batches of
-  indices plus a set of later ones (``in_order=False`` hands batches out of
-  order): a resume skips exactly those.
-* **iterable datasets** that implement ``Stateful`` (the dataset or its
-  iterator): each worker (or the main process) takes the dataset's state with
-  every batch it fetches; the state of a worker is the one that came with the
-  last batch of that worker the consumer received. Other iterable datasets are
-  replayed: the first ``yielded`` batches of the resumed epoch are fetched and
-  dropped (torchdata does the same, with the same warning).
+How a state is made exact without fetching the skipped samples, and what it
+guarantees: docs/resume.md.
 
 The per-epoch bookkeeping is :mod:`aioloader._resume.tracker`; a worker's dataset
 state, :mod:`aioloader._resume.dataset_state`. This module is the loader's API:

@@ -5,7 +5,7 @@ numbers the batches drawn, is told of each batch handed out, and turns that into
 the loader's ``state_dict()`` (:meth:`EpochTracker.state_dict`); given a loaded
 state, it fast-forwards the sampler past the consumed batches. The loader-facing
 API (``state_dict()``/``load_state_dict()``, torchdata states) is
-:mod:`aioloader._resume.state`, which also says how a state is made exact.
+:mod:`aioloader._resume.state`; how a state is made exact, docs/resume.md.
 """
 
 from __future__ import annotations

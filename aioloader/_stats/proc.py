@@ -1,15 +1,8 @@
 """A worker's CPU time and memory, read from Linux's ``/proc`` (no dependencies).
 
-The function API (also what the autotuner reads per-worker CPU through):
-
-* :func:`sample` ``(pid, tid=None) -> ProcSample(cpu_s, rss_bytes, pss_bytes)``: one
-  reading of a process (or, with ``tid``, one of its threads);
-* :func:`run_delay` ``(pid, tid=None) -> seconds | None``: time it spent runnable but
-  waiting for a CPU (``/proc/<pid>/schedstat``): a CPU-bound worker on an oversubscribed
-  machine shows little CPU time but much run delay;
-* :func:`worker_ids` ``(processes) -> [(pid, tid), ...]``: what to pass to :func:`sample`
-  for a pool's workers (its ``processes`` list: ``Process`` objects or threads);
-* :data:`AVAILABLE`: whether ``/proc`` can be read here.
+Its readings (the autotuner's per-worker CPU too): :func:`sample`, :func:`run_delay`
+(a CPU-bound worker on an oversubscribed machine shows little CPU time but much run
+delay), :func:`worker_ids` (a pool's workers, for :func:`sample`); :data:`AVAILABLE`.
 
 Sources: ``/proc/<pid>/stat`` fields 14 and 15 (``utime + stime``, in clock ticks of
 ``SC_CLK_TCK``, usually 10 ms) and 24 (``rss``, in pages); ``/proc/<pid>/smaps_rollup``

@@ -11,22 +11,8 @@ and the hint are computed lazily by :meth:`aioloader._stats.book.StatsBook.snaps
 (folding, :mod:`aioloader._stats.book`; the results and their table,
 :mod:`aioloader._stats.report`).
 
-Where each stage is measured (all times are sums over batches):
-
-* ``sampling``: ``next()`` on the batch sampler (consumer's side).
-* ``dispatch``: writing a fetch command to a worker's socket (workers only).
-* ``fetch``: reading the samples of a batch (``__getitem__``/``__getitems__``/the
-  iterator), collate excluded; in the worker process with workers (sent back with
-  the batch), in the main process otherwise. For async datasets it is the sum of
-  per-batch latencies, which overlap.
-* ``collate``: ``collate_fn``.
-* ``transport``: from a worker's reply being ready (before pickling) to the
-  batch being decoded in the main process (workers only; one monotonic clock).
-* ``pin``: ``pin_memory``; ``device``: the copy to ``device=``.
-* ``consumer_wait``: inside ``next()``/``__anext__``: the time the training loop
-  waited for the loader. Its complement, the time between batches, is ``step``.
-
-Worker processes stamp each ``"data"`` reply with a 4-int tuple
+Where each stage is measured (all times are sums over batches): docs/stats.md, "The
+stages". Worker processes stamp each ``"data"`` reply with a 4-int tuple
 ``(fetch_total_ns, collate_ns, idle_ns, sent_ns)`` appended to the message; see
 :class:`WorkerClock`.
 """

@@ -6,24 +6,9 @@
 (:mod:`aioloader._pipeline.epoch`). It has no clock, no threads and no I/O: numbers in,
 a :class:`Decision` (or ``None``) out, so it is tested with synthetic inputs.
 
-The rules, in the order they are applied:
-
-* A move on trial is judged first: kept when throughput rose by at least
-  :attr:`TuneSettings.margin` over the throughput before it, undone otherwise (the undo is
-  a decision too). An undone move is not tried again for a cool-down that doubles each
-  time it fails (hysteresis: no oscillation between two values).
-* A consumer-bound loop (the consumer waited less than ``consumer_bound`` of the time;
-  it must wait more than ``data_bound`` to count as data-bound again) gets no move at all.
-* Otherwise the first knob that can go up, in an order chosen from what the stats say:
-  workers busy (CPU) first ``num_workers``; workers idle (waiting on I/O or on work)
-  first ``fetch_concurrency`` then ``prefetch_factor``. A kept move is followed at once
-  by another move of the same knob (climb while it pays).
-* A knob whose throughput grows in proportion to its value (``fetch_concurrency``: by
-  Little's law, fetches that wait on I/O complete at in-flight / latency) may move by
-  more than one doubling: to what would end the consumer's wait if throughput kept
-  scaling (the value over the share of the time the consumer did not wait), as a
-  power of two up to :data:`MAX_LEAP` times. A leap that brings nothing is undone like
-  any move, and that knob only doubles from then on.
+The rules, in the order they are applied (a move on trial judged first, a
+consumer-bound loop left alone, then one knob up, ``fetch_concurrency`` possibly by a
+leap): docs/autotune.md, "The controller"; their thresholds are :class:`TuneSettings`.
 """
 
 from __future__ import annotations

@@ -8,12 +8,9 @@ receiving or mapping a batch, a worker handing a batch's shared memory over, the
 starting a worker. The message adds which process ran out (the main process or worker
 N, its pid) at which limit, and what the ``file_system`` strategy changes in aioloader.
 
-The fixes it names both work with aioloader: a higher ``ulimit -n`` (the main process's
-limit is inherited by the workers it starts), or
-``torch.multiprocessing.set_sharing_strategy('file_system')`` before the loader starts
-its workers, which every start method's workers then follow (the pool passes the
-strategy on): workers then send no descriptor at all and batches are copied through
-their sockets (slower, but any number of tensors at any limit).
+The fixes it names (a higher ``ulimit -n``, or the ``file_system`` sharing strategy,
+which every start method's workers follow) both work with aioloader: docs/pipeline.md,
+"Running out of descriptors".
 """
 
 from __future__ import annotations
@@ -78,9 +75,9 @@ def too_many_open_files(side: str | None = None) -> str:
             f"are copied through their sockets instead, which is slower.")
 
 
-def out_of_files_error(side: str | None = None) -> TransportError:
+def out_of_files_error() -> TransportError:
     """The error to raise (``from`` the ``OSError`` or ``RuntimeError`` that said so)."""
-    return TransportError(too_many_open_files(side))
+    return TransportError(too_many_open_files())
 
 
 def is_out_of_files(exc: BaseException | None) -> bool:

@@ -1,38 +1,15 @@
 """A dataset pickled once for every spawned worker: one memory segment all of them read.
 
-With ``spawn``/``forkserver`` a worker gets its own copy of the dataset by
-unpickling it. ``multiprocessing`` pickles a process's arguments for each
-process it starts and writes them into a pipe that only drains once the new
-interpreter has booted (``import torch`` included): a dataset of 128 MiB was
-pickled N times and the N starts ran one after the other. Instead the pool
-pickles the dataset once (:meth:`DatasetImage.pack`) into an anonymous memory
-file (``memfd_create``: no name in ``/dev/shm``, freed by the kernel when its
-last descriptor and mapping go, whatever way the processes holding them end),
-and every worker is given only the :class:`DatasetImage`, a few descriptors:
-the processes start at once (their arguments are small) and boot in parallel.
-
-What travels how:
-
-* the pickle stream and every out-of-band buffer of protocol 5 (numpy arrays,
-  ``bytearray``, ``PickleBuffer``) lie in the segment. A worker maps it
-  copy-on-write (``MAP_PRIVATE``) and unpickles from the mapping: a numpy
-  array becomes a view of the mapping, with no copy; its pages are shared by
-  every worker until one writes to it, and a write stays that worker's own, as
-  with an unpickled copy;
-* CPU tensor storages are moved to shared memory and passed as descriptors,
-  as torch shares them (:mod:`aioloader._worker.codec`): the parent and every
-  worker see one storage, as with torch's ``spawn`` workers.
-
-The worker rebuilds the dataset while ``multiprocessing`` unpickles its
-arguments (as before: an error there ends the worker at start with its
-traceback on stderr, and the parent reports the worker's death). The pool
-keeps the image open for its own life (a respawned worker reads the same one)
-and closes it with its other descriptors.
-
-Only where the kernel has ``memfd_create`` (Linux) and torch shares storages
-by descriptor (``file_descriptor``, its default on Linux); elsewhere
-:meth:`DatasetImage.pack` returns ``None`` and the dataset is pickled per worker
-as before.
+``multiprocessing`` pickles a process's arguments for each process it starts and writes
+them into a pipe that only drains once the new interpreter has booted (``import torch``
+included): a dataset of 128 MiB was pickled N times and the N starts ran one after the
+other. Instead the pool pickles the dataset once (:meth:`DatasetImage.pack`) into an
+anonymous memory file (``memfd_create``), and every worker is given only the
+:class:`DatasetImage`, a few descriptors: the processes start at once and boot in
+parallel. A worker maps it copy-on-write and unpickles from the mapping (numpy arrays
+become views of it); CPU tensor storages travel as descriptors, as torch shares them.
+What travels how, and when the dataset is pickled per worker instead
+(:meth:`DatasetImage.pack` returns ``None``): docs/pipeline.md, "Stages".
 """
 
 from __future__ import annotations

@@ -273,16 +273,6 @@ def _serve_sync(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError 
 # --------------------------------------------------------------------------- entry point
 
 
-def _forget_inherited_exit_handlers() -> None:
-    """Drop the ``atexit`` handlers a forked worker inherited from its parent.
-
-    They are the parent's (its test runner, its own clean-up): they must not
-    run in the worker. Handlers registered from here on are the worker's own
-    and run when it leaves (:func:`_run_own_exit_handlers`).
-    """
-    atexit._clear()
-
-
 def _run_own_exit_handlers() -> None:
     """Run what an interpreter runs at exit, except the thread-exit hooks.
 
@@ -328,7 +318,9 @@ def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
     leaving = threading.Event()
     try:
         if cfg.start_method == "fork":
-            _forget_inherited_exit_handlers()
+            # The parent's atexit handlers (its test runner, its clean-up) must not run here;
+            # those registered from now on are the worker's own (_run_own_exit_handlers).
+            atexit._clear()
         watch_ppid = os.getppid() == cfg.parent_pid  # False under forkserver
         _setup_process(cfg)
         install_segments()  # collate into recycled shared memory (aioloader._worker.segments)

@@ -1,14 +1,10 @@
 """A worker's RNG states: captured after each batch it fetches, restored at a resume.
 
-What a worker draws in ``__getitem__``/``collate_fn`` depends on the state of its random
-number generators when the batch starts. Workers run ahead of the consumer, so a
-resumed loader must put each worker back where it stood before its first batch the
-consumer had *not* received: the state after its last consumed batch. The worker
-captures that state after every fetch (:func:`capture`) and sends it with the reply,
-only when it changed since the last one it sent (:class:`RngTracker`: a worker whose
-dataset draws nothing sends one state per epoch); the parent keeps, per worker, the one
-of its last consumed batch (``state['worker_rng']``, docs/resume.md) and a resumed
-worker starts from it (:func:`restore`, after its seeding and ``worker_init_fn``).
+A worker captures its states after every fetch (:func:`capture`) and sends them with
+the reply only when they changed (:class:`RngTracker`); the parent keeps each worker's
+after its last consumed batch (``state['worker_rng']``) and a resumed worker starts from
+them (:func:`restore`, after its seeding and ``worker_init_fn``). Why: docs/resume.md,
+"Randomness inside workers".
 
 Which generators are a worker's own:
 

@@ -3,49 +3,17 @@
 Writing a batch into fresh shared memory costs a page fault per 4 KiB page, in the worker
 while writing and in the parent while reading: about 13x slower than writing into pages
 that are already mapped. So each worker process keeps a small pool of segments
-(anonymous ``memfd`` files, never named in ``/dev/shm``) and the parent keeps each one
-mapped for as long as the worker keeps it.
+(anonymous ``memfd`` files, never named in ``/dev/shm``: nothing is left there, whatever
+way a worker ends) and the parent keeps each one mapped for as long as the worker keeps it.
 
-Worker side (:class:`WorkerSegments`, one per worker process, installed by
-:func:`install`):
-
-* collate asks for its output storages through the allocator hook of
-  :mod:`aioloader._collate.fns` (:meth:`WorkerSegments.alloc`); the codec copies large
-  numpy arrays, byte buffers and tensors that are not in a segment into one
-  (:meth:`WorkerSegments.place`). Allocations are bump-allocated in the *current
-  arena*: everything allocated between two replies lives in the same segment(s);
-* :func:`aioloader._worker.codec.encode` turns a storage or buffer in a segment into a
-  reference ``(segment id, offset, length)``; the segment's fd rides along (``SCM_RIGHTS``)
-  only the first time the parent sees it; the reply *seals* the arena;
-* a segment is reused only when (a) every reference sent to the parent was released by
-  the parent and (b) no view of it is alive in the worker (a collate_fn keeping its
-  output). The pool holds at most ``limit`` segments (the parent sends it:
-  :func:`limit_for` the prefetch window; :data:`POOL_LIMIT` until then); a batch that
-  finds none free while the pool is full gets a fresh *orphan* segment, never reused and freed when
-  the last view of it goes (a user who keeps every batch gets fresh memory, never memory
-  that is overwritten).
-
-Parent side (:class:`SegmentMaps`, one per worker connection): maps each pooled segment
-once and keeps the mapping; every reference received becomes a *lease*, a ctypes array
-over its bytes that every tensor, storage, numpy array or memoryview built on it keeps
-alive (``torch.frombuffer`` and numpy's buffer protocol hold the exporting object). When
-the last of them dies, a finalizer queues the segment id; the ids ride to the worker on
-the next command (:meth:`SegmentMaps.attach`, the :class:`Freed` envelope). Segments the
-worker destroys are announced on its next reply (the :class:`Retired` envelope) and the
-parent drops its mapping.
-
-Thread workers (``worker_method="thread"``) keep a *private* pool of the same kind, one per
-worker thread (``WorkerSegments(private=True)``, made by
-:class:`aioloader._pools.thread.ThreadWorkerPool` and installed as the thread's collate
-allocator by :func:`aioloader._collate.fns.set_thread_allocator`): anonymous private
-mappings instead of memfd files, since their batches never leave the process. A big
-batch is stacked into warm pages instead of a fresh ``malloc``/``mmap`` per batch (a
-38.5 MB float32 batch is above glibc's largest mmap threshold, so every batch paid a
-page fault per 4 KiB page); a segment is reused once every view of it is gone, exactly
-as in a worker process (the worker thread seals its arena with each reply).
-
-Everything here is released with its process: memfd segments have no name, so nothing is
-ever left in ``/dev/shm``, whatever way a worker ends.
+Worker side: :class:`WorkerSegments` (one per worker process, installed by
+:func:`install`; a thread worker's is private, ``WorkerSegments(private=True)``:
+anonymous private mappings, its batches never leave the process). Parent side:
+:class:`SegmentMaps` (one per worker connection), whose leases send freed segment ids
+back with the next command (:class:`Freed`) and drop the mappings of segments the
+worker destroyed (:class:`Retired`). Arenas, when a segment is reused, the pool's bound
+(:func:`limit_for`, :data:`POOL_LIMIT`) and orphan segments: docs/pipeline.md,
+"Transport: recycled segments".
 """
 
 from __future__ import annotations
