@@ -107,8 +107,8 @@ def _seed_quickly(cfg: WorkerConfig) -> int:
 
     ``torch.manual_seed`` queues CUDA's seeding for a CUDA start that may never come
     and records where it was called with ``traceback.format_stack()``, which reads the
-    source of every frame on the stack through ``linecache``: about 10 ms in a fresh
-    worker, most of its set-up (torch's workers pay it too). That record is shown only
+    source of every frame on the stack through ``linecache``: 5-10 ms of a fresh
+    worker's set-up (torch's workers pay it too). That record is shown only
     if the queued seeding fails at a later CUDA start; it names this call instead. Safe
     to swap: the worker runs one thread at this point (its watchdog starts later).
     """
