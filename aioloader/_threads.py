@@ -118,28 +118,39 @@ class ThreadRunner(ParkableThread):
         self._started.set()
         self._lock = threading.Lock()  # orders starts, parks and the thread's own exit
 
-    def _submit(self, job: Any) -> None:
-        """Queue ``job`` (on the event loop), having the thread started if none runs
-        (unless parked: it starts once the fork is done).
+    def prestart(self) -> None:
+        """Have the thread started now, before its first job (never blocks): a job that
+        must not wait for a thread to come up (a reply's decoding) finds it running."""
+        with self._lock:
+            if not self._closed:
+                self._start_soon()
 
-        ``Thread.start`` waits until the new thread runs, which takes a free core and
-        the GIL: milliseconds when workers and the loader's threads keep both busy. So
-        a short-lived launcher thread starts it (:meth:`_launch`) and the loop goes on;
-        the queued job waits for the new thread.
-        """
+    def _submit(self, job: Any) -> None:
+        """Queue ``job`` (on the event loop), having the thread started if none runs."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("ThreadRunner is closed")
-            if self._thread is None and not self._parked and not self._launching:
-                if not self._registered:
-                    self._registered = True
-                    if register(self):  # a fork is under way: start once it is done
-                        self._parked = True
-                if not self._parked:  # the launcher waits for the lock held here
-                    started = threading.Event()  # a park waits for it (see _launch)
-                    _thread.start_new_thread(self._launch, (started,))
-                    self._started, self._launching = started, True
+            self._start_soon()
             self._jobs.put(job)
+
+    def _start_soon(self) -> None:
+        """Have the thread started if none runs (``self._lock`` held), unless parked: it
+        starts once the fork is done.
+
+        ``Thread.start`` waits until the new thread runs, which takes a free core and
+        the GIL: milliseconds when workers and the loader's threads keep both busy. So
+        a short-lived launcher thread starts it (:meth:`_launch`) and the caller (an
+        event loop) goes on; a queued job waits for the new thread.
+        """
+        if self._thread is None and not self._parked and not self._launching:
+            if not self._registered:
+                self._registered = True
+                if register(self):  # a fork is under way: start once it is done
+                    self._parked = True
+            if not self._parked:  # the launcher waits for the lock held here
+                started = threading.Event()  # a park waits for it (see _launch)
+                _thread.start_new_thread(self._launch, (started,))
+                self._started, self._launching = started, True
 
     def _launch(self, started: threading.Event) -> None:
         """In a launcher thread: start the runner's thread, unless a fork's park or unpark

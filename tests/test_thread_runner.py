@@ -121,3 +121,21 @@ def test_a_park_during_a_launch_waits_for_the_thread_to_start() -> None:
         threading.Thread.start = real  # type: ignore[method-assign]
         proceed.set()
     assert _gone("aioloader-test-park-launch")
+
+
+async def test_prestart_brings_the_thread_up_before_its_first_job(
+        starts: list[tuple[str, int]]) -> None:
+    """``prestart`` (the decoding thread, as a pool starts serving) starts the thread with
+    no job, off the loop's thread; the first job then runs on it; a closed runner's
+    ``prestart`` starts nothing."""
+    runner = ThreadRunner("aioloader-test-prestart")
+    runner.prestart()
+    runner.prestart()  # once is enough: a second call while it comes up starts nothing more
+    first = await runner.run(threading.current_thread)
+    assert first.name == "aioloader-test-prestart"
+    await runner.aclose()
+    assert [caller for name, caller in starts if name == "aioloader-test-prestart"] != []
+    assert threading.get_ident() not in [c for n, c in starts if n == "aioloader-test-prestart"]
+    assert len([n for n, _ in starts if n == "aioloader-test-prestart"]) == 1
+    runner.prestart()
+    assert _gone("aioloader-test-prestart")

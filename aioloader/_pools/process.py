@@ -282,8 +282,10 @@ class WorkerPool(PoolBase[Conn]):
     accepts_transform = True
 
     def _serve_open(self, transform: Transform | None) -> None:
-        # Decodes every frame off the loop; started on first use, joined before serve() ends.
+        # Decodes every frame off the loop; started now (a thread comes up in milliseconds
+        # on busy cores: not on the first reply's path), joined before serve() ends.
         self._decoder = ThreadRunner("aioloader-decode")
+        self._decoder.prestart()
         self._transform = transform
 
     async def _serve_close(self) -> None:
