@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from .._errors import WorkerDiedError
+from .._errors import WorkerDiedError, add_note
 from .._park import let_others_run
 from .._threads import ThreadRunner
 from .._worker.codec import decode
@@ -351,7 +351,4 @@ def _explain_pickling_failure(exc: Exception, method: str) -> None:
             f"top-level objects (defined at module level, not lambdas, local functions "
             f"or classes defined in __main__ of an interactive session). Define them in "
             f"a module, or use multiprocessing_context='fork'.")
-    if hasattr(exc, "add_note"):
-        exc.add_note(hint)
-    else:  # Python 3.10: fold the hint into the message
-        exc.args = (f"{exc.args[0] if exc.args else exc}\n{hint}", *exc.args[1:])
+    add_note(exc, hint, fold=True)
