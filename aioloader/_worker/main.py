@@ -235,21 +235,6 @@ def _start_watchdog(sock: socket.socket, cfg: WorkerConfig, watch_ppid: bool,
 # --------------------------------------------------------------------------- sync serving
 
 
-def _next_command(reader: FrameReader, poller: select.poll, cfg: WorkerConfig,
-                  watch_ppid: bool) -> Any:
-    """Block until the next command; ``None`` on EOF or parent death."""
-    timeout_ms = int(_PARENT_CHECK_INTERVAL * 1000)
-    while True:
-        frame: Frame | None = reader.pop()
-        if frame is not None:
-            return decode(*frame)
-        if reader.eof:
-            return None
-        if not poller.poll(timeout_ms) and not _parent_alive(cfg, watch_ppid):
-            return None
-        reader.read_available()
-
-
 def _serve_sync(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError | None,
                 watch_ppid: bool) -> None:
     """Serve commands one at a time on a blocking socket until exit/EOF."""
@@ -257,9 +242,19 @@ def _serve_sync(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError 
     reader = FrameReader(sock)
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
+    timeout_ms = int(_PARENT_CHECK_INTERVAL * 1000)
 
     def next_command() -> Any:
-        return _next_command(reader, poller, cfg, watch_ppid)
+        """Block until the next command; ``None`` on EOF or parent death."""
+        while True:
+            frame: Frame | None = reader.pop()
+            if frame is not None:
+                return decode(*frame)
+            if reader.eof:
+                return None
+            if not poller.poll(timeout_ms) and not _parent_alive(cfg, watch_ppid):
+                return None
+            reader.read_available()
 
     def send_reply(reply: Reply) -> None:
         send_frame(sock, *_encode_reply(cfg, reply))
