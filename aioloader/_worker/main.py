@@ -299,16 +299,10 @@ def _report_exit_failure(what: str) -> None:
 
 
 def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
-    """Body of a worker process: set up, serve commands, clean up, leave with ``os._exit``.
-
-    Before leaving, the worker runs its own ``atexit`` handlers and
-    multiprocessing finalizers (:func:`_run_own_exit_handlers`); leaving
-    through ``os._exit`` then runs none of the thread-exit hooks inherited
-    from the parent (a forked copy of a ``concurrent.futures`` thread's hook
-    would try to join a thread that does not exist here). Exit code 0 on a
-    normal exit (``("exit",)``, EOF or parent death); 1 if the worker
-    machinery itself failed (the traceback goes to stderr).
-    """
+    """Body of a worker process: set up, serve commands, run its own exit handlers
+    (:func:`_run_own_exit_handlers`), leave with ``os._exit``: 0 on a normal exit
+    (``("exit",)``, EOF or parent death); 1 if the worker machinery itself failed (the
+    traceback goes to stderr)."""
     code = 0
     leaving = threading.Event()
     try:
