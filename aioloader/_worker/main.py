@@ -18,21 +18,15 @@ command (parent -> worker)            reply (worker -> parent), by its ``kind``
 ``("exit",)`` (or EOF)                none: the process leaves with code 0
 ====================================  ========================================
 
-A reply is a :class:`aioloader._worker.reply.Reply` (sent as its wire tuple); what
-rides with a batch has its own field: an iterable ``Stateful`` dataset's state
-(``state``), the worker's RNG states when they changed (``rng``), its timings
-(``timings``). With the failure policy's skip or retries (``WorkerConfig.failure``), a
-``"data"`` reply's batch may be an :class:`aioloader._fetch.records.Outcome` (the
-batch, or ``NOTHING``, plus the samples skipped). The pool itself says
-``"respawned"`` when it replaced a dead worker (``respawn_workers``).
+A reply is a :class:`aioloader._worker.reply.Reply` (its fields say what rides with a
+batch), sent as its wire tuple. With the failure policy's skip or retries, a ``"data"``
+reply's batch may be an :class:`aioloader._fetch.records.Outcome` (the batch, or
+``NOTHING``, plus the samples skipped).
 
-Sync datasets are served one command at a time, in order
-(:func:`aioloader._worker.loop.serve_commands`, here over the worker's
-socket). Async datasets run one event loop for the worker's life and keep
-several fetches in flight; their replies may leave out of order (the parent
-reorders by ``seq``; :mod:`aioloader._worker.aserver`). What a worker is given
-and how it seeds itself are :mod:`aioloader._worker.config`'s. This module is
-the process: its set-up, the watch on its parent, and how it leaves.
+Commands are served by :func:`aioloader._worker.loop.serve_commands` (sync datasets) or
+:mod:`aioloader._worker.aserver` (async); what a worker is given and how it seeds itself
+are :mod:`aioloader._worker.config`'s. This module is the process: its set-up, the watch
+on its parent, and how it leaves.
 """
 
 from __future__ import annotations
