@@ -166,8 +166,7 @@ class EpochLifecycle:
         for _ in range(self.window):
             if not dispatch.put_index() and dispatch.done:
                 break  # the sampler has no more batches: the window is not filled further
-        if self.cmd_ready is not None:
-            self.cmd_ready.set()
+        self._commands_ready()
 
     def _start(self) -> None:
         """NEW -> RUNNING: spawn the background task on the consumer's loop (first next())."""
