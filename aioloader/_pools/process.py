@@ -133,14 +133,8 @@ class WorkerPool(PoolBase[Conn]):
     # ------------------------------------------------------------------ start
 
     def _start_workers(self, configs: list[WorkerConfig]) -> None:
-        """Start every worker process (daemonic) from the calling thread.
-
-        With ``fork``, each child is told to close the parent-side sockets it
-        inherited, so that it sees EOF when the parent goes. With ``spawn`` or
-        ``forkserver`` the configs are pickled; if that fails, the workers
-        already started are stopped and the exception is re-raised (same type)
-        with a message that says what to change.
-        """
+        """Start every worker process (daemonic) from the calling thread, one by one
+        (:meth:`Conn.start`; on failure :meth:`start` stops those already started)."""
         method = self.start_method
         if method != "fork":
             configs = self._share_dataset(configs, method)
