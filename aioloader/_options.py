@@ -71,8 +71,7 @@ def auto_start(kind: DatasetKind, persistent_workers: Any) -> int:
     """Where ``num_workers="auto"`` starts: 0 for an async dataset (its fetches already
     overlap in the main process) unless workers must persist, else one worker (the tuner
     adds more)."""
-    persistent = persistent_workers is True or (
-        isinstance(persistent_workers, int) and persistent_workers == 1)
+    persistent = isinstance(persistent_workers, int) and persistent_workers == 1  # True too
     return 0 if kind.is_async and not persistent else 1
 
 
