@@ -176,15 +176,6 @@ def _spawn_closer(facade: _FacadeLoop, core: _PipelineCore) -> None:
     task.add_done_callback(_closers.discard)
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    """A new event loop: uvloop's when installed."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
 class _FacadeLoop(ParkableThread):
     """The facade's event loop and the thread that runs it, parked around the loader's forks.
 
@@ -201,7 +192,12 @@ class _FacadeLoop(ParkableThread):
     name = "aioloader-facade-loop"
 
     def __init__(self) -> None:
-        self.loop = _new_loop()
+        try:  # uvloop's when installed
+            import uvloop
+        except ImportError:
+            self.loop = asyncio.new_event_loop()
+        else:
+            self.loop = uvloop.new_event_loop()
         self.ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
         self.portal: BlockingPortal | None = None
         self.ended = threading.Event()  # the loop is closed and its last thread gone
