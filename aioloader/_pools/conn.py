@@ -1,13 +1,8 @@
 """One worker process seen from the parent: start it, read its socket, free its fds.
 
-A :class:`Conn` holds a worker's process, the parent end of its Unix socket
-pair and the framing buffers. :meth:`Conn.start` starts the process (with the
-pool's ``multiprocessing`` context); :meth:`Conn.pump` reads its socket with
-readiness notifications until the process ends, handing every reply (decoded into
-a :class:`~aioloader._worker.reply.Reply` off the loop) to the pool reader in order;
-:meth:`Conn.free` closes its fds. The pool
-(:class:`aioloader._pools.process.WorkerPool`) decides what an end means (orderly, a
-death to report, a worker to respawn).
+A :class:`Conn` holds a worker's process, the parent end of its Unix socket pair and the
+framing buffers. The pool (:class:`aioloader._pools.process.WorkerPool`) decides what an
+end means (orderly, a death to report, a worker to respawn).
 """
 
 from __future__ import annotations
