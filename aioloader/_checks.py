@@ -25,7 +25,6 @@ __all__ = [
     "check_batch_list",
     "check_timeout_range",
     "is_iterable",
-    "iterable_or_none",
     "not_a_str",
     "require_iterable",
     "require_sized",
@@ -115,12 +114,6 @@ def require_iterable(name: str, value: Any, what: str) -> None:
                  else f"{type(value).__name__} {name}={value!r}")
         raise TypeError(f"{name} should be an iterable {what}, but got {shown}, which cannot "
                         f"be iterated; {_not_iterable_hint(name, value)}")
-
-
-def iterable_or_none(name: str, value: Any, what: str) -> None:
-    """:func:`require_iterable`, with ``None`` accepted (the argument left out)."""
-    if value is not None:
-        require_iterable(name, value, what)
 
 
 def not_a_str(name: str, value: Any, what: str) -> None:

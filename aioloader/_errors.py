@@ -121,12 +121,16 @@ def batch_note(position: int, keys: object, limit: int = 200) -> str:
     return f"raised for batch {position} of the epoch, sampler keys {text}"
 
 
-def add_note(exc: BaseException, note: str) -> None:
+def add_note(exc: BaseException, note: str, *, fold: bool = False) -> None:
     """``exc.add_note(note)`` (Python 3.11+); on 3.10 the note is kept in
-    ``__notes__`` all the same (shown by tracebacks from 3.11 on)."""
+    ``__notes__`` all the same (shown by tracebacks from 3.11 on), or with ``fold``
+    appended to the message (``args[0]``) for a note 3.10 users must see."""
     adder = getattr(exc, "add_note", None)
     if adder is not None:
         adder(note)
+        return
+    if fold:
+        exc.args = (f"{exc.args[0] if exc.args else exc}\n{note}", *exc.args[1:])
         return
     notes = getattr(exc, "__notes__", None)
     if not isinstance(notes, list):

@@ -85,8 +85,9 @@ class PortalDriver:
             del value  # no frame -> exception -> traceback -> frame cycle
             if self.core.closed:  # a fatal error (a worker died): the epoch is over
                 # Raised at once: the teardown (the other workers may be in a long batch)
-                # finishes on the loop thread, which then ends (see close()).
-                self.close_soon()
+                # finishes on the loop thread, then one of the ending threads
+                # (aioloader._park.join_ending_threads), which then ends.
+                self.close(wait=False)
 
     def _raise_ended(self) -> NoReturn:
         """What ``next()`` raises once the loop thread is gone, as ``async for`` would."""
@@ -94,19 +95,9 @@ class PortalDriver:
             raise superseded_error()
         raise StopIteration
 
-    def close(self) -> None:
-        """Tear the epoch down and end the loop thread; returns when both are done."""
-        self._close(wait=True)
-
-    def close_soon(self) -> None:
-        """Schedule :meth:`close` on the loop thread and return at once.
-
-        The loop thread is then one of the loader's ending threads, joined before the
-        next fork (:func:`aioloader._park.join_ending_threads`) and at interpreter exit.
-        """
-        self._close(wait=False)
-
-    def _close(self, wait: bool) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Tear the epoch down and end the loop thread; returns when both are done, or at
+        once when not ``wait`` (the teardown then finishes on the loop thread)."""
         if os.getpid() != self.pid:
             return  # a forked copy: the loop thread and the workers are the parent's
         with self.lock:
@@ -185,15 +176,6 @@ def _spawn_closer(facade: _FacadeLoop, core: _PipelineCore) -> None:
     task.add_done_callback(_closers.discard)
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    """A new event loop: uvloop's when installed."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
 class _FacadeLoop(ParkableThread):
     """The facade's event loop and the thread that runs it, parked around the loader's forks.
 
@@ -210,7 +192,12 @@ class _FacadeLoop(ParkableThread):
     name = "aioloader-facade-loop"
 
     def __init__(self) -> None:
-        self.loop = _new_loop()
+        try:  # uvloop's when installed
+            import uvloop
+        except ImportError:
+            self.loop = asyncio.new_event_loop()
+        else:
+            self.loop = uvloop.new_event_loop()
         self.ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
         self.portal: BlockingPortal | None = None
         self.ended = threading.Event()  # the loop is closed and its last thread gone
@@ -219,7 +206,7 @@ class _FacadeLoop(ParkableThread):
         self._lock = threading.Lock()  # orders parks, unparks and the thread's own exit
         # In a fresh context, as a new thread's anyio.run() had it (not the caller's).
         self._task = contextvars.Context().run(self.loop.create_task, self._serve())
-        self._task.add_done_callback(self._stop_loop)
+        self._task.add_done_callback(lambda _task: self.loop.stop())
 
     async def _serve(self) -> None:
         try:
@@ -232,9 +219,6 @@ class _FacadeLoop(ParkableThread):
                 self.ready.set_exception(exc)
             else:
                 _LG.debug("the facade loop ended with an error", exc_info=True)
-
-    def _stop_loop(self, _task: object) -> None:
-        self.loop.stop()
 
     def start(self) -> None:
         """Start the loop thread (once the fork is done, if a fork is under way)."""

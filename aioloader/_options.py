@@ -18,7 +18,7 @@ import torch
 
 from . import _torch_data as _tud
 from ._arguments import ARGUMENT
-from ._checks import check_batch_list, check_timeout_range, iterable_or_none, not_a_str
+from ._checks import check_batch_list, check_timeout_range, not_a_str, require_iterable
 from ._datapipes import apply_shuffle, is_iter_datapipe
 from ._errors import PrefetchFactorError
 from ._fetch.sync import DatasetKind, dataset_kind
@@ -71,8 +71,7 @@ def auto_start(kind: DatasetKind, persistent_workers: Any) -> int:
     """Where ``num_workers="auto"`` starts: 0 for an async dataset (its fetches already
     overlap in the main process) unless workers must persist, else one worker (the tuner
     adds more)."""
-    persistent = persistent_workers is True or (
-        isinstance(persistent_workers, int) and persistent_workers == 1)
+    persistent = isinstance(persistent_workers, int) and persistent_workers == 1  # True too
     return 0 if kind.is_async and not persistent else 1
 
 
@@ -147,7 +146,8 @@ def check_loader_options(
     """
     for name, value, what in (("sampler", sampler, "of dataset keys"),
                               ("batch_sampler", batch_sampler, "of lists of dataset keys")):
-        iterable_or_none(name, value, what)
+        if value is not None:  # None: the argument left out
+            require_iterable(name, value, what)
         not_a_str(name, value, what)
     _callable_or_none("collate_fn", collate_fn, "it turns a list of samples into a batch")
     _callable_or_none("worker_init_fn", worker_init_fn, "called with the worker id in "

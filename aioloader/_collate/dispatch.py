@@ -90,10 +90,6 @@ for _name in ("__setitem__", "__delitem__", "__ior__", "update", "setdefault", "
 del _name
 
 
-def _is_namedtuple(obj: object) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_fields")
-
-
 def collate(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None) -> Any:
     """Collate ``batch``, dispatching on the type of its first element.
 
@@ -158,7 +154,7 @@ def collate(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None)
         }
         return _rebuild_mapping(elem, values)
 
-    if _is_namedtuple(elem):
+    if isinstance(elem, tuple) and hasattr(elem, "_fields"):  # a namedtuple
         return elem_type(
             *(
                 collate(samples, collate_fn_map=collate_fn_map)

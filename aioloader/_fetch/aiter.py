@@ -13,7 +13,7 @@ import anyio
 
 from .aread import RunSync, _run_inline, iterate_async
 from .policy import FailurePolicy
-from .records import NOTHING, Outcome, SampleFailure, Tally
+from .records import NOTHING, Outcome, SampleFailure, Tally, _finish
 from .sync import EXHAUSTED, _Fetcher
 
 __all__ = ["AsyncIterFetcher"]
@@ -64,7 +64,7 @@ class AsyncIterFetcher(_Fetcher):
             self._ended = True
             return EXHAUSTED
 
-    async def _next_guarded(self, policy: FailurePolicy, tally: Tally) -> Any:
+    async def _next_guarded(self, tally: Tally) -> Any:
         """:meth:`_next`, but an item whose ``__anext__`` raised is recorded and skipped."""
         pos = self._position
         self._position += 1
@@ -87,7 +87,7 @@ class AsyncIterFetcher(_Fetcher):
             want = len(index) if self.auto_collation else 1
             data: list[Any] = []
             while len(data) < want and not self._ended:
-                item = await self._next_guarded(policy, tally)
+                item = await self._next_guarded(tally)
                 if item is EXHAUSTED:
                     break
                 if item is not NOTHING:
@@ -99,7 +99,7 @@ class AsyncIterFetcher(_Fetcher):
                 return Outcome(NOTHING, tally.failures, 0) if tally else EXHAUSTED
         batch = await self._run_collate(self.collate_fn,
                                         data if self.auto_collation else data[0])
-        return Outcome(batch, tally.failures, 0) if tally else batch
+        return _finish(tally, batch)
 
     async def fetch(self, index: Any) -> Any:
         """Return the next collated batch, or :data:`EXHAUSTED`."""

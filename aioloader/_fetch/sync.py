@@ -1,16 +1,10 @@
 """Fetchers: turn what the sampler yields into one collated batch (sync side).
 
-Shared by the main process (``num_workers=0``) and worker processes. A
-fetcher is created once per epoch per process, as torch does, so an
-iterable-style dataset is re-iterated each epoch.
-
-Dataset kinds:
-
-* map-style: ``dataset[key]`` (or ``dataset.__getitems__(keys)``, one call per
-  batch, when the dataset defines it);
-* iterable-style: ``iter(dataset)``, pulled ``batch_size`` items at a time;
-* async variants (``async def __getitem__``/``__getitems__``, ``__aiter__``) are
-  served by :mod:`aioloader._fetch.amap`.
+Shared by the main process (``num_workers=0``) and worker processes. A fetcher is
+created once per epoch per process, as torch does, so an iterable-style dataset is
+re-iterated each epoch. How a dataset is read is its :class:`DatasetKind`
+(:func:`dataset_kind`); the async kinds are fetched by :mod:`aioloader._fetch.amap` and
+:mod:`aioloader._fetch.aiter`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Dispatch and reorder: which worker gets the next batch, and which batch comes out next.
 
 Pure bookkeeping (no event loop, no threads), used by :mod:`aioloader._pipeline.epoch`:
-
-* :class:`Dispatcher` is torch's ``_try_put_index``: it draws the next index batch,
-  gives it a sequence number and assigns it round robin over the workers still active
-  (an iterable dataset retires a worker when it runs out), at most ``window`` batches
-  outstanding, with torch's per-worker cap when ``in_order=False``. The commands wait in
-  :attr:`Dispatcher.pending` for the pipeline's sender; a respawned worker gets its dead
-  predecessor's unanswered batches again (:meth:`Dispatcher.redispatch`).
-* :class:`ReorderBuffer` keeps one :class:`Slot` per dispatched batch, keyed by sequence
-  number, and releases results in order (``in_order=True``) or as they arrive. An error
-  is a result like any other: the caller raises it when its batch's turn comes.
+:class:`Dispatcher` (torch's ``_try_put_index``) numbers each index batch and assigns it
+round robin over the active workers; :class:`ReorderBuffer` keeps one :class:`Slot` per
+dispatched batch and releases results in order or as they arrive. An error is a result
+like any other: the caller raises it when its batch's turn comes.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from .._errors import EpochSupersededError, IteratorClosedError, WorkerDiedError
+from .._errors import EpochSupersededError, IteratorClosedError, WorkerDiedError, add_note
 from .._fetch.amap import AsyncFetchPool
 from .._fetch.report import FailureReport
 from .._pools.lease import PoolKeeper, _PoolLease
@@ -166,8 +166,7 @@ class EpochLifecycle:
         for _ in range(self.window):
             if not dispatch.put_index() and dispatch.done:
                 break  # the sampler has no more batches: the window is not filled further
-        if self.cmd_ready is not None:
-            self.cmd_ready.set()
+        self._commands_ready()
 
     def _start(self) -> None:
         """NEW -> RUNNING: spawn the background task on the consumer's loop (first next())."""
@@ -349,9 +348,5 @@ class EpochLifecycle:
             return False
         if self.failures.allow_respawn(error.worker_id, str(error)):
             return True
-        note = self.failures.respawn_note(error.worker_id)
-        if hasattr(error, "add_note"):
-            error.add_note(note)
-        else:  # pragma: no cover - Python 3.10
-            error.args = (f"{error.args[0]}\n{note}", *error.args[1:])
+        add_note(error, self.failures.respawn_note(error.worker_id), fold=True)
         return False

@@ -79,11 +79,6 @@ def bound_window(window: int, index_sampler: Any, num_workers: int) -> int:
     return min(window, max(cap, _SMALL_WINDOW))
 
 
-def draw_base_seed(generator: torch.Generator | None) -> int:
-    """Draw the per-iterator base seed exactly as torch does (one int64 draw)."""
-    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-
-
 @dataclass(frozen=True)
 class Carry:
     """What an epoch handed over to workers mid-way passes on (``_PipelineCore.hand_over``):
@@ -126,8 +121,10 @@ def _shared_seed(config: LoaderConfig, track: EpochTracker, group: Any) -> int:
 
 
 def _base_seed(config: LoaderConfig, track: EpochTracker) -> int:
-    """The epoch's base seed: drawn as torch draws it, or the one a resumed run drew."""
-    return track.base_seed(lambda: draw_base_seed(config.generator))
+    """The epoch's base seed: drawn as torch draws it (one int64 draw), or the one a
+    resumed run drew."""
+    return track.base_seed(lambda: int(
+        torch.empty((), dtype=torch.int64).random_(generator=config.generator).item()))
 
 
 def take_pool(config: LoaderConfig, keeper: PoolKeeper, track: EpochTracker,

@@ -1,16 +1,11 @@
 """What every worker pool shares: its lifecycle (and, from :mod:`aioloader._pools.serve`,
 its serve loop).
 
-:class:`PoolBase` is the lifecycle of :class:`~aioloader._pools.process.WorkerPool`
-(processes), :class:`~aioloader._pools.thread.ThreadWorkerPool` (threads) and
-:class:`~aioloader._pools.ray.RayWorkerPool` (Ray actors): ``start`` once, any
-number of ``serve`` calls (one at a time) and sends, then ``aclose`` or the sync
-``close`` (also run by ``__del__``, and at interpreter exit for every pool still
-open). A subclass says how to start its workers, how to stop them (its
-escalation ladder, :mod:`aioloader._pools.ladder`, and how to wait for a rung) and
-what to free at the end; the closed guard, the shielded ``aclose``, the
-thread-safe idempotent ``close``, the wait for a running ``serve`` to stop and
-the exit hook are here once.
+:class:`PoolBase` is the lifecycle of the process, thread and Ray pools: ``start`` once,
+any number of ``serve`` calls (one at a time) and sends, then ``aclose`` or the sync
+``close`` (also run by ``__del__``, and at interpreter exit). A subclass says how to start
+its workers, how to stop them (its :mod:`aioloader._pools.ladder` rungs and how to wait
+for one) and what to free at the end.
 """
 
 from __future__ import annotations

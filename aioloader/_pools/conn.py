@@ -1,13 +1,8 @@
 """One worker process seen from the parent: start it, read its socket, free its fds.
 
-A :class:`Conn` holds a worker's process, the parent end of its Unix socket
-pair and the framing buffers. :meth:`Conn.start` starts the process (with the
-pool's ``multiprocessing`` context); :meth:`Conn.pump` reads its socket with
-readiness notifications until the process ends, handing every reply (decoded into
-a :class:`~aioloader._worker.reply.Reply` off the loop) to the pool reader in order;
-:meth:`Conn.free` closes its fds. The pool
-(:class:`aioloader._pools.process.WorkerPool`) decides what an end means (orderly, a
-death to report, a worker to respawn).
+A :class:`Conn` holds a worker's process, the parent end of its Unix socket pair and the
+framing buffers. The pool (:class:`aioloader._pools.process.WorkerPool`) decides what an
+end means (orderly, a death to report, a worker to respawn).
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from typing import Any
 
 import anyio
 
-from .._errors import WorkerDiedError
+from .._errors import WorkerDiedError, add_note
 from .._park import let_others_run
 from .._threads import ThreadRunner
 from .._worker.codec import decode
@@ -351,7 +346,4 @@ def _explain_pickling_failure(exc: Exception, method: str) -> None:
             f"top-level objects (defined at module level, not lambdas, local functions "
             f"or classes defined in __main__ of an interactive session). Define them in "
             f"a module, or use multiprocessing_context='fork'.")
-    if hasattr(exc, "add_note"):
-        exc.add_note(hint)
-    else:  # Python 3.10: fold the hint into the message
-        exc.args = (f"{exc.args[0] if exc.args else exc}\n{hint}", *exc.args[1:])
+    add_note(exc, hint, fold=True)

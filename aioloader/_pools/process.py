@@ -7,14 +7,10 @@ the loop, :class:`~aioloader._pools.serve.ServeLoop`'s ``serve``), turns a worke
 unexpected death into :class:`~aioloader._errors.WorkerDiedError` at once, and never
 leaves a process, file descriptor or shared-memory segment behind.
 
-Waiting is done with readiness notifications on the event loop:
-``anyio.wait_readable`` on each worker's socket and on each process's
-sentinel (a pipe that becomes readable when the process ends). There is no
-thread per message and no polling loop; a death is seen as soon as the
-kernel reports it. One worker's process, socket and reading are
-:class:`aioloader._pools.conn.Conn`; the lifecycle shared with the other pools
-is :class:`aioloader._pools.base.PoolBase`; stopping climbs the escalation
-ladder of :mod:`aioloader._pools.ladder` (exit, grace; SIGTERM; SIGKILL).
+It waits on each worker's socket and process sentinel on the loop (docs/pipeline.md).
+One worker's process, socket and reading are :class:`aioloader._pools.conn.Conn`; the
+lifecycle is :class:`aioloader._pools.base.PoolBase`'s; stopping climbs
+:mod:`aioloader._pools.ladder`.
 
 Example (``fork`` start method, a sync map-style dataset)::
 
@@ -51,13 +47,9 @@ from .ladder import Proc, climb, is_alive, process_steps, wait_exit, wait_exit_b
 from .serve import Deliver, Transform
 from .zygote import Zygote
 
-__all__ = ["DEFAULT_GRACE", "WorkerPool"]
+__all__ = ["WorkerPool"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_GRACE = PoolBase.DEFAULT_GRACE
-"""Seconds :meth:`WorkerPool.aclose` lets workers leave on their own before SIGTERM."""
-
 
 _WORKER_MODULE = "aioloader._worker.main"
 
@@ -141,14 +133,8 @@ class WorkerPool(PoolBase[Conn]):
     # ------------------------------------------------------------------ start
 
     def _start_workers(self, configs: list[WorkerConfig]) -> None:
-        """Start every worker process (daemonic) from the calling thread.
-
-        With ``fork``, each child is told to close the parent-side sockets it
-        inherited, so that it sees EOF when the parent goes. With ``spawn`` or
-        ``forkserver`` the configs are pickled; if that fails, the workers
-        already started are stopped and the exception is re-raised (same type)
-        with a message that says what to change.
-        """
+        """Start every worker process (daemonic) from the calling thread, one by one
+        (:meth:`Conn.start`; on failure :meth:`start` stops those already started)."""
         method = self.start_method
         if method != "fork":
             configs = self._share_dataset(configs, method)

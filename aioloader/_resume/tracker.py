@@ -274,10 +274,6 @@ class EpochTracker:
         self.rng = {"global": torch.get_rng_state(),
                     "generators": {p: g.get_state() for p, g in self.gens.items()}}
 
-    def after_draw(self, logical: int) -> None:
-        if self.sampler_obj is not None:
-            self.sampler_states[logical] = self.sampler_obj.state_dict()
-
     def commit(self, logical: int, worker: int | None = None, wstate: Any = None,
                rng: Any = None, yielded: bool = True) -> None:
         """Batch ``logical`` was handed out (or its error raised, or its worker ended).
@@ -344,7 +340,7 @@ class EpochTracker:
     def state_dict(self, base_seed: int | None, config: dict[str, Any]) -> dict[str, Any]:
         """The loader's state (layout: docs/resume.md); ``config`` describes the loader
         (:func:`aioloader._resume.loader_fit.loader_config`)."""
-        st: dict[str, Any] = {
+        return {
             FORMAT_KEY: FORMAT_VERSION,
             "config": config,
             "finished": self.finished,
@@ -367,7 +363,6 @@ class EpochTracker:
             # ones once the epoch is over.
             "generators": {p: g.get_state().tolist() for p, g in self.gens.items()},
         }
-        return st
 
 
 class _TrackedIter:
@@ -393,8 +388,8 @@ class _TrackedIter:
                 item = next(self.base)
             logical = tr.drawn
             tr.drawn = logical + 1
-            if tr.sampler_obj is not None:
-                tr.after_draw(logical)
+            if tr.sampler_obj is not None:  # its state after each draw, kept until committed
+                tr.sampler_states[logical] = tr.sampler_obj.state_dict()
             if tr.skip and logical in tr.skip:
                 tr.skip.discard(logical)
                 continue

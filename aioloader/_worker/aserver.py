@@ -123,12 +123,8 @@ class _AsyncEpoch:
 
 
 async def _async_writer(sock: socket.socket, recv: Any, on_broken: Callable[[], None]) -> None:
-    """The only task writing replies: frames stay whole, the loop never blocks.
-
-    Replies are queued already encoded; this task writes them with
-    non-blocking sends and waits for writability when the parent is slow,
-    so fetches keep running meanwhile.
-    """
+    """The only task writing replies (see the module's docstring): non-blocking sends,
+    waiting for writability when the parent is slow, so fetches keep running meanwhile."""
     import anyio
 
     writer = FrameWriter(sock)

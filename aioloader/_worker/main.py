@@ -18,21 +18,15 @@ command (parent -> worker)            reply (worker -> parent), by its ``kind``
 ``("exit",)`` (or EOF)                none: the process leaves with code 0
 ====================================  ========================================
 
-A reply is a :class:`aioloader._worker.reply.Reply` (sent as its wire tuple); what
-rides with a batch has its own field: an iterable ``Stateful`` dataset's state
-(``state``), the worker's RNG states when they changed (``rng``), its timings
-(``timings``). With the failure policy's skip or retries (``WorkerConfig.failure``), a
-``"data"`` reply's batch may be an :class:`aioloader._fetch.records.Outcome` (the
-batch, or ``NOTHING``, plus the samples skipped). The pool itself says
-``"respawned"`` when it replaced a dead worker (``respawn_workers``).
+A reply is a :class:`aioloader._worker.reply.Reply` (its fields say what rides with a
+batch), sent as its wire tuple. With the failure policy's skip or retries, a ``"data"``
+reply's batch may be an :class:`aioloader._fetch.records.Outcome` (the batch, or
+``NOTHING``, plus the samples skipped).
 
-Sync datasets are served one command at a time, in order
-(:func:`aioloader._worker.loop.serve_commands`, here over the worker's
-socket). Async datasets run one event loop for the worker's life and keep
-several fetches in flight; their replies may leave out of order (the parent
-reorders by ``seq``; :mod:`aioloader._worker.aserver`). What a worker is given
-and how it seeds itself are :mod:`aioloader._worker.config`'s. This module is
-the process: its set-up, the watch on its parent, and how it leaves.
+Commands are served by :func:`aioloader._worker.loop.serve_commands` (sync datasets) or
+:mod:`aioloader._worker.aserver` (async); what a worker is given and how it seeds itself
+are :mod:`aioloader._worker.config`'s. This module is the process: its set-up, the watch
+on its parent, and how it leaves.
 """
 
 from __future__ import annotations
@@ -235,21 +229,6 @@ def _start_watchdog(sock: socket.socket, cfg: WorkerConfig, watch_ppid: bool,
 # --------------------------------------------------------------------------- sync serving
 
 
-def _next_command(reader: FrameReader, poller: select.poll, cfg: WorkerConfig,
-                  watch_ppid: bool) -> Any:
-    """Block until the next command; ``None`` on EOF or parent death."""
-    timeout_ms = int(_PARENT_CHECK_INTERVAL * 1000)
-    while True:
-        frame: Frame | None = reader.pop()
-        if frame is not None:
-            return decode(*frame)
-        if reader.eof:
-            return None
-        if not poller.poll(timeout_ms) and not _parent_alive(cfg, watch_ppid):
-            return None
-        reader.read_available()
-
-
 def _serve_sync(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError | None,
                 watch_ppid: bool) -> None:
     """Serve commands one at a time on a blocking socket until exit/EOF."""
@@ -257,9 +236,19 @@ def _serve_sync(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError 
     reader = FrameReader(sock)
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
+    timeout_ms = int(_PARENT_CHECK_INTERVAL * 1000)
 
     def next_command() -> Any:
-        return _next_command(reader, poller, cfg, watch_ppid)
+        """Block until the next command; ``None`` on EOF or parent death."""
+        while True:
+            frame: Frame | None = reader.pop()
+            if frame is not None:
+                return decode(*frame)
+            if reader.eof:
+                return None
+            if not poller.poll(timeout_ms) and not _parent_alive(cfg, watch_ppid):
+                return None
+            reader.read_available()
 
     def send_reply(reply: Reply) -> None:
         send_frame(sock, *_encode_reply(cfg, reply))
@@ -304,16 +293,10 @@ def _report_exit_failure(what: str) -> None:
 
 
 def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
-    """Body of a worker process: set up, serve commands, clean up, leave with ``os._exit``.
-
-    Before leaving, the worker runs its own ``atexit`` handlers and
-    multiprocessing finalizers (:func:`_run_own_exit_handlers`); leaving
-    through ``os._exit`` then runs none of the thread-exit hooks inherited
-    from the parent (a forked copy of a ``concurrent.futures`` thread's hook
-    would try to join a thread that does not exist here). Exit code 0 on a
-    normal exit (``("exit",)``, EOF or parent death); 1 if the worker
-    machinery itself failed (the traceback goes to stderr).
-    """
+    """Body of a worker process: set up, serve commands, run its own exit handlers
+    (:func:`_run_own_exit_handlers`), leave with ``os._exit``: 0 on a normal exit
+    (``("exit",)``, EOF or parent death); 1 if the worker machinery itself failed (the
+    traceback goes to stderr)."""
     code = 0
     leaving = threading.Event()
     try:
