@@ -478,10 +478,24 @@ def test_torch_style_partial_iteration_and_shutdown() -> None:
         assert not w.is_alive()
 
 
+def _queued_cuda_seeding() -> str | None:
+    """The caller that torch recorded for the CUDA seeding ``torch.manual_seed`` queued
+    last in this process (None if none, or if this torch keeps no record)."""
+    import torch.cuda
+
+    tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
+    queued = getattr(tracker, "manual_seed_all_cb", None)
+    return "".join(queued[1]) if queued else None
+
+
 class SeedingSeen(tud.Dataset):  # type: ignore[type-arg]
     """What a worker's seeding left: torch's seed, ``traceback.format_stack`` itself, and
-    the record of the CUDA seeding that ``torch.manual_seed`` queued (if this torch keeps
-    one)."""
+    the record of the CUDA seeding that the worker's ``torch.manual_seed`` queued (None if
+    it queued none: a forked child of a process that started CUDA, or a torch that keeps
+    no record; ``inherited`` is the parent's own, which a forked worker starts with)."""
+
+    def __init__(self, inherited: str | None = None) -> None:
+        self.inherited = inherited
 
     def __len__(self) -> int:
         return 2
@@ -489,13 +503,9 @@ class SeedingSeen(tud.Dataset):  # type: ignore[type-arg]
     def __getitem__(self, i: int) -> Any:
         import traceback
 
-        import torch.cuda
-
-        tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
-        queued = getattr(tracker, "manual_seed_all_cb", None)
-        record = "".join(queued[1]) if queued else None
+        record = _queued_cuda_seeding()
         real = traceback.format_stack.__code__.co_filename == traceback.__file__
-        return torch.initial_seed(), real, record
+        return torch.initial_seed(), real, None if record == self.inherited else record
 
 
 @pytest.mark.parametrize("ctx", ["fork", "spawn"])
@@ -503,7 +513,7 @@ def test_worker_seeding_keeps_torch_seed_and_traceback(ctx: str) -> None:
     """A worker's torch seed is torch's (``base_seed + worker_id``); the queued CUDA seeding
     names aioloader's worker set-up as its caller (the worker does not read the source of
     its whole stack for it), and ``traceback.format_stack`` is the real one afterwards."""
-    loader = DataLoader(SeedingSeen(), batch_size=None, num_workers=2,
+    loader = DataLoader(SeedingSeen(_queued_cuda_seeding()), batch_size=None, num_workers=2,
                         multiprocessing_context=ctx, generator=torch.Generator().manual_seed(7))
     got = list(loader)
     torch_seeds = [s for s, _, _ in tud.DataLoader(
@@ -512,5 +522,5 @@ def test_worker_seeding_keeps_torch_seed_and_traceback(ctx: str) -> None:
     assert [s for s, _, _ in got] == torch_seeds
     assert all(real for _, real, _ in got)
     for _, _, record in got:
-        if record is not None:  # torch keeps the queued seeding's caller
+        if record is not None:  # the worker's own queued seeding, with its caller
             assert "aioloader's worker set-up" in record
