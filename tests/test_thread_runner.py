@@ -85,7 +85,8 @@ async def test_a_thread_that_cannot_start_fails_its_jobs(monkeypatch: pytest.Mon
     assert _gone("aioloader-test-refused")
 
 
-def test_a_park_during_a_launch_waits_for_the_thread_to_start() -> None:
+def test_a_park_during_a_launch_waits_for_the_thread_to_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A fork's park that comes while the launcher is still starting the thread waits for
     the start, then for the thread to end (a thread cannot be joined before it started);
     the queued job runs, and the unpark finds nothing left to do."""
@@ -114,11 +115,10 @@ def test_a_park_during_a_launch_waits_for_the_thread_to_start() -> None:
         finally:
             await runner.aclose()
 
-    threading.Thread.start = slow_start  # type: ignore[method-assign]
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
     try:
         assert asyncio.run(main()) == 9
     finally:
-        threading.Thread.start = real  # type: ignore[method-assign]
         proceed.set()
     assert _gone("aioloader-test-park-launch")
 
