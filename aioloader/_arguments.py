@@ -113,11 +113,6 @@ def _arg(name: str, default: Any, accepts: str, errors: tuple[type[Exception], .
     return Argument(name, default, accepts, errors, what, **{"field": name, **rule})
 
 
-def _flag(name: str, value: Any, what: str, *, allow_none: bool = False) -> bool | None:
-    """:func:`aioloader._coerce.as_flag` (its message says what a flag accepts)."""
-    return as_flag(name, value, allow_none=allow_none)
-
-
 _POS = {"positional": True}
 
 #: Every argument of ``DataLoader(...)``, in the order of its signature.
@@ -129,7 +124,7 @@ ARGUMENTS: tuple[Argument, ...] = (
          "samples per batch", **_POS),
     _arg("shuffle", None, "True, False or None (numpy bools, 0 and 1 too)", (_T, _V),
          "draw the samples in a new random order each epoch", **_POS, keep=None,
-         field=None, coerce=partial(_flag, allow_none=True)),
+         field=None, coerce=partial(as_flag, allow_none=True)),
     _arg("sampler", None, "an iterable of dataset keys (not with shuffle), or None", (_T, _V),
          "of dataset keys", **_POS),
     _arg("batch_sampler", None, "an iterable of lists of dataset keys, or None",
@@ -141,7 +136,7 @@ ARGUMENTS: tuple[Argument, ...] = (
     _arg("collate_fn", None, "a callable, or None (the default collate)", (_T,),
          "it turns a list of samples into a batch", **_POS, assignable=True),
     _arg("pin_memory", False, "True or False (numpy bools, 0 and 1 too)", (_T,),
-         "batches in page-locked memory", **_POS, assignable=True, coerce=_flag),
+         "batches in page-locked memory", **_POS, assignable=True, coerce=as_flag),
     _arg("drop_last", False, "a bool", (_V,), "drop the last, incomplete batch", **_POS),
     _arg("timeout", 0, "seconds >= 0 within a wait's range (numpy numbers, bools too)",
          (_T, _V, OverflowError), "how long to wait for a batch from the workers; 0 waits "
@@ -159,11 +154,11 @@ ARGUMENTS: tuple[Argument, ...] = (
          "'auto', or None", (_T, _V, AssertionError), "batches requested ahead per worker",
          assignable=True, coerce=partial(as_int, allow_bool=True)),
     _arg("persistent_workers", False, "True or False (numpy bools, 0 and 1 too), with "
-         "workers", (_T, _V), "workers kept across epochs", coerce=_flag),
+         "workers", (_T, _V), "workers kept across epochs", coerce=as_flag),
     _arg("pin_memory_device", "", "a str (deprecated in torch: leave it out)", (_T,),
          "the device pinned for", keep="given", assignable=True),
     _arg("in_order", True, "True or False (numpy bools, 0 and 1 too)", (_T,),
-         "batches in the sampler's order", assignable=True, coerce=_flag),
+         "batches in the sampler's order", assignable=True, coerce=as_flag),
     # aioloader's own arguments (keyword-only).
     _arg("worker_method", "multiprocessing", "'multiprocessing', 'thread' or 'ray'",
          (_T, _V), "where the workers run"),
@@ -192,7 +187,7 @@ ARGUMENTS: tuple[Argument, ...] = (
     _arg("ray_options", None, "a dict (with worker_method='ray'), or None", (_T, _V),
          "Ray's address and each actor's options", keep="given", field=None),
     _arg("collect_stats", True, "True or False (numpy bools, 0 and 1 too)", (_T,),
-         "keep per-stage statistics", assignable=True, coerce=_flag),
+         "keep per-stage statistics", assignable=True, coerce=as_flag),
     _arg("stats_interval", None, "positive, finite seconds, or None", (_T, _V),
          "between stats log lines; None for no logging",
          coerce=partial(as_seconds, least="positive", finite=True)),

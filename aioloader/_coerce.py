@@ -88,12 +88,13 @@ def as_int(name: str, value: Any, what: str, *, allow_bool: bool = False,
     return number
 
 
-def as_flag(name: str, value: Any, *, allow_none: bool = False) -> bool | None:
+def as_flag(name: str, value: Any, what: str | None = None, *,
+            allow_none: bool = False) -> bool | None:
     """``value`` as a ``bool``: ``True``/``False``, numpy bools, or the integers 0 and 1.
 
     torch reads these flags by truth value, so ``in_order="no"`` or ``shuffle="False"``
     would silently mean ``True`` there; aioloader refuses them (and 2, and ``None`` unless
-    it is the argument's default).
+    it is the argument's default). ``what``: what the flag means, for the message.
 
     Raises:
         TypeError: anything else (a string, ``None`` unless ``allow_none``, 2, ...).
@@ -109,7 +110,8 @@ def as_flag(name: str, value: Any, *, allow_none: bool = False) -> bool | None:
     if number in (0, 1):
         return bool(number)
     accepted = "True, False or None" if allow_none else "True or False"
-    raise TypeError(f"{name} should be {accepted}, but got {type(value).__name__} "
+    meaning = f" ({what})" if what else ""
+    raise TypeError(f"{name} should be {accepted}{meaning}, but got {type(value).__name__} "
                     f"{name}={value!r} (a non-empty string is true: {name}='False' would "
                     f"mean True); pass True or False")
 

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 from anyio.from_thread import BlockingPortal
 
-from ._park import ParkableThread, forking_here, join_ending_threads, register, track_ending
+from ._park import ParkableThread, ParkGroup, forking_here, join_ending_threads, track_ending
 from ._pipeline.epoch import _PipelineCore
 from ._pipeline.epoch_lifecycle import PipelineState, superseded_error
 from ._threads import close_at_exit
@@ -51,7 +51,7 @@ class PortalDriver:
 
     def start_soon(self) -> None:
         """Bring the loop thread up in the background while workers make the first batch."""
-        facade = _FacadeLoop()
+        facade = _FacadeLoop(self.core.keeper.park)
         self.thread, self.loop = facade, facade.loop
         facade.start()
 
@@ -182,7 +182,7 @@ class _FacadeLoop(ParkableThread):
     The loop runs one task that serves a blocking portal until the portal is stopped; that
     task's end stops the loop, which is then shut down as ``asyncio.run`` does (leftover
     tasks cancelled and awaited, async generators and the default executor shut down, the
-    loop closed). Parking (:mod:`aioloader._park`, while another loader forks) stops the
+    loop closed). Parking (:mod:`aioloader._park`, while its loader forks) stops the
     loop between two callbacks and ends its thread; its tasks stay as they are. Unparking
     runs the same loop in a new thread of the same name. Calls through the portal while
     parked are queued (``call_soon_threadsafe``) and run once it is unparked.
@@ -191,7 +191,8 @@ class _FacadeLoop(ParkableThread):
     park_order = 0  # the loops first: parked, they hand no new work to the job threads
     name = "aioloader-facade-loop"
 
-    def __init__(self) -> None:
+    def __init__(self, park: ParkGroup) -> None:
+        self._park = park
         try:  # uvloop's when installed
             import uvloop
         except ImportError:
@@ -223,7 +224,7 @@ class _FacadeLoop(ParkableThread):
     def start(self) -> None:
         """Start the loop thread (once the fork is done, if a fork is under way)."""
         with self._lock:
-            if register(self):
+            if self._park.register(self):
                 self._parked = True
             else:
                 self._spawn()

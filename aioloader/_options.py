@@ -22,7 +22,7 @@ from ._checks import check_batch_list, check_timeout_range, not_a_str, require_i
 from ._datapipes import apply_shuffle, is_iter_datapipe
 from ._errors import PrefetchFactorError
 from ._fetch.sync import DatasetKind, dataset_kind
-from ._worker.ray_actor import check_ray_options
+from ._ray_options import check_ray_options
 from .collate import default_collate
 from .sampler import BatchSampler, RandomSampler, Sampler
 

@@ -1,17 +1,28 @@
-"""No thread of the loader alive at a fork: park the loader's threads around each one.
+"""No thread of a loader alive at its forks: each loader parks its own threads around them.
 
 Python 3.12+ warns about ``fork()`` in a multi-threaded process, and rightly: a lock
-another thread holds at fork time (the allocator's, logging's, a queue's) stays held
-forever in the child. The loader's own threads (a ``for`` iterator's event-loop thread,
-an epoch's fetch/collate/pin thread, a ``fetch_threads`` pool) are therefore *parked*
-while it forks: each owner registers here, and :func:`quiet_for_fork`, wrapped around
-every fork the loader makes, stops them (each finishes what it is doing, then its thread
-ends) and restarts them afterwards. Work handed to a parked owner waits until it is
-unparked; its state (an event loop with its tasks, a queue of jobs) is kept.
+another thread holds at fork time stays held forever in the child. A loader's worker
+child uses what that loader's threads touch (its dataset, collate function, sockets),
+so each loader has a :class:`ParkGroup`: its threads' owners (a ``for`` iterator's
+event-loop thread, an epoch's thread, the decoding and respawn threads) register there,
+and :meth:`ParkGroup.quiet_for_fork`, wrapped around every fork the loader makes, stops
+them (each finishes what it is doing, then its thread ends) and restarts them
+afterwards. Work handed to a parked owner waits until it is unparked; its state (an
+event loop with its tasks, a queue of jobs) is kept.
 
-Threads that run user code for as long as they like (thread workers) cannot be parked
-and are not registered. The thread that forks is never parked (a fork made on a loop
-thread, a respawn, leaves that one thread alive).
+Parking is per loader, never process-wide: another loader's threads are not stopped
+(several loaders share a process, and one must not make another wait), and a thread
+that is itself inside a fork section (waiting to fork: a second respawn of the same
+loader) holds nothing a child needs and is never waited for. The thread that forks is
+never parked. Threads that run user code for as long as they like (thread workers)
+are not registered.
+
+What must not cross loaders at a fork is descriptors half made: between a worker's
+socket pair (or ``multiprocessing``'s pipes) being created and the child's end being
+closed in the parent, a fork elsewhere would copy that end into its child, and the
+worker's death would never be seen. :func:`fd_section` holds a process-wide lock for
+that window (a few milliseconds per worker); every fork in the process, a user's
+included, waits for it (an ``os.register_at_fork`` hook, bounded).
 
 Only the standard library: worker processes import this module too.
 """
@@ -23,12 +34,13 @@ import os
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
-__all__ = ["HAND_OVER_S", "PARK_WAIT_S", "Parkable", "ParkableThread", "forking_here",
-           "join_all", "join_ending_threads", "let_others_run", "quiet_for_fork", "register",
+__all__ = ["HAND_OVER_S", "PARK_WAIT_S", "ParkGroup", "Parkable", "ParkableThread",
+           "fd_section", "forking_here", "join_all", "join_ending_threads", "let_others_run",
            "track_ending"]
 
 _LG = logging.getLogger(__name__)
@@ -40,16 +52,23 @@ PARK_WAIT_S = 20.0
 #: How long the thread about to fork sleeps first (:func:`let_others_run`).
 HAND_OVER_S = 1e-4
 
-#: Longest wait, before a fork, for the loader's threads that are ending (a teardown left to
-#: finish on its loop thread climbs the workers' ladder: seconds at most).
+#: Longest wait, at interpreter exit, for the loader's threads that are ending (a teardown
+#: left to finish on its loop thread climbs the workers' ladder: seconds at most).
 ENDING_WAIT_S = 30.0
+
+#: Longest wait of a fork made outside the loader (a user's ``os.fork``) for a loader's
+#: descriptor window (:func:`fd_section`); past it the fork goes ahead.
+FOREIGN_FORK_WAIT_S = 10.0
+
+#: How often a park that waits for a thread to end also looks whether it began to fork.
+_PARK_POLL_S = 0.001
 
 
 class Parkable(Protocol):
     """An owner of one loader thread that can stop it and start it again."""
 
     #: Parked in increasing order: event loops (0) first, so that they hand no new work
-    #: to the job threads (1), then thread pools (2).
+    #: to the job threads (1).
     park_order: int
 
     def park(self, limit: float) -> None:
@@ -63,6 +82,30 @@ class Parkable(Protocol):
         """Undo :meth:`park`: start the thread again if there is work (no-op if not parked)."""
 
 
+# The threads inside a fork section (or waiting to enter one), by ident, with their depth.
+_forkers: Counter[int] = Counter()
+_forkers_lock = threading.Lock()
+
+
+def forking_here() -> bool:
+    """True in a thread inside a fork section (its loader's owners are parked: it must not
+    wait on them, say a finalizer that would close an iterator through its parked loop)."""
+    return threading.get_ident() in _forkers
+
+
+def _wait_ended(thread: threading.Thread, limit: float) -> bool:
+    """Wait up to ``limit`` s until ``thread`` ended or entered a fork section (then it
+    is blocked waiting for one, or forking: nothing a child needs). False if neither."""
+    deadline = time.monotonic() + limit
+    while thread.ident not in _forkers:
+        thread.join(min(_PARK_POLL_S, max(0.0, deadline - time.monotonic())))
+        if not thread.is_alive():
+            return True
+        if time.monotonic() >= deadline:
+            return thread.ident in _forkers
+    return True
+
+
 class ParkableThread:
     """:class:`Parkable` for an owner of one restartable thread: the park/unpark steps.
 
@@ -74,7 +117,7 @@ class ParkableThread:
 
     Example:
         >>> class Idle(ParkableThread):
-        ...     park_order = 2
+        ...     park_order = 1
         ...     def __init__(self):
         ...         self._lock, self._thread, self._parked = threading.Lock(), None, False
         ...     def _ask_to_end(self): pass
@@ -104,7 +147,8 @@ class ParkableThread:
         for an owner whose thread another thread starts."""
 
     def park(self, limit: float) -> None:
-        """End the thread (waiting up to ``limit`` s); never the calling thread.
+        """End the thread (waiting up to ``limit`` s); never the calling thread, nor one
+        inside a fork section.
 
         A thread still busy after ``limit`` is logged and left running: never a hang.
         """
@@ -117,8 +161,7 @@ class ParkableThread:
                 return
             self._ask_to_end()
         self._wait_started(limit)
-        thread.join(limit)
-        if thread.is_alive():
+        if not _wait_ended(thread, limit):
             _LG.warning("thread %s still busy after %.0f s; forking beside it", thread.name,
                         limit)
 
@@ -132,86 +175,106 @@ class ParkableThread:
                 self._restart()
 
 
-class Joinable(Protocol):
-    """What :func:`join_ending_threads` waits for: a thread, or an owner of one."""
+class ParkGroup:
+    """One loader's thread owners, parked around that loader's forks.
 
-    name: str
+    Example:
+        >>> group = ParkGroup()
+        >>> with group.quiet_for_fork():
+        ...     forking_here()
+        True
+        >>> forking_here()
+        False
+    """
 
-    def join(self, timeout: float | None = None) -> None:
-        """Wait until it has ended."""
+    __slots__ = ("__weakref__", "_depth", "_lock", "_owners", "_quiet", "_section")
 
-    def is_alive(self) -> bool:
-        """True until it has ended."""
+    def __init__(self) -> None:
+        self._owners: weakref.WeakSet[Parkable] = weakref.WeakSet()
+        self._lock = threading.Lock()  # the owners and the flag
+        self._quiet = False  # a fork is under way: owners registered now start parked
+        self._section = threading.RLock()  # one fork section of the loader at a time
+        self._depth = 0
+
+    def register(self, owner: Parkable) -> bool:
+        """Register ``owner``; True if a fork is under way (``owner`` must start parked)."""
+        with self._lock:
+            self._owners.add(owner)
+            return self._quiet
+
+    def _set_quiet(self, quiet: bool) -> list[Parkable]:
+        with self._lock:
+            self._quiet = quiet
+            owners = list(self._owners)
+        owners.sort(key=lambda o: o.park_order)
+        return owners
+
+    @contextmanager
+    def quiet_for_fork(self, limit: float = PARK_WAIT_S) -> Iterator[None]:
+        """Fork inside this block: no thread of this loader but the caller's (and those
+        waiting to fork) is alive in it.
+
+        Parks every registered owner and unparks them all when the block ends (whatever
+        happens). One block of the loader at a time; a block nested in another (same
+        thread) only runs its body.
+        """
+        me = threading.get_ident()
+        with _forkers_lock:
+            _forkers[me] += 1
+        try:
+            with self._section:
+                self._depth += 1
+                try:
+                    if self._depth > 1:
+                        yield
+                        return
+                    yield from self._parked_block(limit)
+                finally:
+                    self._depth -= 1
+        finally:
+            with _forkers_lock:
+                _forkers[me] -= 1
+                if not _forkers[me]:
+                    del _forkers[me]
+
+    def _parked_block(self, limit: float) -> Iterator[None]:
+        owners = self._set_quiet(True)
+        try:
+            for owner in owners:
+                try:
+                    owner.park(limit)
+                except Exception:  # one owner failing must not leave the others parked
+                    _LG.warning("parking %r before a fork failed", owner, exc_info=True)
+            del owners
+            yield
+        finally:
+            for owner in self._set_quiet(False):
+                try:
+                    owner.unpark()
+                except Exception:
+                    _LG.warning("unparking %r after a fork failed", owner, exc_info=True)
 
 
-_owners: weakref.WeakSet[Parkable] = weakref.WeakSet()
-_owners_lock = threading.Lock()
-_quiet = False  # a fork is under way: owners registered now start parked
-_fork_lock = threading.RLock()  # one fork section at a time (nested in one thread: one)
-_depth = 0
-_forking_thread: int | None = None  # the ident of the thread inside quiet_for_fork
-
-
-def forking_here() -> bool:
-    """True in the thread that is inside :func:`quiet_for_fork` (owners are parked: it
-    must not wait on them, say a finalizer that would close an iterator through its
-    parked event loop)."""
-    return _forking_thread == threading.get_ident()
-
-
-def register(owner: Parkable) -> bool:
-    """Register ``owner``; True if a fork is under way (``owner`` must start parked)."""
-    with _owners_lock:
-        _owners.add(owner)
-        return _quiet
-
-
-def _set_quiet(quiet: bool) -> list[Parkable]:
-    global _quiet
-    with _owners_lock:
-        _quiet = quiet
-        owners = list(_owners)
-    owners.sort(key=lambda o: o.park_order)
-    return owners
+_fd_lock = threading.RLock()
+_foreign = threading.local()  # whether this thread's foreign fork took _fd_lock
 
 
 @contextmanager
-def quiet_for_fork(limit: float = PARK_WAIT_S) -> Iterator[None]:
-    """Fork inside this block: no thread of the loader but the caller's is alive in it.
+def fd_section() -> Iterator[None]:
+    """Make descriptors for a new worker, start it and close the child's ends in here:
+    no fork in the process (ours or anyone's) happens in between."""
+    with _fd_lock:
+        yield
 
-    Joins the threads that are ending (:func:`join_ending_threads`), parks every
-    registered owner, and unparks them all when the block ends (whatever happens).
-    One block at a time in the process; a block nested in another (same thread) only
-    runs its body.
-    """
-    global _depth, _forking_thread
-    with _fork_lock:
-        _depth += 1
-        try:
-            if _depth > 1:
-                yield
-                return
-            _forking_thread = threading.get_ident()
-            join_ending_threads()
-            owners = _set_quiet(True)
-            try:
-                for owner in owners:
-                    try:
-                        owner.park(limit)
-                    except Exception:  # one owner failing must not leave the others parked
-                        _LG.warning("parking %r before a fork failed", owner, exc_info=True)
-                del owners
-                yield
-            finally:
-                for owner in _set_quiet(False):
-                    try:
-                        owner.unpark()
-                    except Exception:
-                        _LG.warning("unparking %r after a fork failed", owner, exc_info=True)
-        finally:
-            _depth -= 1
-            if _depth == 0:
-                _forking_thread = None
+
+def _before_fork() -> None:
+    _foreign.held = _fd_lock.acquire(timeout=FOREIGN_FORK_WAIT_S)
+
+
+def _after_fork_in_parent() -> None:
+    if getattr(_foreign, "held", False):
+        _foreign.held = False
+        _fd_lock.release()
 
 
 def let_others_run() -> None:
@@ -227,16 +290,25 @@ def let_others_run() -> None:
     time.sleep(HAND_OVER_S)
 
 
+class Joinable(Protocol):
+    """What :func:`join_ending_threads` waits for: a thread, or an owner of one."""
+
+    name: str
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until it has ended."""
+
+    def is_alive(self) -> bool:
+        """True until it has ended."""
+
+
 _ending: set[Joinable] = set()
 _ending_lock = threading.Lock()
 
 
 def track_ending(thread: Joinable) -> None:
-    """Note a loader thread that was told to end but is not waited for by its owner.
-
-    :func:`join_ending_threads` waits for it before the loader forks again (a thread
-    alive at fork time may hold a lock the child then waits on forever) and at exit.
-    """
+    """Note a loader thread that was told to end but is not waited for by its owner:
+    :func:`join_ending_threads` waits for it at interpreter exit."""
     with _ending_lock:
         for ended in [t for t in _ending if not t.is_alive()]:  # kept bounded
             _ending.discard(ended)
@@ -278,12 +350,13 @@ def join_ending_threads(limit: float = ENDING_WAIT_S) -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child has none of the parent's threads: forget them (and the locks, which
-    the forking thread held)."""
-    global _owners_lock, _fork_lock, _depth, _quiet, _ending_lock, _forking_thread
-    _owners_lock, _fork_lock, _ending_lock = threading.Lock(), threading.RLock(), threading.Lock()
-    _owners.clear()
+    the forking thread may have held)."""
+    global _forkers_lock, _fd_lock, _ending_lock
+    _forkers_lock, _fd_lock, _ending_lock = threading.Lock(), threading.RLock(), threading.Lock()
+    _foreign.held = False
+    _forkers.clear()
     _ending.clear()
-    _depth, _quiet, _forking_thread = 0, False, None
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)

@@ -11,8 +11,9 @@ Waiting is readiness-based: the thread hands the result back with
 ``loop.call_soon_threadsafe`` (asyncio, uvloop) or ``TrioToken.run_sync_soon``
 (trio); the loop never blocks, and neither does the thread.
 
-Around a fork the thread is *parked* (:mod:`aioloader._park`): it ends after its
-current job and a new one serves the jobs handed over meanwhile once the fork is done.
+Around a fork of its loader the thread is *parked* (:mod:`aioloader._park`): it ends
+after its current job and a new one serves the jobs handed over meanwhile once the fork
+is done.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import anyio
 import sniffio
 
-from ._park import ParkableThread, register, track_ending
+from ._park import ParkableThread, ParkGroup, track_ending
 
 __all__ = ["ThreadRunner", "close_at_exit", "run_in_own_thread", "threadsafe_call_soon"]
 
@@ -88,6 +89,8 @@ class ThreadRunner(ParkableThread):
 
     Args:
         name: the thread's name (shows in ``threading.enumerate()``).
+        park: the loader's park group: the thread is parked around the loader's forks
+            (None: never parked; a runner of a loader that does not fork).
 
     Example:
         >>> import anyio
@@ -104,8 +107,9 @@ class ThreadRunner(ParkableThread):
     #: Parked after the event loops that hand it work (see :mod:`aioloader._park`).
     park_order = 1
 
-    def __init__(self, name: str = "aioloader-thread") -> None:
+    def __init__(self, name: str = "aioloader-thread", park: ParkGroup | None = None) -> None:
         self._name = name
+        self._park = park
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -143,9 +147,9 @@ class ThreadRunner(ParkableThread):
         event loop) goes on; a queued job waits for the new thread.
         """
         if self._thread is None and not self._parked and not self._launching:
-            if not self._registered:
+            if not self._registered and self._park is not None:
                 self._registered = True
-                if register(self):  # a fork is under way: start once it is done
+                if self._park.register(self):  # a fork is under way: start once it is done
                     self._parked = True
             if not self._parked:  # the launcher waits for the lock held here
                 started = threading.Event()  # a park waits for it (see _launch)

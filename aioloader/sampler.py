@@ -295,7 +295,13 @@ class WeightedRandomSampler(Sampler[int], _tud.WeightedRandomSampler):
     ) -> None:
         torch_int("num_samples", num_samples, "pass num_samples >= 1")
         torch_flag("replacement", replacement)
-        weights_tensor = torch.as_tensor(weights, dtype=torch.double)
+        try:
+            weights_tensor = torch.as_tensor(weights, dtype=torch.double)
+        except (TypeError, ValueError, RuntimeError) as exc:  # torch's own type, named here
+            raise type(exc)(
+                f"weights should be a sequence of numbers (or a tensor), but got "
+                f"{type(weights).__name__} weights={weights!r:.80}: {exc}; pass one "
+                "non-negative weight per index.") from exc
         if weights_tensor.dim() != 1:
             raise ValueError(
                 "weights should be a 1d sequence but given weights have shape "

@@ -1,11 +1,14 @@
-"""Threads and fork: the loader never forks while a thread it owns is alive (issue 18).
+"""Threads and fork: a loader never forks while a thread it owns is alive (issues 18, 37).
 
 Python 3.12+ warns about ``fork()`` in a multi-threaded process (a lock another
 thread holds at fork time is held forever in the child). This checks the rule on
 every Python, without relying on that warning: a ``before`` fork hook records, at
 every fork of this process during a test, the threads alive that the test started
 (loader threads are named ``aioloader-*``; anyio's worker threads and any other
-thread born during the test count as well), and the test asserts there were none.
+thread born during the test count as well), and a one-loader test asserts there were
+none. Where two loaders run at once, each parks only its own threads (another loader's
+are not stopped: one loader never waits for another, issue 37): the hook also records,
+for the loaders a test watches, the threads of the one whose fork is under way.
 """
 
 from __future__ import annotations
@@ -34,11 +37,17 @@ class _ForkSpy:
         self.before: set[int] = set()
         self.forks = 0
         self.seen: list[list[str]] = []
+        self.own: list[list[str]] = []  # the forking loader's threads (watched loaders)
+        self.groups: list[Any] = []
         self.active = False
 
     def start(self) -> None:
         self.before = {t.ident for t in threading.enumerate() if t.ident is not None}
-        self.forks, self.seen, self.active = 0, [], True
+        self.forks, self.seen, self.own, self.groups, self.active = 0, [], [], [], True
+
+    def watch(self, *loaders: DataLoader[Any]) -> None:
+        """Record, at each fork of one of ``loaders``, that loader's threads alive."""
+        self.groups = [loader._pools.park for loader in loaders]
 
     def __call__(self) -> None:
         if not self.active:
@@ -50,6 +59,13 @@ class _ForkSpy:
                  and (t.ident not in self.before or t.name.startswith("aioloader-"))]
         if extra:
             self.seen.append(extra)
+        for group in self.groups:
+            if group._quiet:  # this loader's fork section: its owners are parked
+                threads = [getattr(owner, "_thread", None) for owner in list(group._owners)]
+                own = [t.name for t in threads
+                       if t is not None and t is not me and t.is_alive()]
+                if own:
+                    self.own.append(own)
 
 
 _SPY = _ForkSpy()
@@ -69,6 +85,12 @@ def fork_spy() -> Iterator[_ForkSpy]:
 def _assert_forked_alone(spy: _ForkSpy, forks: int) -> None:
     assert spy.forks >= forks, spy.forks  # the scenario forked as many workers as meant
     assert spy.seen == [], f"threads alive at fork time: {spy.seen}"
+
+
+def _assert_each_forked_apart(spy: _ForkSpy, forks: int) -> None:
+    """Several loaders at once: no loader forked beside a thread of its own."""
+    assert spy.forks >= forks, spy.forks
+    assert spy.own == [], f"the forking loader's threads alive at fork time: {spy.own}"
 
 
 def _data(n: int = 24) -> TensorDataset:
@@ -176,10 +198,11 @@ def test_thread_using_features_before_a_fork(fork_spy: _ForkSpy) -> None:
     _assert_forked_alone(fork_spy, 6)
 
 
-def test_a_fork_after_a_worker_death_waits_for_the_old_teardown(fork_spy: _ForkSpy,
-                                                                tmp_path: Any) -> None:
-    """Regression test for issue 18: the death is raised before the teardown ends; the
-    next epoch forks only once that teardown's loop thread is gone."""
+def test_a_fork_after_a_worker_death_does_not_wait_for_the_old_teardown(
+        fork_spy: _ForkSpy, tmp_path: Any) -> None:
+    """Regression test for issues 18 and 37: the death is raised before the teardown ends;
+    another loader forks at once, beside that teardown's loop thread (not its own), and
+    both end cleanly."""
     os.mkfifo(tmp_path / "meet")
     os.mkfifo(tmp_path / "gate")
     gate = os.open(tmp_path / "gate", os.O_RDWR)
@@ -188,22 +211,25 @@ def test_a_fork_after_a_worker_death_waits_for_the_old_teardown(fork_spy: _ForkS
                             **FORK)
         with pytest.raises(WorkerDiedError):
             list(loader)
+        other = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
+        fork_spy.watch(loader, other)
+        assert _values(list(other)) == list(range(24))
         os.write(gate, b"x")
-        assert len(list(DataLoader(_data(), batch_size=4, num_workers=2, **FORK))) == 6
     finally:
         os.close(gate)
-    _assert_forked_alone(fork_spy, 4)
+    _assert_each_forked_apart(fork_spy, 4)
 
 
 def test_two_loaders_alive_at_once_for(fork_spy: _ForkSpy) -> None:
-    """Regression test for issue 18: zip() of two `for` loaders forks the second's
-    workers with no thread of the first alive."""
+    """Regression test for issues 18 and 37: zip() of two `for` loaders: each forks its
+    workers with no thread of its own alive (the other's may run)."""
     a = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
     b = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
+    fork_spy.watch(a, b)
     for _ in range(2):
         pairs = list(zip(a, b))
         assert _values([x for x, _ in pairs]) == _values([y for _, y in pairs]) == list(range(24))
-    _assert_forked_alone(fork_spy, 8)
+    _assert_each_forked_apart(fork_spy, 8)
 
 
 def _values(batches: list[Any]) -> list[int]:
@@ -227,15 +253,17 @@ def _second_forks_beside_first(a: DataLoader[Any], b: DataLoader[Any],
 
 
 def test_for_with_fetch_threads_beside_a_forking_loader(fork_spy: _ForkSpy) -> None:
-    """Regression test for issue 18: a `for` loader's fetch_threads pool (num_workers=0)
-    is parked while a second loader forks; both deliver every batch once, in order."""
+    """Regression test for issues 18 and 37: a `for` loader's fetch_threads pool
+    (num_workers=0) runs on while a second loader forks (it is not that loader's); both
+    deliver every batch once, in order."""
     a = DataLoader(TensorDataset(torch.arange(16)), batch_size=2, fetch_threads=2)
     b = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
+    fork_spy.watch(a, b)
     for _ in range(2):
         got_a, got_b = _second_forks_beside_first(a, b, "aioloader-fetch")
         assert _values(got_a) == list(range(16))
         assert _values(got_b) == list(range(24))
-    _assert_forked_alone(fork_spy, 4)
+    _assert_each_forked_apart(fork_spy, 4)
 
 
 class _BigSamples(Dataset[tuple[torch.Tensor, list[str]]]):
@@ -251,35 +279,41 @@ class _BigSamples(Dataset[tuple[torch.Tensor, list[str]]]):
 @pytest.mark.filterwarnings(PIN_WARNING)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of pin_memory")
 def test_for_with_pin_memory_beside_a_forking_loader(fork_spy: _ForkSpy) -> None:
-    """Regression test for issue 18: a `for` loader with pin_memory=True (CPU: no pinning)
-    and its job thread (large samples decoded off the loop) is parked while a second loader
-    forks; both deliver every batch once, in order."""
+    """Regression test for issues 18 and 37: a `for` loader with pin_memory=True (CPU: no
+    pinning) and its job thread (large samples decoded off the loop) runs on while a
+    second loader forks beside no thread of its own; both deliver every batch once, in
+    order."""
     a = DataLoader(_BigSamples(), batch_size=None, num_workers=2, pin_memory=True, **FORK)
     b = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
+    fork_spy.watch(a, b)
     for _ in range(2):
         got_a, got_b = _second_forks_beside_first(a, b, "aioloader-decode")
         assert _values(got_a) == list(range(6))
         assert _values(got_b) == list(range(24))
-    _assert_forked_alone(fork_spy, 8)
+    _assert_each_forked_apart(fork_spy, 8)
 
 
 def test_persistent_loader_beside_a_non_persistent_one(fork_spy: _ForkSpy) -> None:
-    """Regression test for issue 18: a persistent `for` loader's threads are parked at each
-    epoch's fork of a non-persistent one; every batch of both arrives once, in order."""
+    """Regression test for issues 18 and 37: a persistent `for` loader's threads run on
+    at each epoch's fork of a non-persistent one, which parks its own; every batch of both
+    arrives once, in order."""
     a = DataLoader(_data(), batch_size=4, num_workers=2, persistent_workers=True, **FORK)
     b = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
+    fork_spy.watch(a, b)
     for _ in range(2):
         got_a, got_b = _second_forks_beside_first(a, b, "aioloader-facade-loop")
         assert _values(got_a) == _values(got_b) == list(range(24))
-    _assert_forked_alone(fork_spy, 6)
+    _assert_each_forked_apart(fork_spy, 6)
     a.close()
 
 
 def test_async_for_inside_a_for_loop(fork_spy: _ForkSpy) -> None:
-    """Regression test for issue 18: an `async for` loader run (asyncio.run) inside a `for`
-    loop's body forks with the outer loader's loop thread parked."""
+    """Regression test for issues 18 and 37: an `async for` loader run (asyncio.run)
+    inside a `for` loop's body forks beside no thread of its own (the outer loader's loop
+    thread is not its own, and is not stopped)."""
     a = DataLoader(TensorDataset(torch.arange(6)), batch_size=2, num_workers=2, **FORK)
     b = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
+    fork_spy.watch(a, b)
 
     async def one_epoch() -> list[Any]:
         return [batch async for batch in b]
@@ -289,19 +323,21 @@ def test_async_for_inside_a_for_loop(fork_spy: _ForkSpy) -> None:
         got_a.append(batch)
         assert _values(asyncio.run(one_epoch())) == list(range(24))
     assert _values(got_a) == list(range(6))
-    _assert_forked_alone(fork_spy, 8)
+    _assert_each_forked_apart(fork_spy, 8)
 
 
 @pytest.mark.filterwarnings(PIN_WARNING)
 async def test_two_loaders_alive_at_once_async_for(fork_spy: _ForkSpy) -> None:
-    """Regression test for issue 18: a second `async for` loader started inside the first's
-    epoch (pinning, so the first has a thread) forks with no thread of ours alive."""
+    """Regression test for issues 18 and 37: a second `async for` loader started inside
+    the first's epoch (pinning, so the first has a thread) forks beside no thread of its
+    own."""
     a = DataLoader(_data(), batch_size=4, num_workers=2, pin_memory=True, **FORK)
     b = DataLoader(_data(), batch_size=4, num_workers=2, pin_memory=True, **FORK)
+    fork_spy.watch(a, b)
     seen = 0
     async for _ in a:
         async for _ in b:
             seen += 1
             break
     assert seen == 6
-    _assert_forked_alone(fork_spy, 14)
+    _assert_each_forked_apart(fork_spy, 14)

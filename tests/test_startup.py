@@ -212,7 +212,7 @@ def test_a_config_the_zygote_cannot_take_is_spawned(monkeypatch: pytest.MonkeyPa
     def refuse(self: Any, cfg: Any, sock: Any) -> Any:
         raise zmod.ZygoteError("refused for the test")
 
-    monkeypatch.setattr(zmod.Zygote, "start_worker", refuse)
+    monkeypatch.setattr(zmod.Zygote, "request_worker", refuse)
     it = iter(DataLoader(Pids(6), batch_size=2, num_workers=2, multiprocessing_context="spawn"))
     batches = list(it)
     assert [b[0].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5]]

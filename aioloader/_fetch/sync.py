@@ -19,7 +19,6 @@ from typing import Any
 
 from .. import _torch_data as _tud
 from .. import dataset as _ds
-from .._park import register
 
 _LG = logging.getLogger(__name__)
 
@@ -145,10 +144,7 @@ class MapFetcher(_Fetcher):
         [12, 10]
     """
 
-    __slots__ = ("__weakref__", "_getitems", "_parked", "_pool", "_pool_lock", "_threads")
-
-    #: Parked after the threads that call :meth:`read` (see :mod:`aioloader._park`).
-    park_order = 2
+    __slots__ = ("_getitems", "_pool", "_pool_lock", "_threads")
 
     def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable[[Any], Any],
                  drop_last: bool, fetch_threads: int = 0) -> None:
@@ -157,12 +153,9 @@ class MapFetcher(_Fetcher):
         self._getitems = getitems if getitems else None
         self._threads = fetch_threads if fetch_threads > 1 else 0
         self._pool: ThreadPoolExecutor | None = None  # started on first use
-        # Held for each pooled read, and from park() to unpark(): no pool thread around a
-        # fork (the loader forks inside aioloader._park.quiet_for_fork).
+        # A loader that forks never reads here (its workers do), so the pool is never
+        # parked (aioloader._park): the lock only makes one pool.
         self._pool_lock = threading.Lock()
-        self._parked = False
-        if self._threads and register(self):
-            self.park(0.0)
 
     def read(self, index: Any) -> Any:
         """The samples for ``index``, not collated (one sample without auto-collation)."""
@@ -182,7 +175,7 @@ class MapFetcher(_Fetcher):
             if pool is None:
                 pool = self._pool = ThreadPoolExecutor(
                     self._threads, thread_name_prefix="aioloader-fetch")
-            return list(pool.map(read, keys))
+        return list(pool.map(read, keys))
 
     def fetch(self, index: Any) -> Any:
         """Read the samples for ``index`` and return the collated batch."""
@@ -205,23 +198,6 @@ class MapFetcher(_Fetcher):
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=wait, cancel_futures=True)
-
-    def park(self, limit: float) -> None:
-        """Before a fork: wait (up to ``limit`` s) for the running read, then join the
-        pool's threads; reads wait until :meth:`unpark` (a new pool on the next read)."""
-        if not self._pool_lock.acquire(timeout=limit):
-            _LG.warning("fetch threads still busy after %.0f s; forking beside them", limit)
-            return
-        self._parked = True
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-
-    def unpark(self) -> None:
-        """Undo :meth:`park`."""
-        if self._parked:
-            self._parked = False
-            self._pool_lock.release()
 
 
 class IterFetcher(_Fetcher):

@@ -105,7 +105,8 @@ class _PipelineCore(lifecycle.EpochLifecycle):
         self.track, self.delivery, sampler_iter = setup.books(config, resume, rec, len_called,
                                                               carry)
         self.failures = self.delivery.failures
-        self.runner = ThreadRunner("aioloader-fetch" if self.inline else "aioloader-pipeline")
+        self.runner = ThreadRunner("aioloader-fetch" if self.inline else "aioloader-pipeline",
+                                   keeper.park)
         self.device_stage = (DeviceStage(config.device, config.device_prefetch, self.runner,
                                          rec)
                              if config.device is not None and not self.inline else None)

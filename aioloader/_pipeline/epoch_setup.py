@@ -157,8 +157,8 @@ def take_pool(config: LoaderConfig, keeper: PoolKeeper, track: EpochTracker,
         base_seed = track.seed  # drawn at the epoch's iter(), in the probe
     else:
         base_seed = _base_seed(config, track)
-    lease = _PoolLease(start_pool(config, base_seed, track.worker_states, worker_seed,
-                                  track.resume_rngs()), base_seed)
+    lease = _PoolLease(start_pool(config, base_seed, keeper.park, track.worker_states,
+                                  worker_seed, track.resume_rngs()), base_seed)
     lease.worker_rng = track.worker_rng
     lease.seed_group = group
     if iter_dp and not continues:

@@ -131,6 +131,7 @@ class PoolSource:
         Each worker started here gets its primed commands as soon as it is up (from the
         epoch's thread, which starts the workers: :meth:`_early_sender`).
         """
+        self.lease.pool.bind_loop()  # the previous epoch is over (the epoch waited for it)
         early = self._early_sender()
         await self.lease.start(self.runner, early)
         if early is not None:

@@ -163,6 +163,10 @@ class PoolBase(ServeLoop[W]):
             raise
         type(self)._live.add(self)
 
+    def bind_loop(self) -> None:
+        """An epoch (on its own event loop, of any backend) takes the pool from here on:
+        what an earlier epoch's loop made for it is dropped (made again on first use)."""
+
     def _start_failure_note(self, exc: Exception, num_workers: int) -> str:
         """What a failed :meth:`start` adds to its exception: which worker, what to do."""
         failed = self._starting

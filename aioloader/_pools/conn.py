@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 
 from .._errors import WorkerDiedError, add_note
-from .._park import let_others_run
+from .._park import fd_section, let_others_run
 from .._threads import ThreadRunner
 from .._worker.codec import decode
 from .._worker.config import WorkerConfig
@@ -82,52 +82,69 @@ class Conn:
         (so that it sees EOF when the parent goes); this pair's own parent end
         is added. With ``spawn``/``forkserver`` a config that does not pickle
         raises its own exception type with a note on what to change. ``zygote``
-        (``spawn``): forks the worker, unless it cannot (then it is spawned).
+        (``spawn``): forks the worker, unless it cannot (then it is spawned). Several
+        threads may start workers of one pool at once (respawns): the zygote serves one
+        request at a time.
         """
-        try:
-            parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        except OSError as exc:
-            if is_out_of_files(exc):
-                raise out_of_files_error() from exc
-            raise
-        try:
-            # fd numbers mean nothing in a fresh interpreter: only a forked child closes some:
-            # this pool's parent ends and those of every other pool (other loaders) here.
-            close_fds = (_identities([*inherited, parent_sock.fileno(), *_live_parent_ends()])
-                         if method == "fork" else [])
-            cfg = dataclasses.replace(cfg, parent_pid=os.getpid(), close_fds=close_fds,
-                                      start_method=method,
-                                      sharing_strategy=sharing_strategy())
-            proc: Proc | None = None
-            if zygote is not None:
-                try:
-                    proc = zygote.start_worker(cfg, child_sock)
-                except ZygoteError as exc:
+        if zygote is not None and not zygote.broken:
+            with zygote.lock:
+                conn = cls._start(ctx, worker_id, cfg, method, inherited, zygote)
+            if conn is not None:
+                return conn
+        conn = cls._start(ctx, worker_id, cfg, method, inherited, None)
+        assert conn is not None
+        return conn
+
+    @classmethod
+    def _start(cls, ctx: Any, worker_id: int, cfg: WorkerConfig, method: str,
+               inherited: list[int], zygote: Zygote | None) -> Conn | None:
+        """:meth:`start` with ``zygote`` or with ``ctx``; None if the zygote could not."""
+        # From the pair's creation to the child end's close, no fork in the process (another
+        # loader's, a user's) copies that end into its child (aioloader._park.fd_section).
+        # The zygote's reply is awaited after it: the first one waits for its torch import.
+        with fd_section():
+            try:
+                parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            except OSError as exc:
+                if is_out_of_files(exc):
+                    raise out_of_files_error() from exc
+                raise
+            try:
+                # fd numbers mean nothing in a fresh interpreter: only a forked child closes
+                # some: this pool's parent ends and every other pool's (other loaders) here.
+                close_fds = (_identities([*inherited, parent_sock.fileno(),
+                                          *_live_parent_ends()])
+                             if method == "fork" else [])
+                cfg = dataclasses.replace(cfg, parent_pid=os.getpid(), close_fds=close_fds,
+                                          start_method=method,
+                                          sharing_strategy=sharing_strategy())
+                proc: Proc | None = None
+                if zygote is not None:
+                    zygote.request_worker(cfg, child_sock)
+                else:
+                    proc = _start_process(ctx, worker_id, cfg, method, child_sock)
+            except ZygoteError as exc:
+                parent_sock.close()
+                logger.debug("worker %d spawned, not forked by the zygote: %s", worker_id, exc)
+                return None
+            except BaseException:
+                parent_sock.close()
+                raise
+            finally:
+                child_sock.close()
+            register_parent_end(parent_sock)  # before any other fork can copy it
+        if zygote is not None:
+            try:
+                proc = zygote.worker_reply(worker_id)
+            except BaseException as exc:
+                parent_sock.close()
+                if isinstance(exc, ZygoteError):
                     logger.debug("worker %d spawned, not forked by the zygote: %s",
                                  worker_id, exc)
-            if proc is None:
-                spawned = ctx.Process(target=worker_main, args=(child_sock, cfg),
-                                      name=f"aioloader-worker-{worker_id}", daemon=True)
-                proc = spawned
-                if method == "fork":
-                    let_others_run()  # the loop's thread runs now, not after the fork
-                try:
-                    spawned.start()
-                except (pickle.PicklingError, AttributeError, TypeError) as exc:
-                    if method != "fork":
-                        _explain_pickling_failure(exc, method)
-                    raise
-                except OSError as exc:  # its pipes, its sentinel: descriptors too
-                    if is_out_of_files(exc):
-                        raise out_of_files_error() from exc
-                    raise
-        except BaseException:
-            parent_sock.close()
-            raise
-        finally:
-            child_sock.close()
+                    return None
+                raise
+        assert proc is not None
         parent_sock.setblocking(False)
-        register_parent_end(parent_sock)
         return cls(worker_id, proc, parent_sock)
 
     # ------------------------------------------------------------------ read
@@ -301,6 +318,26 @@ def register_parent_end(sock: socket.socket) -> None:
 
     _parent_ends[key] = weakref.ref(sock, forget)
 
+
+
+def _start_process(ctx: Any, worker_id: int, cfg: WorkerConfig, method: str,
+                   child_sock: socket.socket) -> Proc:
+    """Start worker ``worker_id`` with ``multiprocessing`` (``ctx``) on ``child_sock``."""
+    proc = ctx.Process(target=worker_main, args=(child_sock, cfg),
+                       name=f"aioloader-worker-{worker_id}", daemon=True)
+    if method == "fork":
+        let_others_run()  # the loop's thread runs now, not after the fork
+    try:
+        proc.start()
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        if method != "fork":
+            _explain_pickling_failure(exc, method)
+        raise
+    except OSError as exc:  # its pipes, its sentinel: descriptors too
+        if is_out_of_files(exc):
+            raise out_of_files_error() from exc
+        raise
+    return proc  # type: ignore[no-any-return]
 
 def _live_parent_ends() -> list[int]:
     """The fds of the parent ends registered now (closed ones are left out)."""

@@ -7,6 +7,7 @@ from typing import Any
 
 from .._config import LoaderConfig
 from .._datapipes import is_datapipe, sharding_init_fn, thread_copy
+from .._park import ParkGroup
 from .._worker.config import WorkerConfig
 from .lease import AnyPool
 from .process import WorkerPool
@@ -14,7 +15,7 @@ from .ray import RayWorkerPool
 from .thread import ThreadWorkerPool
 
 
-def start_pool(config: LoaderConfig, base_seed: int,
+def start_pool(config: LoaderConfig, base_seed: int, park: ParkGroup,
                 resume_states: dict[int, Any] | None = None,
                 shared_seed: int | None = None,
                 resume_rngs: dict[int, bytes] | None = None) -> AnyPool:
@@ -23,6 +24,7 @@ def start_pool(config: LoaderConfig, base_seed: int,
     A DataPipe's workers shard it first (torch's ``_sharding_worker_init_fn`` wraps
     ``worker_init_fn``) and an ``IterDataPipe``'s are seeded from ``shared_seed``; thread
     workers each get their own copy of the graph (:mod:`aioloader._datapipes`).
+    ``park``: the loader's park group (process workers' forks park its threads).
     ``resume_states``/``resume_rngs``: per worker, the iterable dataset's state and the RNG
     states a resumed worker starts from (:mod:`aioloader._resume.tracker`).
     """
@@ -58,5 +60,5 @@ def start_pool(config: LoaderConfig, base_seed: int,
     if config.worker_method == "ray":
         return RayWorkerPool(configs, config.ray_address, config.ray_actor_options)
     ctx = config.mp_context
-    return WorkerPool(configs, multiprocessing.get_context() if ctx is None else ctx)
+    return WorkerPool(configs, multiprocessing.get_context() if ctx is None else ctx, park)
 

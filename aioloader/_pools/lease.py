@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from .._park import ParkGroup
 from .._threads import ThreadRunner
 from .process import WorkerPool
 from .ray import RayWorkerPool
@@ -29,8 +30,8 @@ class _PoolLease:
     for`` in the epoch's own thread (its runner), whatever the start method: a
     fork, a new interpreter or the dataset's pickling never runs on the loop's
     thread. The loader's other threads are parked around a fork
-    (:mod:`aioloader._park`); the consumer's loop thread, which is not the
-    loader's, stays alive, as a user's threads do when torch forks its workers.
+    (:mod:`aioloader._park`); the consumer's loop thread and other loaders' threads
+    stay alive, as a user's threads do when torch forks its workers.
     """
 
     def __init__(self, pool: AnyPool, base_seed: int) -> None:
@@ -94,13 +95,15 @@ class PoolKeeper:
     takes the live lease from it or puts a new one there; a failed epoch forgets its
     lease so that the next one starts fresh workers. The loader's finalizer calls
     :meth:`owner_gone`: the workers stop with the loader (or with the epoch still using
-    them). Holds no reference to the loader.
+    them). Holds no reference to the loader. Its :attr:`park` is the loader's park group:
+    the loader's threads, parked around its forks (:mod:`aioloader._park`).
     """
 
-    __slots__ = ("__weakref__", "lease")
+    __slots__ = ("__weakref__", "lease", "park")
 
     def __init__(self) -> None:
         self.lease: _PoolLease | None = None
+        self.park = ParkGroup()
 
     def live(self) -> _PoolLease | None:
         """The kept lease, unless it was shut down (``_shutdown_workers()``)."""

@@ -37,7 +37,7 @@ from typing import Any
 import anyio
 
 from .._errors import IteratorClosedError
-from .._park import quiet_for_fork
+from .._park import ParkGroup
 from .._threads import ThreadRunner
 from .._worker.config import WorkerConfig
 from .._worker.image import DatasetImage
@@ -85,13 +85,17 @@ class WorkerPool(PoolBase[Conn]):
             filled in by the pool.
         mp_context: a ``multiprocessing`` context object (``fork``,
             ``spawn`` or ``forkserver``).
+        park: the loader's park group (its threads, parked around each ``fork``;
+            :mod:`aioloader._park`); a group of the pool's own when not given.
 
     Its lifecycle is :class:`~aioloader._pools.base.PoolBase`'s.
     """
 
-    def __init__(self, configs: ConfigSource, mp_context: Any) -> None:
+    def __init__(self, configs: ConfigSource, mp_context: Any,
+                 park: ParkGroup | None = None) -> None:
         super().__init__(configs)
         self._ctx = mp_context
+        self._park = ParkGroup() if park is None else park
         # spawn/forkserver: the dataset pickled once, given to every worker (and respawn).
         self._image: DatasetImage | None = None
         # During serve(): its decoding thread, and what it applies to each reply there.
@@ -120,13 +124,6 @@ class WorkerPool(PoolBase[Conn]):
         """The start method of the context (``fork``, ``spawn`` or ``forkserver``)."""
         return str(self._ctx.get_start_method())
 
-    def is_running(self, worker_id: int) -> bool:
-        """True if worker ``worker_id``'s process has not ended."""
-        conn = self._workers[worker_id]
-        if conn.exited or self._closed:
-            return False
-        return conn.proc.exitcode is None
-
     def _repr_detail(self) -> str:
         return f"pids={self.pids}"
 
@@ -146,8 +143,8 @@ class WorkerPool(PoolBase[Conn]):
             if self._zygote is not None:  # a worker forked later (another pool) lets go of it
                 register_parent_end(self._zygote.sock)
         self._configs = configs
-        # Never fork while a thread of ours is alive: the loader's threads are parked.
-        with quiet_for_fork() if method == "fork" else contextlib.nullcontext():
+        # Never fork while a thread of the loader is alive: they are parked.
+        with self._quiet_for_fork():
             for worker_id in range(len(configs)):
                 self._starting = worker_id
                 self._start_one(worker_id)
@@ -245,6 +242,12 @@ class WorkerPool(PoolBase[Conn]):
             return
         await self._drain(conn)
 
+    def bind_loop(self) -> None:
+        # A persistent pool serves asyncio, uvloop and trio epochs in any order: a send lock
+        # belongs to the backend (and loop) that made it.
+        for conn in self._workers:
+            conn.send_lock = None
+
     async def _drain(self, conn: Conn) -> None:
         """Write out what is queued for ``conn``, waiting for writability as needed."""
         if conn.send_lock is None:
@@ -270,7 +273,7 @@ class WorkerPool(PoolBase[Conn]):
     def _serve_open(self, transform: Transform | None) -> None:
         # Decodes every frame off the loop; started now (a thread comes up in milliseconds
         # on busy cores: not on the first reply's path), joined before serve() ends.
-        self._decoder = ThreadRunner("aioloader-decode")
+        self._decoder = ThreadRunner("aioloader-decode", self._park)
         self._decoder.prestart()
         self._transform = transform
 
@@ -312,7 +315,7 @@ class WorkerPool(PoolBase[Conn]):
         # The dead worker's fds go first (a fork would inherit them otherwise).
         dead.free(notify=False)
         # A fork or a new interpreter: never on the loop's thread.
-        runner = ThreadRunner("aioloader-respawn")
+        runner = ThreadRunner("aioloader-respawn", self._park)
         try:
             await runner.run(self._start_one_quietly, dead.worker_id)
         finally:
@@ -322,8 +325,15 @@ class WorkerPool(PoolBase[Conn]):
     def _start_one_quietly(self, worker_id: int) -> None:
         """:meth:`_start_one` from a loader thread: with ``fork``, the loader's other
         threads parked (this one stays alive, as does the consumer's loop thread)."""
-        with quiet_for_fork() if self.start_method == "fork" else contextlib.nullcontext():
+        with self._quiet_for_fork():
             self._start_one(worker_id)
+
+    def _quiet_for_fork(self) -> contextlib.AbstractContextManager[None]:
+        """With ``fork``, the loader's threads parked (:mod:`aioloader._park`); nothing
+        to park for a start method that forks in another process."""
+        if self.start_method == "fork":
+            return self._park.quiet_for_fork()
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ resize (autotune)
 

@@ -29,8 +29,9 @@ from typing import Any
 import anyio
 
 from .._errors import IteratorClosedError, RemoteError, WorkerDiedError
+from .._ray_options import DEFAULT_ACTOR_OPTIONS, import_ray
 from .._worker.config import WorkerConfig
-from .._worker.ray_actor import DEFAULT_ACTOR_OPTIONS, RayWorker, import_ray
+from .._worker.ray_actor import RayWorker
 from .._worker.reply import Reply
 from .base import ConfigSource, PoolBase
 from .serve import Deliver, waker

@@ -13,7 +13,9 @@ pinning are the same code for both kinds of workers. What differs:
   batches into a private pool of recycled buffers
   (:class:`~aioloader._worker.segments.WorkerSegments`), bounded like a worker
   process's segments (:meth:`ThreadWorkerPool.set_segment_limit`). The deques are bounded
-  by the commands in flight: the pool counts them (:attr:`ThreadWorkerPool.in_flight`);
+  by the commands in flight (one reply each), which the loader's dispatch bounds;
+* threads are started off the loop's thread (``Thread.start`` waits until the new
+  thread runs): in the epoch's thread, a respawn's or the autotuner's;
 * a ``serve()`` waiting for a thread is woken by the thread itself, with the loop's
   thread-safe ``call_soon`` (only while it waits): no polling, no thread per message;
 * seeding, ``get_worker_info()`` per thread and a thread stuck in user code at close
@@ -53,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 class _Worker:
     __slots__ = ("channel", "commands", "ended", "retiring", "segments", "thread",
-                 "unanswered", "worker_id")
+                 "worker_id")
 
     def __init__(self, worker_id: int, stop: threading.Event) -> None:
         self.worker_id = worker_id
@@ -63,9 +65,6 @@ class _Worker:
         self.segments: WorkerSegments | None = None  # the thread's recycled buffers
         self.retiring = False  # asked to exit: its end is not a death
         self.ended = False  # its end was handed over
-        # Replies this worker owes or that wait in its inbox, not yet handed over: +1 per
-        # command sent (each gets exactly one reply), -1 per reply handed over.
-        self.unanswered = 0
 
 
 class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
@@ -90,16 +89,6 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
         """``"thread"``."""
         return "thread"
 
-    @property
-    def in_flight(self) -> int:
-        """Commands sent and not answered yet, plus replies not handed over yet.
-
-        The reply deques never hold more than this; the loader's dispatch keeps it
-        within its window (``prefetch_factor * num_workers`` fetches) plus one ``reset``
-        per worker.
-        """
-        return sum(w.unanswered for w in self._workers)
-
     def _repr_detail(self) -> str:
         return f"workers={len(self._workers)}"
 
@@ -112,14 +101,14 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
             self._starting = worker_id
             cfg = dataclasses.replace(cfg, parent_pid=os.getpid(), start_method="thread")
             self._configs.append(cfg)
-            self._workers.append(_Worker(worker_id, self._stop))
-            self._start_thread(worker_id)
+            self._workers.append(worker := _Worker(worker_id, self._stop))
+            self._start_thread(worker)
         self._starting = None
         logger.debug("started %d thread workers", len(self._workers))
 
-    def _start_thread(self, worker_id: int) -> None:
-        """Start worker ``worker_id``'s thread (its ``_Worker`` slot is fresh)."""
-        worker = self._workers[worker_id]
+    def _start_thread(self, worker: _Worker) -> None:
+        """Start ``worker``'s thread (a fresh ``_Worker``), never on the loop's thread."""
+        worker_id = worker.worker_id
         worker.segments = WorkerSegments(self._segment_limit, private=True)
         worker.thread = threading.Thread(
             target=thread_worker_main,
@@ -147,10 +136,7 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
         Raises:
             IteratorClosedError: the pool is closed.
         """
-        worker = self._addressee(worker_id, command)
-        if command[0] != "exit":
-            worker.unanswered += 1
-        worker.commands.put(command)
+        self._addressee(worker_id, command).commands.put(command)
 
     # ------------------------------------------------------------------ serve (ServeLoop's hooks)
 
@@ -167,7 +153,6 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
             while inbox and not self._closing:
                 await deliver(inbox[0])
                 inbox.popleft()
-                worker.unanswered -= 1
             if ended:
                 worker.ended = True
                 if worker.retiring or self._closing:
@@ -181,28 +166,37 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
 
     async def _replace(self, dead: _Worker) -> _Worker:
         """A new thread with a fresh command queue: the caller re-sends what the old
-        thread did not answer."""
-        if dead.thread is not None:  # it posted its end as its last act; joined off the loop
-            with anyio.CancelScope(shield=True):  # the replacement is never left half-done
-                await run_in_own_thread("aioloader-thread-join", dead.thread.join)
-        worker = self._workers[dead.worker_id] = _Worker(dead.worker_id, self._stop)
-        self._start_thread(dead.worker_id)
+        thread did not answer. The old thread is joined (it posted its end as its last act)
+        and the new one started in a helper thread: neither on the loop."""
+        worker = _Worker(dead.worker_id, self._stop)
+        with anyio.CancelScope(shield=True):  # the replacement is never left half-done
+            await run_in_own_thread("aioloader-respawn", self._restart, dead, worker)
+        self._workers[dead.worker_id] = worker
         return worker
+
+    def _restart(self, dead: _Worker, worker: _Worker) -> None:
+        if dead.thread is not None:
+            dead.thread.join()
+        self._start_thread(worker)
 
     # ------------------------------------------------------------------ resize (autotune)
 
     can_resize = True
 
     async def add_worker(self, runner: ThreadRunner) -> int:
-        """Start worker thread ``num_workers`` (seeded ``base_seed + id``); a running
-        :meth:`serve` reads its replies from the shared inbox at once."""
-        del runner  # a thread starts at once
+        """Start worker thread ``num_workers`` (seeded ``base_seed + id``) in ``runner``'s
+        thread, never on the loop's; a running :meth:`serve` reads its replies at once."""
         if self._closing:
             raise IteratorClosedError("the worker pool is closed")
         cfg = self._next_config()
         self._configs.append(cfg)
-        self._workers.append(worker := _Worker(cfg.worker_id, self._stop))
-        self._start_thread(cfg.worker_id)
+        worker = _Worker(cfg.worker_id, self._stop)
+        try:
+            await runner.run(self._start_thread, worker)
+        except BaseException:
+            self._configs.pop()
+            raise
+        self._workers.append(worker)
         self._serve_new(worker)
         return cfg.worker_id
 

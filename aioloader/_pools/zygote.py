@@ -1,7 +1,7 @@
 """The parent side of a ``spawn`` pool's zygote: start it, have it fork workers, watch them.
 
 :class:`Zygote` starts :func:`aioloader._worker.zygote.zygote_main` with the pool's
-``spawn`` context and asks it for each worker (:meth:`Zygote.start_worker`), which
+``spawn`` context and asks it for each worker (:meth:`Zygote.request_worker`), which
 returns a :class:`ZygoteChild`: what the pool and its ladder use of a
 ``multiprocessing`` process (``pid``, ``sentinel``, ``exitcode``, ``join``...) for a
 process that is the zygote's child, not ours. Its sentinel is a ``pidfd`` (readable
@@ -22,9 +22,11 @@ import pickle
 import select
 import signal
 import socket
+import threading
 import time
 from typing import Any
 
+from .._park import fd_section
 from .._worker.config import WorkerConfig
 from .._worker.image import DatasetImage
 from .._worker.wire import FrameReader, send_frame
@@ -121,10 +123,6 @@ class ZygoteChild:
             except (ProcessLookupError, OSError):
                 pass
 
-    def terminate(self) -> None:
-        """SIGTERM."""
-        self._signal(signal.SIGTERM)
-
     def kill(self) -> None:
         """SIGKILL."""
         self._signal(signal.SIGKILL)
@@ -153,7 +151,9 @@ class Zygote:
     Example (what :class:`aioloader._pools.process.WorkerPool` does)::
 
         zygote = Zygote.start(spawn_context, image)      # None where unsupported
-        proc = zygote.start_worker(cfg, child_sock)       # a ZygoteChild
+        with zygote.lock:                                 # one request at a time
+            zygote.request_worker(cfg, child_sock)        # child_sock: closed by the caller
+            proc = zygote.worker_reply(cfg.worker_id)     # a ZygoteChild
         ...
         zygote.close()                                    # after the workers ended
     """
@@ -163,27 +163,32 @@ class Zygote:
         self.sock = sock
         self._reader = FrameReader(sock)
         self.broken = False
+        #: Held from a request to its reply: the zygote answers in order, over one socket,
+        #: and several threads of the pool may ask at once (respawns of two dead workers).
+        self.lock = threading.Lock()
 
     @classmethod
     def start(cls, ctx: Any, image: DatasetImage) -> Zygote | None:
         """Start a zygote with ``ctx`` (a ``spawn`` context); ``None`` where unsupported."""
         if not _pidfd_supported():
             return None
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            proc = ctx.Process(target=zygote_main, args=(theirs, image.inert()),
-                               name="aioloader-zygote", daemon=True)
-            proc.start()
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
+        with fd_section():  # no fork elsewhere copies the zygote's end (aioloader._park)
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                proc = ctx.Process(target=zygote_main, args=(theirs, image.inert()),
+                                   name="aioloader-zygote", daemon=True)
+                proc.start()
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
         logger.debug("zygote started: pid %s", proc.pid)
         return cls(proc, ours)
 
-    def start_worker(self, cfg: WorkerConfig, child_sock: socket.socket) -> ZygoteChild:
-        """Have the zygote fork the worker of ``cfg`` on ``child_sock`` (not closed here).
+    def request_worker(self, cfg: WorkerConfig, child_sock: socket.socket) -> None:
+        """Ask the zygote to fork the worker of ``cfg`` on ``child_sock`` (not closed here);
+        :meth:`worker_reply` gives it. Both with :attr:`lock` held.
 
         Raises:
             ZygoteError: the zygote cannot (broken, gone, or the config does not pickle
@@ -200,6 +205,17 @@ class Zygote:
                 from exc
         try:
             send_frame(self.sock, payload, [os.dup(child_sock.fileno())])
+        except OSError as exc:
+            self._break()
+            raise ZygoteError(f"the zygote is gone: {exc}") from exc
+
+    def worker_reply(self, worker_id: int) -> ZygoteChild:
+        """The worker asked for by :meth:`request_worker` (blocks for the zygote's reply).
+
+        Raises:
+            ZygoteError: the zygote is gone or could not fork it.
+        """
+        try:
             reply, fds = self._reply()
         except (OSError, ZygoteError) as exc:
             self._break()
@@ -207,8 +223,8 @@ class Zygote:
         if reply[0] != "forked" or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
-            raise ZygoteError(f"the zygote could not fork worker {cfg.worker_id}:\n{reply[1]}")
-        return ZygoteChild(reply[1], fds[0], f"aioloader-worker-{cfg.worker_id}")
+            raise ZygoteError(f"the zygote could not fork worker {worker_id}:\n{reply[1]}")
+        return ZygoteChild(reply[1], fds[0], f"aioloader-worker-{worker_id}")
 
     def _reply(self) -> tuple[Any, list[int]]:
         """The zygote's next reply (blocks: it may still be importing torch)."""

@@ -12,9 +12,9 @@ and the hint are computed lazily by :meth:`aioloader._stats.book.StatsBook.snaps
 :mod:`aioloader._stats.report`).
 
 Where each stage is measured (all times are sums over batches): docs/stats.md, "The
-stages". Worker processes stamp each ``"data"`` reply with a 4-int tuple
-``(fetch_total_ns, collate_ns, idle_ns, sent_ns)`` appended to the message; see
-:class:`WorkerClock`.
+stages". Workers stamp each ``"data"`` reply with their timings
+``(fetch_total_ns, collate_ns, idle_ns, sent_ns)``, the reply record's ``timings`` field
+(:class:`aioloader._worker.reply.Reply`); see :class:`WorkerClock`.
 """
 
 from __future__ import annotations

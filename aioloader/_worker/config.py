@@ -58,8 +58,8 @@ class WorkerConfig:
             batch (after its seeding and ``worker_init_fn``).
         capture_rng: send the worker's RNG states with its replies when they changed
             (exact resume of what the dataset draws, :mod:`aioloader._worker.rng`).
-        stats: stamp each ``"data"`` reply with this worker's timings (a 4-int
-            tuple appended to the message; see :class:`aioloader._stats.recorder.WorkerClock`).
+        stats: stamp each ``"data"`` reply with this worker's timings (the reply record's
+            ``timings`` field; see :class:`aioloader._stats.recorder.WorkerClock`).
         shared_seed: an ``IterDataPipe``'s shared seed for the epoch (the same in every
             worker and rank; ``None`` for other datasets): its random pipes are seeded from
             it before ``worker_init_fn``, as torch's workers do (:mod:`aioloader._datapipes`).
