@@ -196,6 +196,26 @@ class DiesOnce(Dataset[int]):
         return i
 
 
+class ExitsOnce(Dataset[int]):
+    """A thread worker reading index ``at`` leaves its command loop the first time
+    (``SystemExit``; a marker file says so): a thread worker's death."""
+
+    def __init__(self, marker: str, at: int = 9) -> None:
+        self.marker, self.at = marker, at
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.at:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return i
+            raise SystemExit(1)
+        return i
+
+
 def _tensors() -> TensorDataset:
     return TensorDataset(torch.arange(40), torch.arange(40).float())
 
@@ -262,10 +282,14 @@ async def _phases(dataset: Any, kwargs: dict[str, Any]) -> list[int]:
     return counts
 
 
-async def _respawn(marker: str) -> int:
-    SPY.phase = "respawn"
-    loader = DataLoader(DiesOnce(marker), batch_size=4, num_workers=2,
-                        multiprocessing_context="fork", respawn_workers=True)
+async def _respawn(marker: str, method: str = "fork") -> int:
+    SPY.phase = f"respawn ({method})"
+    if method == "thread":
+        loader = DataLoader(ExitsOnce(marker), batch_size=4, num_workers=2,
+                            worker_method="thread", respawn_workers=True)
+    else:
+        loader = DataLoader(DiesOnce(marker), batch_size=4, num_workers=2,
+                            multiprocessing_context=method, respawn_workers=True)
     n = 0
     async for _ in loader:
         n += 1
@@ -323,19 +347,22 @@ def test_no_reply_mapping_on_the_loop_thread(mode: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:.*respawned 1 dead worker:aioloader.SkippedSamplesWarning")
+@pytest.mark.parametrize("method", ["fork", "spawn", "thread"])
 @pytest.mark.parametrize("loop", LOOPS)
-def test_respawn_is_off_the_loop_thread(loop: str, tmp_path: Any) -> None:
-    """A dead worker's replacement is forked off the loop's thread (regression test for
-    issue 32)."""
-    n = _run(loop, _respawn, str(tmp_path / "died"))
+def test_respawn_is_off_the_loop_thread(loop: str, method: str, tmp_path: Any) -> None:
+    """A dead worker's replacement is forked, spawned or started (a thread worker) off the
+    loop's thread (regression test for issues 32 and 37)."""
+    n = _run(loop, _respawn, str(tmp_path / "died"), method)
     assert n == 10
     _assert_quiet_loop()
 
 
-async def _autotuned() -> list[Any]:
-    SPY.phase = "construct (num_workers='auto')"
+async def _autotuned(method: str = "fork") -> list[Any]:
+    SPY.phase = f"construct (num_workers='auto', {method})"
+    where: dict[str, Any] = ({"worker_method": "thread"} if method == "thread"
+                             else {"multiprocessing_context": method})
     loader = DataLoader(WhoFetched(), batch_size=3, num_workers="auto", prefetch_factor="auto",
-                        multiprocessing_context="fork")
+                        **where)
     SPY.phase = "probe, hand-over to workers, workers added and retired"
     async for _ in loader:
         pass
@@ -343,13 +370,15 @@ async def _autotuned() -> list[Any]:
     return [(d.knob, d.old, d.new) for d in loader.stats().autotune]
 
 
+@pytest.mark.parametrize("method", ["fork", "thread"])
 @pytest.mark.parametrize("loop", LOOPS)
 def test_autotuning_moves_are_off_the_loop_thread(
-        loop: str, script: list[tuple[str, int] | None]) -> None:  # noqa: F811
-    """A first epoch under ``num_workers="auto"`` handing over to workers, then workers
-    added and retired: nothing slow on the loop's thread (regression test for issue 32)."""
+        loop: str, method: str, script: list[tuple[str, int] | None]) -> None:  # noqa: F811
+    """A first epoch under ``num_workers="auto"`` handing over to workers (processes or
+    threads), then workers added and retired: nothing slow on the loop's thread, no
+    ``Thread.start`` either (regression test for issues 32 and 37)."""
     script.extend(MOVES)
-    moved = _run(loop, _autotuned)
+    moved = _run(loop, _autotuned, method)
     assert moved[:2] == [(WORKERS, 0, 1), (WORKERS, 1, 2)]  # handed over, then grown
     assert any(k == WORKERS and new < old for k, old, new in moved)  # and one retired
     _assert_quiet_loop()
