@@ -190,6 +190,11 @@ class ParkGroup:
     __slots__ = ("__weakref__", "_depth", "_lock", "_owners", "_quiet", "_section")
 
     def __init__(self) -> None:
+        self._reset()
+        _groups.add(self)
+
+    def _reset(self) -> None:
+        """Empty and unlocked: new, or in a forked child (none of its threads is there)."""
         self._owners: weakref.WeakSet[Parkable] = weakref.WeakSet()
         self._lock = threading.Lock()  # the owners and the flag
         self._quiet = False  # a fork is under way: owners registered now start parked
@@ -255,6 +260,7 @@ class ParkGroup:
                     _LG.warning("unparking %r after a fork failed", owner, exc_info=True)
 
 
+_groups: weakref.WeakSet[ParkGroup] = weakref.WeakSet()
 _fd_lock = threading.RLock()
 _foreign = threading.local()  # whether this thread's foreign fork took _fd_lock
 
@@ -350,12 +356,15 @@ def join_ending_threads(limit: float = ENDING_WAIT_S) -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child has none of the parent's threads: forget them (and the locks, which
-    the forking thread may have held)."""
+    another thread may have held: a user's fork while a loader forks), so that a loader
+    the child goes on using forks as in a new process."""
     global _forkers_lock, _fd_lock, _ending_lock
     _forkers_lock, _fd_lock, _ending_lock = threading.Lock(), threading.RLock(), threading.Lock()
     _foreign.held = False
     _forkers.clear()
     _ending.clear()
+    for group in list(_groups):
+        group._reset()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,

@@ -84,7 +84,9 @@ def test_four_threads_each_with_its_own_loader(how: tuple[str, str | None],
                 results[k] = [_values(list(loader)) for _ in range(epochs)]
             else:
                 async def main() -> list[list[int]]:
-                    out = [_values([b async for b in loader]) for _ in range(epochs)]
+                    out = []
+                    for _ in range(epochs):
+                        out.append(_values([b async for b in loader]))
                     await loader.aclose()
                     return out
 
@@ -173,3 +175,33 @@ def test_a_persistent_loader_changes_event_loop_backend(method: str) -> None:
             pids = now
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_user_forks_while_loading(method: str) -> None:
+    """A thread of the user's forks again and again (each child leaves at once) while a
+    loader starts its workers and serves an epoch: the user's forks wait out the loader's
+    descriptor windows (never cut into one), the epoch is whole and in order, and every
+    child is reaped by the user."""
+    stop = threading.Event()
+    forked: list[int] = []
+
+    def forker() -> None:
+        while not stop.is_set() and len(forked) < 200:
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            forked.append(os.waitpid(pid, 0)[1])
+
+    thread = threading.Thread(target=forker, name="test-user-forks")
+    thread.start()
+    try:
+        for _ in range(3):
+            loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, num_workers=2,
+                                multiprocessing_context=method, timeout=120)
+            assert _values(list(loader)) == list(range(40))
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive()
+    assert forked and all(status == 0 for status in forked)
