@@ -627,3 +627,63 @@ def test_workers_get_their_share_of_a_larger_window() -> None:
     assert [int(b["i"][0]) for b in it] == list(range(0, 24, 2))
     assert all(c.segments.limit == 6 for c in it._core.lease.pool._workers)
     it.close()
+
+
+# --------------------------------------------------------------------------- where replies are decoded
+
+
+def test_small_replies_without_descriptors_decode_inline_others_in_the_thread() -> None:
+    """Issue 38: a reply of a few small tensors (no descriptor, a few KiB) is decoded where
+    it arrives (the loop: microseconds, a thread hop saved); one that carries descriptors
+    (segments to map), is larger than the bound, or retires segments (forgetting a mapping
+    may unmap it) goes to the decoding thread."""
+    from aioloader._pools.conn import INLINE_DECODE_BYTES, _decodes_inline
+    from aioloader._worker.segments import Retired
+    from aioloader._worker.wire import Frame
+
+    small = Frame(*encode(("data", 0, 1, torch.arange(64))))
+    assert not small.fds and _decodes_inline([small, small])
+    big_payload = Frame(pickle.dumps(b"x" * (INLINE_DECODE_BYTES + 1)), [])
+    assert not _decodes_inline([big_payload])
+    assert not _decodes_inline([small] * (INLINE_DECODE_BYTES // len(small.payload) + 1))
+    retiring = Frame(pickle.dumps(Retired([3], ("data", 0, 1, 5))), [])
+    assert not _decodes_inline([small, retiring])
+    payload, fds = encode(torch.zeros(64 * 1024))  # big: its storage travels by descriptor
+    try:
+        assert fds and not _decodes_inline([Frame(payload, fds)])
+    finally:
+        close_fds(fds)
+
+
+@pytest.mark.parametrize("payload", ["ints", "floats"])
+def test_a_small_batch_epoch_decodes_on_the_loop_a_big_one_off_it(
+        payload: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 38: through worker processes, small batches are decoded on the consumer's
+    loop (no hop to the decoding thread) once the worker's few recycled segments are
+    mapped (a segment's first reply carries its descriptor: decoded in the thread), big
+    ones (whose storages are mapped) in the decoding thread; the batches are the same
+    either way."""
+    from aioloader import DataLoader, TensorDataset
+    from aioloader._pools import conn as conn_mod
+
+    where: list[str] = []
+    real = conn_mod._decode_into
+
+    def spy(*args: Any) -> None:
+        where.append(threading.current_thread().name)
+        real(*args)
+
+    monkeypatch.setattr(conn_mod, "_decode_into", spy)
+    data = torch.arange(512) if payload == "ints" else torch.rand(512, 16)
+    loader = DataLoader(TensorDataset(data), batch_size=8, num_workers=2,
+                        multiprocessing_context="fork")
+    got = [b[0].tolist() for b in loader]  # each batch let go: its segment is recycled
+    assert torch.equal(torch.tensor(got).flatten(0, 1), data)
+    in_thread = sum(name.startswith("aioloader-decode") for name in where)
+    assert len(where) - in_thread > 32, where  # most of the 64 batches, on the loop
+    where.clear()
+    big = torch.rand(4, 64 * 1024)
+    batches = list(DataLoader(TensorDataset(big), batch_size=2, num_workers=2,
+                              multiprocessing_context="fork"))
+    assert torch.equal(torch.cat([b[0] for b in batches]), big)
+    assert where and all(name.startswith("aioloader-decode") for name in where), where

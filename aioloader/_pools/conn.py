@@ -191,10 +191,11 @@ class Conn:
 
         Decoding maps the worker's segments and descriptors and rebuilds every tensor
         (``mmap``, page-table work, allocator calls that may wait behind another thread's
-        pinned allocation): never on the loop's thread. Every frame read so far is
+        pinned allocation): not on the loop's thread. Every frame read so far is
         decoded (and ``transform``-ed) in one call of ``decoder``'s thread, whose result
         comes back with one thread-safe call; it is parked on the conn first, so a
-        cancellation loses nothing.
+        cancellation loses nothing. Small replies that map and unmap nothing are the
+        exception (:func:`_decodes_inline`): decoded here, a thread hop saved per batch.
         """
         pending = self.pending
         while True:
@@ -205,8 +206,11 @@ class Conn:
                 frames = []
                 while (frame := reader.pop()) is not None:
                     frames.append(frame)
-                await decoder.run(_decode_into, pending, frames, self.segments, transform,
-                                  self.worker_id)
+                if transform is None and _decodes_inline(frames):
+                    _decode_into(pending, frames, self.segments, None, self.worker_id)
+                else:
+                    await decoder.run(_decode_into, pending, frames, self.segments,
+                                      transform, self.worker_id)
             try:
                 await deliver(pending[0])
             except BaseException as exc:
@@ -358,11 +362,29 @@ def _identities(fds: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+#: Frames of at most this many bytes in all, with no descriptors, are decoded on the loop
+#: (:func:`_decodes_inline`): a reply of a few small tensors unpickles in microseconds, where
+#: handing it to the decoding thread and back costs a wake-up and a GIL hand-off.
+INLINE_DECODE_BYTES = 16 * 1024
+
+
+def _decodes_inline(frames: list[Frame]) -> bool:
+    """True if ``frames`` can be decoded on the loop: small, no descriptor to map (the
+    segments they use are mapped already), and no segment retired by them (forgetting a
+    mapping may unmap it; a payload that merely mentions the name goes to the thread)."""
+    size = 0
+    for frame in frames:
+        size += len(frame.payload)
+        if frame.fds or size > INLINE_DECODE_BYTES or b"Retired" in frame.payload:
+            return False
+    return True
+
+
 def _decode_into(out: list[Reply], frames: list[Frame], maps: SegmentMaps,
                  transform: Transform | None, worker_id: int) -> None:
     """Decode ``frames`` in order into replies of worker ``worker_id`` in ``out`` (in the
-    decoding thread); a frame that fails raises, and the descriptors of those after it
-    are closed."""
+    decoding thread, or on the loop for :func:`_decodes_inline` frames); a frame that fails
+    raises, and the descriptors of those after it are closed."""
     for i, frame in enumerate(frames):
         try:
             reply = Reply(*decode(*frame, maps))
