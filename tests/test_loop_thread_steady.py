@@ -4,7 +4,10 @@ Deterministic (no timing): each check records the thread that makes a call and a
 it is not the loop's. What is recorded, and why it must stay off the loop:
 
 * decoding a worker's reply: ``mmap.__new__`` audit events (mapping a segment or a
-  descriptor) and calls to the codec's tensor rebuild (allocator work over the mapping);
+  descriptor) and calls to the codec's tensor rebuild (allocator work over the mapping).
+  A small reply that maps nothing (no descriptor, at most ``INLINE_DECODE_BYTES``) is
+  the one exception: decoded on the loop, in microseconds (issue 38), so the rebuilds
+  seen there must all belong to such replies;
 * pinning a reply's batch (``pin_memory=True``; the pin walk replaced by a recorder, so
   this runs on a CPU machine);
 * the device stage's CUDA calls with ``device="cuda"`` (CUDA faked on the CPU): the
@@ -137,18 +140,41 @@ def _expected() -> list[float]:
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_process_workers_decode_off_the_loop(calls: _Calls, backend: str) -> None:
-    """Mapping segments and rebuilding tensors of process workers' replies: never on the
-    loop's thread; command writes there are non-blocking sends."""
+def test_process_workers_decode_off_the_loop(calls: _Calls, backend: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mapping segments of process workers' replies: never on the loop's thread; a tensor
+    rebuilt there belongs to a small reply that maps nothing (issue 38's inline decode),
+    every other one is rebuilt in the decoding thread; command writes on the loop are
+    non-blocking sends."""
     if backend == "trio":
         pytest.importorskip("trio")
+    from aioloader._pools import conn as _conn
+
+    decoded: list[tuple[int, bool]] = []  # (thread, frames mapped nothing and were small)
+    inside = [0]  # the rebuilds made on a thread while it decoded an inline reply
+    decode_into = _conn._decode_into
+
+    def recording_decode_into(out: Any, frames: Any, *rest: Any) -> None:
+        me = threading.get_ident()
+        small = (not any(f.fds for f in frames)
+                 and sum(len(f.payload) for f in frames) <= _conn.INLINE_DECODE_BYTES)
+        decoded.append((me, small))
+        before = _calls.on_thread("rebuild", me)
+        decode_into(out, frames, *rest)
+        if small:
+            inside[0] += _calls.on_thread("rebuild", me) - before
+
+    monkeypatch.setattr(_conn, "_decode_into", recording_decode_into)
     loader = DataLoader(Squares(), batch_size=BS, num_workers=2)
     firsts, loop_thread = _run(loader, calls, backend)
     assert firsts == _expected()
     assert calls.count("rebuild") >= N // BS  # every batch was rebuilt somewhere...
     assert calls.count("mmap") >= 1  # ...over segments the parent mapped
-    assert calls.on_thread("rebuild", loop_thread) == 0
     assert calls.on_thread("mmap", loop_thread) == 0
+    on_loop = [small for thread, small in decoded if thread == loop_thread]
+    assert all(on_loop), "a reply that maps something was decoded on the loop"
+    # Every rebuild on the loop's thread was made inside one of those small decodes.
+    assert calls.on_thread("rebuild", loop_thread) <= inside[0]
     assert calls.count("flush") >= N // BS  # every command was written...
     assert calls.on_thread("blocking-flush", loop_thread) == 0  # ...without blocking
 
