@@ -29,6 +29,9 @@ from ._threads import close_at_exit
 
 __all__ = ["PortalDriver", "open_drivers"]
 
+#: How often a ``next()`` waiting for its batch looks whether the loop has ended.
+_ENDED_POLL_S = 1.0
+
 _LG = logging.getLogger(__name__)
 
 
@@ -67,13 +70,8 @@ class PortalDriver:
     def next(self) -> Any:
         if self.closed:  # exhausted, closed, or ended by a fatal error: the loop is gone
             self._raise_ended()
-        portal = self.start()
-        try:
-            ok, value = portal.call(_anext_boxed, self.core)
-        except RuntimeError:  # "This portal is not running": closed from another thread
-            if not self.closed:
-                raise
-            self._raise_ended()
+        self.start()
+        ok, value = self._call_next()
         if ok:
             return value
         if value is None:
@@ -88,6 +86,36 @@ class PortalDriver:
                 # finishes on the loop thread, then one of the ending threads
                 # (aioloader._park.join_ending_threads), which then ends.
                 self.close(wait=False)
+
+    def _call_next(self) -> tuple[bool, Any]:
+        """:func:`_anext_boxed` run on the loop, from the consumer's thread.
+
+        Scheduled straight on the loop (``run_coroutine_threadsafe``: one wake-up each
+        way), not through the portal (``BlockingPortal.call`` spawns a task in its task
+        group: 415 µs a call against 225 µs measured here, per batch). A loop that ends
+        before running it (closed from another thread meanwhile) ends the epoch, as the
+        portal's "not running" did; the wait looks for that every
+        :data:`_ENDED_POLL_S` s, never forever.
+        """
+        facade = self.thread
+        assert facade is not None
+        coro = _anext_boxed(self.core)
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, facade.loop)
+        except RuntimeError:  # the loop is closed: closed from another thread
+            coro.close()
+            if not self.closed:
+                raise
+            self._raise_ended()
+        while True:
+            try:
+                return fut.result(_ENDED_POLL_S)
+            except concurrent.futures.TimeoutError:
+                if facade.ended.is_set() and not fut.done():
+                    fut.cancel()
+                    self._raise_ended()
+            except concurrent.futures.CancelledError:  # the loop shut down with it pending
+                self._raise_ended()
 
     def _raise_ended(self) -> NoReturn:
         """What ``next()`` raises once the loop thread is gone, as ``async for`` would."""
