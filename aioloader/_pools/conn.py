@@ -102,6 +102,9 @@ class Conn:
         # From the pair's creation to the child end's close, no fork in the process (another
         # loader's, a user's) copies that end into its child (aioloader._park.fd_section).
         # The zygote's reply is awaited after it: the first one waits for its torch import.
+        if method == "fork" and zygote is None:
+            let_others_run()  # the loop's thread runs now, not after the fork; not in the
+            # section, where a sleep's wait for the GIL would hold up every other fork
         with fd_section():
             try:
                 parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -329,8 +332,6 @@ def _start_process(ctx: Any, worker_id: int, cfg: WorkerConfig, method: str,
     """Start worker ``worker_id`` with ``multiprocessing`` (``ctx``) on ``child_sock``."""
     proc = ctx.Process(target=worker_main, args=(child_sock, cfg),
                        name=f"aioloader-worker-{worker_id}", daemon=True)
-    if method == "fork":
-        let_others_run()  # the loop's thread runs now, not after the fork
     try:
         proc.start()
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
