@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import inspect
-import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,8 +18,6 @@ from typing import Any
 
 from .. import _torch_data as _tud
 from .. import dataset as _ds
-
-_LG = logging.getLogger(__name__)
 
 __all__ = [
     "CHAIN_TYPES",
