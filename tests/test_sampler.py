@@ -414,3 +414,13 @@ def test_a_users_subclass_keeps_ordinary_isinstance():
     assert list(Evens(range(5))) == [0, 2, 4]
     with pytest.raises(TypeError):
         Abstract()  # type: ignore[abstract]
+
+
+@pytest.mark.parametrize("weights", ["abc", None, ["a"], [object()]])
+def test_weights_that_are_not_numbers_are_named_with_torchs_exception_type(weights: Any) -> None:
+    """Regression test for issue 37: weights torch cannot read as numbers raise torch's
+    exception type (TypeError or ValueError), with a message that names ``weights``."""
+    with pytest.raises(Exception) as theirs:
+        tud.WeightedRandomSampler(weights, 3)
+    with pytest.raises(type(theirs.value), match=r"^weights should be a sequence of numbers"):
+        WeightedRandomSampler(weights, 3)
