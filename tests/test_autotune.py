@@ -620,9 +620,11 @@ def test_iterable_dataset_keeps_its_workers_within_an_epoch(
 
 
 def test_a_move_to_the_main_process_keeps_the_batches(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, script: list[tuple[str, int] | None]) -> None:
     """Regression test for issue 21: an epoch moved to num_workers=0 between epochs (by the
-    between-epoch rule) loads inline, with the batches of a fixed configuration."""
+    between-epoch rule) loads inline, with the batches of a fixed configuration. The
+    tuner makes no move within the epoch (an empty script): on a busy machine the real
+    one may add a worker there, which this test is not about."""
     def to_inline(self: TuneState, summary: EpochSummary, margin: float = 0.05) -> None:
         self.workers = 0
 
@@ -635,7 +637,6 @@ def test_a_move_to_the_main_process_keeps_the_batches(
     fixed = loader(num_workers=1)
     expected = [batches(fixed)[0] for _ in range(2)]
     auto = loader(num_workers="auto", prefetch_factor="auto")
-    hand_over_after_first_batch(monkeypatch)
     first, seen_first = batches(auto)
     second, seen_second = batches(auto)
     assert [first, second] == expected
