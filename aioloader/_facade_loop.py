@@ -99,6 +99,9 @@ class PortalDriver:
         """
         facade = self.thread
         assert facade is not None
+        if facade.runs_here():  # it would wait for itself (the portal refused it too)
+            raise RuntimeError("next() on a DataLoader iterator from the loader's own event-"
+                               "loop thread (inside its async dataset?) would wait forever")
         coro = _anext_boxed(self.core)
         try:
             fut = asyncio.run_coroutine_threadsafe(coro, facade.loop)
