@@ -215,8 +215,9 @@ class _FacadeLoop(ParkableThread):
     tasks cancelled and awaited, async generators and the default executor shut down, the
     loop closed). Parking (:mod:`aioloader._park`, while its loader forks) stops the
     loop between two callbacks and ends its thread; its tasks stay as they are. Unparking
-    runs the same loop in a new thread of the same name. Calls through the portal while
-    parked are queued (``call_soon_threadsafe``) and run once it is unparked.
+    runs the same loop in a new thread of the same name. Calls made while it is parked
+    (``next()``'s, the portal's) are queued (``call_soon_threadsafe``) and run once it is
+    unparked.
     """
 
     park_order = 0  # the loops first: parked, they hand no new work to the job threads

@@ -139,12 +139,12 @@ class Conn:
         if zygote is not None:
             try:
                 proc = zygote.worker_reply(worker_id)
-            except BaseException as exc:
+            except ZygoteError as exc:
+                parent_sock.close()  # its registry entry goes with it (closed: left out)
+                logger.debug("worker %d spawned, not forked by the zygote: %s", worker_id, exc)
+                return None
+            except BaseException:
                 parent_sock.close()
-                if isinstance(exc, ZygoteError):
-                    logger.debug("worker %d spawned, not forked by the zygote: %s",
-                                 worker_id, exc)
-                    return None
                 raise
         assert proc is not None
         parent_sock.setblocking(False)
