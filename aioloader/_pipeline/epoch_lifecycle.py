@@ -235,9 +235,19 @@ class EpochLifecycle:
             self.wakeup.set()
 
     def _commands_ready(self) -> None:
-        """The dispatcher queued commands: wake the sender."""
-        if self.cmd_ready is not None:
-            self.cmd_ready.set()
+        """The dispatcher queued commands: send them now where that cannot wait (a wake-up
+        of the sender saved per batch), else wake the sender. Each worker's commands keep
+        their order: the source refuses one while an earlier one is still queued."""
+        if self.cmd_ready is None:
+            return
+        if self.num_workers:
+            pending = self.pending_cmds
+            send_now = self.source.send_now  # type: ignore[union-attr]
+            while pending and send_now(*pending[0]):
+                pending.popleft()
+            if not pending:
+                return
+        self.cmd_ready.set()
 
     # -- the pool lease and the one teardown ---------------------------------------------------
 

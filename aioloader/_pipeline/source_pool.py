@@ -151,6 +151,19 @@ class PoolSource:
         if self.rec is not None:
             self.rec.observe(DISPATCH, t0)
 
+    def send_now(self, worker: int, cmd: tuple[Any, ...]) -> bool:
+        """Hand ``cmd`` over from the consumer's step, without waking the sender (True), if
+        that cannot wait; False: the sender sends it. Not before the epoch's first commands
+        (its reset) are out."""
+        if self.fresh_epoch or not self.lease.started:
+            return False
+        t0 = _ns()
+        if not self.lease.pool.send_now(worker, cmd):
+            return False
+        if self.rec is not None:
+            self.rec.observe(DISPATCH, t0)
+        return True
+
     async def aclose(self) -> None:
         """Nothing of its own: the epoch releases (or closes) the lease."""
 

@@ -235,6 +235,27 @@ class WorkerPool(PoolBase[Conn]):
             logger.debug("worker %d is gone; command dropped", worker_id)
             conn.writer.close()
 
+    def send_now(self, worker_id: int, command: tuple[Any, ...]) -> bool:
+        """Write ``command`` now if nothing is queued before it for that worker (True), else
+        leave it for :meth:`send` (False), which keeps each worker's commands in order.
+
+        The socket takes a command whole unless the worker stopped reading: what it does
+        not take is written by a task of :meth:`serve` (which runs while commands are sent).
+        """
+        conn = self._addressee(worker_id, command)
+        if conn.exited:
+            return True  # dropped, as send() drops it
+        if len(conn.writer) or self._serve_ctx is None:
+            return False
+        conn.write(command)  # released segments ride along
+        try:
+            if not conn.writer.flush():
+                self._serve_ctx[0].start_soon(self._drain, conn)
+        except (BrokenPipeError, ConnectionResetError):
+            logger.debug("worker %d is gone; command dropped", worker_id)
+            conn.writer.close()
+        return True
+
     async def flush(self, worker_id: int) -> None:
         """Wait until everything queued for worker ``worker_id`` is written."""
         conn = self._workers[worker_id]

@@ -65,6 +65,12 @@ class ServeLoop(Generic[W]):
         """:meth:`send_nowait` where handing a command over never waits (threads, Ray)."""
         self.send_nowait(worker_id, command)
 
+    def send_now(self, worker_id: int, command: tuple[Any, ...]) -> bool:
+        """Hand ``command`` over from the loop without a task of its own if that never waits
+        (True), else leave it for :meth:`send` (False). Here it never waits."""
+        self.send_nowait(worker_id, command)
+        return True
+
     async def flush(self, worker_id: int) -> None:
         """Wait until what was handed to worker ``worker_id`` is sent (nothing to wait for
         where commands are handed over whole: threads, Ray)."""

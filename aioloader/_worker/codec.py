@@ -58,6 +58,7 @@ Example:
 from __future__ import annotations
 
 import io
+import pickle
 from typing import Any
 
 from . import segments as _segments
@@ -115,8 +116,10 @@ def encode(obj: Any, *, buffer_callback: Any = None,
         >>> a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
         True
     """
-    buf = io.BytesIO()
     pool = _segments.current()
+    if pool is None and buffer_callback is None and dispatch_table is None and _plain(obj):
+        return pickle.dumps(obj, 5), []  # a command: the hooks below would see each index
+    buf = io.BytesIO()
     pickler = Pickler(buf, SHARE_THRESHOLD, MAX_FDS_PER_MESSAGE, pool, buffer_callback)
     if dispatch_table is not None:
         pickler.dispatch_table = dispatch_table
@@ -139,6 +142,24 @@ def encode(obj: Any, *, buffer_callback: Any = None,
         pool.commit(pickler.refs, pickler.fd_sent)
         pool.seal()
         return buf.getvalue(), pickler.fds
+
+
+#: What :func:`_plain` lets through: types that pickle the same with or without the hooks.
+_PLAIN_TYPES = frozenset((int, str, float, bool, type(None)))
+
+
+def _plain(obj: Any) -> bool:
+    """True for a tuple of plain values and at most one level of lists/tuples of them (a
+    command and its indices): :func:`encode` pickles it without the tensor hooks."""
+    if type(obj) is not tuple:
+        return False
+    for item in obj:
+        cls = type(item)
+        if cls in _PLAIN_TYPES:
+            continue
+        if (cls is not list and cls is not tuple) or not set(map(type, item)) <= _PLAIN_TYPES:
+            return False
+    return True
 
 
 def decode(payload: bytes | bytearray | memoryview, fds: list[int],

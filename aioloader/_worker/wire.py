@@ -291,6 +291,10 @@ class FrameWriter:
         self._queue: collections.deque[tuple[memoryview, list[list[int]]]] = (
             collections.deque())
 
+    def __len__(self) -> int:
+        """Frames queued, not written whole yet."""
+        return len(self._queue)
+
     def write(self, obj: Any) -> None:
         """Encode ``obj`` and queue it as one frame (does not write)."""
         payload, fds = encode(obj)
