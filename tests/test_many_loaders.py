@@ -44,6 +44,7 @@ def _values(batches: list[Any]) -> list[int]:
     return [int(v) for batch in batches for v in batch[0]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", METHODS, ids=IDS)
 def test_twenty_loaders_in_one_loop(how: tuple[str, str | None]) -> None:
     """Twenty loaders (one worker each) consumed together under ``asyncio.gather``: each

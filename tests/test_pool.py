@@ -566,6 +566,7 @@ async def test_aclose_while_serving_returns_quietly() -> None:
 # --------------------------------------------------------------------------- lifecycle
 
 
+@pytest.mark.slow
 @pytest.mark.gc_off
 @one_loop
 async def test_200_start_aclose_cycles_with_fork_leave_nothing() -> None:

@@ -53,9 +53,13 @@ def _epoch(loader: DataLoader[Any], use_async: bool) -> list[Any]:
     return [b.tolist() for b in loader]
 
 
+_SLOW = pytest.mark.slow  # run by the README's command; CI's other Pythons skip these
+
+
 @pytest.mark.parametrize(("before", "after", "use_async"),
-                         [(2, 1, False), (2, 3, False), (2, 3, True), (2, 0, True),
-                          (0, 2, False), (3, 2, True)])
+                         [(2, 1, False), pytest.param(2, 3, False, marks=_SLOW),
+                          pytest.param(2, 3, True, marks=_SLOW), (2, 0, True),
+                          (0, 2, False), pytest.param(3, 2, True, marks=_SLOW)])
 def test_resume_with_another_number_of_workers(before: int, after: int,
                                                use_async: bool) -> None:
     """Regression test for issue 22: a map-style state taken with N workers resumes with M:

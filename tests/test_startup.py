@@ -185,6 +185,7 @@ def test_a_worker_killed_under_the_zygote_is_reported_or_respawned(
     assert info.value.exitcode == -9
 
 
+@pytest.mark.slow
 @needs_image
 def test_workers_outlive_a_killed_zygote_and_later_ones_are_spawned(
         tmp_path: Any) -> None:

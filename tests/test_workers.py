@@ -313,6 +313,7 @@ async def test_gc_of_half_consumed_async_iterator_stops_workers() -> None:
             await anyio.sleep(0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.gc_off
 def test_many_iterators_leak_nothing() -> None:
     """200 iterator create/close cycles leave no process, fd or shared-memory segment."""
