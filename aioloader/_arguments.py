@@ -54,7 +54,6 @@ __all__ = [
     "Argument",
     "AutoArgumentError",
     "Checked",
-    "given_arguments",
     "take_auto",
 ]
 
@@ -131,11 +130,6 @@ def _batch_size(name: str, value: Any, what: str) -> int:
     return BatchSampler((), value, False).batch_size
 
 
-def _drop_last(name: str, value: Any, what: str) -> bool:
-    """torch's check, as its ``BatchSampler`` makes it: a ``bool``."""
-    return torch_flag(name, value)
-
-
 def _keys(name: str, value: Any, what: str) -> Any:
     """An iterable (torch finds out at ``iter()``), not a ``str`` (it yields characters)."""
     require_iterable(name, value, what)
@@ -143,29 +137,24 @@ def _keys(name: str, value: Any, what: str) -> Any:
     return value
 
 
-def _callable(name: str, value: Any, what: str) -> Any:
-    if not callable(value):
-        raise TypeError(f"{name} should be a callable ({what}) or None, but got "
-                        f"{type(value).__name__} {name}={value!r}")
-    return value
+def _typed(noun: str, accepts: Callable[[Any], bool], hint: str = "") -> Rule:
+    """What ``accepts`` takes, as it is; else a ``TypeError``: it should be ``noun``."""
+    def rule(name: str, value: Any, what: str) -> Any:
+        if not accepts(value):
+            raise TypeError(f"{name} should be {noun} ({what}), but got "
+                            f"{type(value).__name__} {name}={value!r}{hint}")
+        return value
+    return rule
 
 
-def _num_workers(name: str, value: Any, what: str) -> int:
-    """An int >= 0 (torch compares it with 0 and passes it to ``range()``: a bool is one)."""
-    number = as_int(name, value, what, allow_bool=True)
-    if number < 0:
-        raise ValueError("num_workers option should be non-negative; use num_workers=0 to "
-                         f"disable multiprocessing (got num_workers={number}).")
-    return number
-
-
-def _timeout(name: str, value: Any, what: str) -> int | float:
-    """Seconds >= 0, torch's message (its range, with workers: :mod:`aioloader._options`)."""
-    seconds = as_seconds(name, value, what, allow_bool=True)
-    if seconds < 0:
-        raise ValueError(f"timeout option should be non-negative (0 waits forever), but got "
-                         f"timeout={seconds}")
-    return seconds
+def _non_negative(number: Rule, message: str) -> Rule:
+    """``number``'s value; torch's ``message`` (``{}``: the value) when it is negative."""
+    def rule(name: str, value: Any, what: str) -> Any:
+        checked = number(name, value, what)
+        if checked < 0:
+            raise ValueError(message.format(checked))
+        return checked
+    return rule
 
 
 def _start_method(name: str, ctx: Any, what: str) -> multiprocessing.context.BaseContext:
@@ -181,22 +170,6 @@ def _start_method(name: str, ctx: Any, what: str) -> multiprocessing.context.Bas
                         "a string specifying the start method, but got "
                         f"multiprocessing_context={ctx}")
     return ctx
-
-
-def _generator(name: str, value: Any, what: str) -> torch.Generator:
-    if not isinstance(value, torch.Generator):
-        raise TypeError(f"generator should be a torch.Generator or None, but got "
-                        f"{type(value).__name__} generator={value!r}; e.g. "
-                        f"generator=torch.Generator().manual_seed(0)")
-    return value
-
-
-def _pin_device(name: str, value: Any, what: str) -> Any:
-    if not isinstance(value, (str, torch.device)):
-        raise TypeError(f"pin_memory_device should be a str, but got {type(value).__name__} "
-                        f"pin_memory_device={value!r}; it is deprecated in torch (the current "
-                        f"accelerator is used): leave it out")
-    return value
 
 
 def _one_of(*choices: str) -> Rule:
@@ -221,23 +194,18 @@ def _respawns(name: str, value: Any, what: str) -> bool | int:
     return as_int(name, value, what, minimum=0)
 
 
-def _mapping(name: str, value: Any, what: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise TypeError(f"{name} should be a dict ({what}), but got {type(value).__name__} "
-                        f"{name}={value!r}")
-    return value
-
-
 def _interval(name: str, value: Any, what: str) -> float:
     return float(as_seconds(name, value, what, least="positive", finite=True))
+
+
+_POS = {"positional": True}
+_CALLABLE = _optional(_typed("a callable or None", callable))
 
 
 def _arg(name: str, default: Any, rule: Rule, errors: tuple[type[Exception], ...],
          what: str, **rule_fields: Any) -> Argument:
     return Argument(name, default, rule, errors, what, **{"field": name, **rule_fields})
 
-
-_POS = {"positional": True}
 
 #: Every argument of ``DataLoader(...)``, in the order of its signature.
 ARGUMENTS: tuple[Argument, ...] = (
@@ -250,41 +218,55 @@ ARGUMENTS: tuple[Argument, ...] = (
     _arg("sampler", None, _optional(_keys), (_T, _V), "of dataset keys", **_POS),
     _arg("batch_sampler", None, _optional(_keys), (_T, _V, IndexError),
          "of lists of dataset keys", **_POS),
-    _arg("num_workers", 0, _num_workers, (_T, _V), "how many worker processes; 0 loads in "
-         "the main process", **_POS, assignable=True),
-    _arg("collate_fn", None, _optional(_callable), (_T,),
+    _arg("num_workers", 0, _non_negative(  # torch passes it to range(): a bool is a number
+        partial(as_int, allow_bool=True), "num_workers option should be non-negative; use "
+        "num_workers=0 to disable multiprocessing (got num_workers={})."), (_T, _V),
+         "how many worker processes; 0 loads in the main process", **_POS, assignable=True),
+    _arg("collate_fn", None, _CALLABLE, (_T,),
          "it turns a list of samples into a batch", **_POS, assignable=True),
     _arg("pin_memory", False, as_flag, (_T,), "batches in page-locked memory", **_POS,
          assignable=True),
-    _arg("drop_last", False, _drop_last, (_V,), "drop the last, incomplete batch", **_POS),
-    _arg("timeout", 0, _timeout, (_T, _V, OverflowError), "how long to wait for a batch "
-         "from the workers; 0 waits forever", **_POS, assignable=True),
-    _arg("worker_init_fn", None, _optional(_callable), (_T,),
+    _arg("drop_last", False, lambda name, value, what: torch_flag(name, value), (_V,),
+         "drop the last, incomplete batch", **_POS),
+    _arg("timeout", 0, _non_negative(  # its range, with workers: _options
+        partial(as_seconds, allow_bool=True), "timeout option should be non-negative (0 "
+        "waits forever), but got timeout={}"), (_T, _V, OverflowError), "how long to wait "
+         "for a batch from the workers; 0 waits forever", **_POS, assignable=True),
+    _arg("worker_init_fn", None, _CALLABLE, (_T,),
          "called with the worker id in each worker", **_POS, assignable=True),
     _arg("multiprocessing_context", None, _optional(_start_method), (_T, _V),
          "the workers' start method", **_POS, field="mp_context", attribute=False),
-    _arg("generator", None, _optional(_generator), (_T,),
+    _arg("generator", None, _optional(_typed(
+        "a torch.Generator or None", lambda value: isinstance(value, torch.Generator),
+        "; e.g. generator=torch.Generator().manual_seed(0)")), (_T,),
          "the RNG of the samplers and the workers' base seed", **_POS, assignable=True),
     # torch's keyword-only arguments.
     _arg("prefetch_factor", None, _optional(partial(as_int, allow_bool=True)),
          (_T, _V, AssertionError), "batches requested ahead per worker", assignable=True),
     _arg("persistent_workers", False, as_flag, (_T, _V), "workers kept across epochs"),
-    _arg("pin_memory_device", "", _pin_device, (_T,), "the device pinned for",
-         assignable=True),
+    _arg("pin_memory_device", "", _typed(
+        "a str", lambda value: isinstance(value, (str, torch.device)), "; it is deprecated "
+        "in torch (the current accelerator is used): leave it out"), (_T,),
+         "the device pinned for", assignable=True),
     _arg("in_order", True, as_flag, (_T,), "batches in the sampler's order", assignable=True),
     # aioloader's own arguments (keyword-only).
     _arg("worker_method", "multiprocessing", _one_of(*WORKER_METHODS), (_T, _V),
-         "where the workers run"),
+         "where the workers run: worker processes, threads in this process (for datasets "
+         "whose work releases the GIL) or Ray actors, local or on a cluster (pip install "
+         "aioloader[ray]; docs/ray.md); same worker ids, seeds, sharding and batches"),
     _arg("fetch_concurrency", DEFAULT_FETCH_CONCURRENCY, partial(as_int, minimum=1), (_T, _V),
          "the most fetches of an async dataset in flight per process", assignable=True),
     _arg("fetch_threads", 0, partial(as_int, minimum=0), (_T, _V), "threads reading the "
          "samples of a batch; 0 disables the fetch thread pool", assignable=True),
     _arg("device", None, _optional(lambda name, value, what: torch.device(value)),
-         (_T, RuntimeError), "batches copied to this device on a side stream"),
+         (_T, RuntimeError), "batches copied to this device on a side stream, ahead with "
+         "workers (docs/pipeline.md); a batch object with tensors and no to() is a TypeError"),
     _arg("device_prefetch", 2, partial(as_int, minimum=1), (_T, _V), "batches the device "
          "stage keeps in flight", assignable=True),
     _arg("on_error", None, _optional(_one_of("raise", "skip")), (_T, _V),
-         "what a sample's error does", field=None),
+         "what a sample's error does: 'raise' it (torch's way), or 'skip' the sample and "
+         "count it in loader.failures (the failure policy: docs/failure_policy.md)",
+         field=None),
     _arg("max_failures", None, _optional(partial(as_int, minimum=0)), (_T, _V),
          "the most samples on_error='skip' may skip in an epoch", field=None),
     _arg("retries", 0, partial(as_int, minimum=0), (_T, _V),
@@ -295,7 +277,8 @@ ARGUMENTS: tuple[Argument, ...] = (
          field=None),
     _arg("snapshot_every_n_steps", 1, partial(as_int, minimum=1), (_T, _V), "torchdata's "
          "snapshot interval; accepted, changes nothing"),
-    _arg("ray_options", None, _optional(_mapping), (_T, _V),
+    _arg("ray_options", None, _optional(_typed("a dict", lambda value: isinstance(
+        value, Mapping))), (_T, _V),
          "Ray's address and each actor's options", field=None),
     _arg("collect_stats", True, as_flag, (_T,), "keep per-stage statistics", assignable=True),
     _arg("stats_interval", None, _optional(_interval), (_T, _V),
@@ -304,23 +287,6 @@ ARGUMENTS: tuple[Argument, ...] = (
 
 #: :data:`ARGUMENTS` by name.
 ARGUMENT: Mapping[str, Argument] = {arg.name: arg for arg in ARGUMENTS}
-
-
-def given_arguments(given: Mapping[str, Any]) -> dict[str, Any]:
-    """Every argument by name: the ones in ``given``, the table's defaults for the rest.
-
-    Raises:
-        TypeError: a name that is not an argument, or a required one missing (as a call
-            would).
-    """
-    unknown = given.keys() - ARGUMENT.keys()
-    if unknown:
-        raise TypeError(f"DataLoader got unexpected keyword arguments {sorted(unknown)}")
-    missing = [arg.name for arg in ARGUMENTS
-               if arg.default is REQUIRED and arg.name not in given]
-    if missing:
-        raise TypeError(f"DataLoader is missing the required arguments {missing}")
-    return {arg.name: given.get(arg.name, arg.default) for arg in ARGUMENTS}
 
 
 class Checked(dict[str, Any]):
@@ -332,8 +298,21 @@ class Checked(dict[str, Any]):
     """
 
     def __init__(self, given: Mapping[str, Any]) -> None:
+        """Every argument: the ones in ``given``, the table's defaults for the rest.
+
+        Raises:
+            TypeError: a name that is not an argument, or a required one missing (as a
+                call would).
+        """
         super().__init__()
-        self.given = given_arguments(given)
+        unknown = given.keys() - ARGUMENT.keys()
+        if unknown:
+            raise TypeError(f"DataLoader got unexpected keyword arguments {sorted(unknown)}")
+        missing = [arg.name for arg in ARGUMENTS
+                   if arg.default is REQUIRED and arg.name not in given]
+        if missing:
+            raise TypeError(f"DataLoader is missing the required arguments {missing}")
+        self.given = {arg.name: given.get(arg.name, arg.default) for arg in ARGUMENTS}
 
     def __missing__(self, name: str) -> Any:
         value = self[name] = ARGUMENT[name].check(self.given[name])

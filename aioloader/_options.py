@@ -29,7 +29,7 @@ from ._fetch.policy import DEFAULT_MAX_RESPAWNS, FailurePolicy
 from ._fetch.sync import DatasetKind
 from ._ray_options import check_ray_options
 from .collate import default_collate, default_convert
-from .sampler import RandomSampler, Sampler
+from .sampler import RandomSampler
 
 __all__ = [
     "MAX_TIMEOUT",
@@ -62,14 +62,6 @@ class TimeoutOverflowError(OverflowError, ValueError):
     An :class:`OverflowError`, the type torch raises at the first batch (from its queue's
     ``poll()``), and a :class:`ValueError`, the type of a bad argument.
     """
-
-
-class _InfiniteConstantSampler(Sampler[None]):
-    """Yields ``None`` forever: the sampler of iterable-style datasets."""
-
-    def __iter__(self) -> Any:
-        while True:
-            yield None
 
 
 def check_together(a: Checked, kind: DatasetKind) -> dict[str, Any]:
@@ -306,7 +298,7 @@ def _sampling(a: Checked, kind: DatasetKind) -> None:
     shuffled = a["shuffle"]  # by its row (map-style; an iterable dataset's is set above)
     if sampler is None:
         if kind.iterable:
-            sampler = _InfiniteConstantSampler()
+            sampler = _tud._InfiniteConstantSampler()  # torch's: None forever
         elif shuffled:
             RandomSampler(dataset, generator=given["generator"])  # aioloader's checks
             sampler = _tud.RandomSampler(dataset, generator=given["generator"])
