@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ._coerce import as_flag, as_int, as_seconds, not_a_str, require_iterable, torch_flag
+from ._coerce import as_flag, as_int, as_seconds, require_iterable, torch_flag
 from ._datapipes import wrap as wrap_datapipe
 from ._fetch.policy import DEFAULT_RETRY_DELAY
 from .sampler import BatchSampler
@@ -131,9 +131,14 @@ def _batch_size(name: str, value: Any, what: str) -> int:
 
 
 def _keys(name: str, value: Any, what: str) -> Any:
-    """An iterable (torch finds out at ``iter()``), not a ``str`` (it yields characters)."""
+    """An iterable (torch finds out at ``iter()``), not a ``str``: it yields its characters
+    (torch fails at the first batch unless the dataset is keyed by single characters,
+    which ``list(value)`` still says)."""
     require_iterable(name, value, what)
-    not_a_str(name, value, what)
+    if isinstance(value, str):
+        raise TypeError(f"{name} should be an iterable {what}, but got str {name}={value!r}, "
+                        f"which yields its characters; pass a list of keys (if the keys "
+                        f"really are these characters: {name}=list({value!r}))")
     return value
 
 
@@ -198,13 +203,26 @@ def _interval(name: str, value: Any, what: str) -> float:
     return float(as_seconds(name, value, what, least="positive", finite=True))
 
 
+def _arg(name: str, default: Any, rule: Rule, errors: tuple[type[Exception], ...],
+         what: str, **more: Any) -> Argument:
+    return Argument(name, default, rule, errors, what, **{"field": name, **more})
+
+
 _POS = {"positional": True}
 _CALLABLE = _optional(_typed("a callable or None", callable))
-
-
-def _arg(name: str, default: Any, rule: Rule, errors: tuple[type[Exception], ...],
-         what: str, **rule_fields: Any) -> Argument:
-    return Argument(name, default, rule, errors, what, **{"field": name, **rule_fields})
+# torch compares these with 0 (its messages), and passes num_workers to range(): a bool
+# is a number there. Their range with workers is _options'.
+_WORKERS = _non_negative(partial(as_int, allow_bool=True), "num_workers option should be "
+                         "non-negative; use num_workers=0 to disable multiprocessing (got "
+                         "num_workers={}).")
+_TIMEOUT = _non_negative(partial(as_seconds, allow_bool=True), "timeout option should be "
+                         "non-negative (0 waits forever), but got timeout={}")
+_GENERATOR = _optional(_typed("a torch.Generator or None",
+                              lambda value: isinstance(value, torch.Generator),
+                              "; e.g. generator=torch.Generator().manual_seed(0)"))
+_PIN_DEVICE = _typed("a str", lambda value: isinstance(value, (str, torch.device)),
+                     "; it is deprecated in torch (the current accelerator is used): leave "
+                     "it out")
 
 
 #: Every argument of ``DataLoader(...)``, in the order of its signature.
@@ -218,36 +236,28 @@ ARGUMENTS: tuple[Argument, ...] = (
     _arg("sampler", None, _optional(_keys), (_T, _V), "of dataset keys", **_POS),
     _arg("batch_sampler", None, _optional(_keys), (_T, _V, IndexError),
          "of lists of dataset keys", **_POS),
-    _arg("num_workers", 0, _non_negative(  # torch passes it to range(): a bool is a number
-        partial(as_int, allow_bool=True), "num_workers option should be non-negative; use "
-        "num_workers=0 to disable multiprocessing (got num_workers={})."), (_T, _V),
-         "how many worker processes; 0 loads in the main process", **_POS, assignable=True),
+    _arg("num_workers", 0, _WORKERS, (_T, _V), "how many worker processes; 0 loads in the "
+         "main process", **_POS, assignable=True),
     _arg("collate_fn", None, _CALLABLE, (_T,),
          "it turns a list of samples into a batch", **_POS, assignable=True),
     _arg("pin_memory", False, as_flag, (_T,), "batches in page-locked memory", **_POS,
          assignable=True),
     _arg("drop_last", False, lambda name, value, what: torch_flag(name, value), (_V,),
          "drop the last, incomplete batch", **_POS),
-    _arg("timeout", 0, _non_negative(  # its range, with workers: _options
-        partial(as_seconds, allow_bool=True), "timeout option should be non-negative (0 "
-        "waits forever), but got timeout={}"), (_T, _V, OverflowError), "how long to wait "
-         "for a batch from the workers; 0 waits forever", **_POS, assignable=True),
+    _arg("timeout", 0, _TIMEOUT, (_T, _V, OverflowError), "how long to wait for a batch "
+         "from the workers; 0 waits forever", **_POS, assignable=True),
     _arg("worker_init_fn", None, _CALLABLE, (_T,),
          "called with the worker id in each worker", **_POS, assignable=True),
     _arg("multiprocessing_context", None, _optional(_start_method), (_T, _V),
          "the workers' start method", **_POS, field="mp_context", attribute=False),
-    _arg("generator", None, _optional(_typed(
-        "a torch.Generator or None", lambda value: isinstance(value, torch.Generator),
-        "; e.g. generator=torch.Generator().manual_seed(0)")), (_T,),
+    _arg("generator", None, _GENERATOR, (_T,),
          "the RNG of the samplers and the workers' base seed", **_POS, assignable=True),
     # torch's keyword-only arguments.
     _arg("prefetch_factor", None, _optional(partial(as_int, allow_bool=True)),
          (_T, _V, AssertionError), "batches requested ahead per worker", assignable=True),
     _arg("persistent_workers", False, as_flag, (_T, _V), "workers kept across epochs"),
-    _arg("pin_memory_device", "", _typed(
-        "a str", lambda value: isinstance(value, (str, torch.device)), "; it is deprecated "
-        "in torch (the current accelerator is used): leave it out"), (_T,),
-         "the device pinned for", assignable=True),
+    _arg("pin_memory_device", "", _PIN_DEVICE, (_T,), "the device pinned for",
+         assignable=True),
     _arg("in_order", True, as_flag, (_T,), "batches in the sampler's order", assignable=True),
     # aioloader's own arguments (keyword-only).
     _arg("worker_method", "multiprocessing", _one_of(*WORKER_METHODS), (_T, _V),
@@ -278,8 +288,7 @@ ARGUMENTS: tuple[Argument, ...] = (
     _arg("snapshot_every_n_steps", 1, partial(as_int, minimum=1), (_T, _V), "torchdata's "
          "snapshot interval; accepted, changes nothing"),
     _arg("ray_options", None, _optional(_typed("a dict", lambda value: isinstance(
-        value, Mapping))), (_T, _V),
-         "Ray's address and each actor's options", field=None),
+         value, Mapping))), (_T, _V), "Ray's address and each actor's options", field=None),
     _arg("collect_stats", True, as_flag, (_T,), "keep per-stage statistics", assignable=True),
     _arg("stats_interval", None, _optional(_interval), (_T, _V),
          "between stats log lines; None for no logging"),

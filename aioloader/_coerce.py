@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 __all__ = [
-    "as_flag", "as_int", "as_seconds", "is_exact_int", "is_iterable", "not_a_str",
-    "require_iterable", "require_sized", "torch_flag", "torch_int",
+    "as_flag", "as_int", "as_seconds", "is_exact_int", "is_iterable", "require_iterable",
+    "require_sized", "torch_flag", "torch_int",
 ]
 
 
@@ -233,22 +233,6 @@ def require_iterable(name: str, value: Any, what: str) -> None:
                  else f"{type(value).__name__} {name}={value!r}")
         raise TypeError(f"{name} should be an iterable {what}, but got {shown}, which cannot "
                         f"be iterated; {_not_iterable_hint(name, value)}")
-
-
-def not_a_str(name: str, value: Any, what: str) -> None:
-    """A ``str`` given where the loader wants keys (``sampler``, ``batch_sampler``).
-
-    A string is iterable, but it yields its characters: torch fails at the first batch
-    (``TypeError``: list indices must be integers) unless the dataset happens to be keyed
-    by single characters, which ``list(value)`` still expresses.
-
-    Raises:
-        TypeError: ``value`` is a ``str``.
-    """
-    if isinstance(value, str):
-        raise TypeError(f"{name} should be an iterable {what}, but got str {name}={value!r}, "
-                        f"which yields its characters; pass a list of keys (if the keys "
-                        f"really are these characters: {name}=list({value!r}))")
 
 
 def require_sized(name: str, value: Any, what: str) -> None:

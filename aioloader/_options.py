@@ -247,7 +247,7 @@ def _failure_policy(a: Checked, kind: DatasetKind) -> FailurePolicy:
             "retries= applies to async map-style datasets: an async iterator that raised "
             "cannot be asked for the same item again")
     respawn = a["respawn_workers"]
-    respawns = (DEFAULT_MAX_RESPAWNS if respawn else 0) if isinstance(respawn, bool) else respawn
+    respawns = DEFAULT_MAX_RESPAWNS if respawn is True else int(respawn)
     if respawns and a["num_workers"] == 0:
         raise ValueError("respawn_workers needs num_workers > 0 (it replaces dead worker "
                          "processes)")
