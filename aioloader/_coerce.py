@@ -1,4 +1,4 @@
-"""One rule for every flag, integer and number of seconds an argument takes.
+"""One rule for every flag, integer, number of seconds and iterable an argument takes.
 
 Two kinds of argument, and one rule for each:
 
@@ -17,7 +17,10 @@ Two kinds of argument, and one rule for each:
   ``bool``, a numpy bool, or an integer 0 or 1 (:func:`as_flag`).
 
 aioloader's own arguments (``fetch_concurrency``, ``retries``, ...) follow the second
-rule, without bools. Every message names the argument and says what to pass. (A loaded
+rule, without bools. An iterable (a ``sampler``, a sampler's ``data_source``) is judged
+from its type, as ``iter()`` and ``len()`` judge it (:func:`require_iterable`,
+:func:`require_sized`): torch finds out only when an epoch reaches it, without the
+argument's name. Every message names the argument and says what to pass. (A loaded
 state's values are data, not arguments: :mod:`aioloader._resume.checks` judges them by
 their type alone, never calling them, and names their key path.)
 
@@ -38,8 +41,12 @@ import operator
 from typing import Any
 
 import numpy as np
+import torch
 
-__all__ = ["as_flag", "as_int", "as_seconds", "is_exact_int", "torch_flag", "torch_int"]
+__all__ = [
+    "as_flag", "as_int", "as_seconds", "is_exact_int", "is_iterable", "require_iterable",
+    "require_sized", "torch_flag", "torch_int",
+]
 
 
 def is_exact_int(value: Any) -> bool:
@@ -175,3 +182,67 @@ def as_seconds(name: str, value: Any, what: str, *, allow_bool: bool = False,
         raise ValueError(f"{name} should be a {bound + ' ' if bound else ''}number of "
                          f"seconds ({what}), but got {name}={number!r}")
     return number
+
+
+def _type_attribute(value: Any, name: str) -> tuple[bool, Any]:
+    """``(found, attribute)`` for ``name`` looked up on ``type(value)`` as Python looks up a
+    special method: along the type's MRO only (not the instance, not the metaclass)."""
+    for klass in type(value).__mro__:
+        if name in klass.__dict__:
+            return True, klass.__dict__[name]
+    return False, None
+
+
+def is_iterable(value: Any) -> bool:
+    """Whether ``iter(value)`` can succeed, judged from the type as ``iter()`` judges it.
+
+    Its type defines ``__iter__`` (not set to ``None``), or only ``__getitem__`` (the old
+    sequence protocol). A class is judged by its metaclass (an ``Enum`` class iterates; a
+    sampler class does not, its instances do), and a 0-d tensor or array is not iterable.
+    """
+    found, method = _type_attribute(value, "__iter__")
+    if found:
+        if method is None:
+            return False
+        return not (isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0)
+    found, method = _type_attribute(value, "__getitem__")
+    return found and method is not None
+
+
+def _not_iterable_hint(name: str, value: Any) -> str:
+    """What to pass instead of ``value``, for the likely mistakes."""
+    if isinstance(value, type):
+        return (f"{value.__name__} is a class: pass an instance, e.g. "
+                f"{name}={value.__name__}(dataset)")
+    if callable(value):
+        return f"pass what it returns ({name}={getattr(value, '__name__', 'f')}()) instead"
+    if is_exact_int(value) and value >= 0:
+        return f"for the keys 0 to {value - 1} pass {name}=range({value})"
+    return "pass a Sampler instance, or any iterable such as a list"
+
+
+def require_iterable(name: str, value: Any, what: str) -> None:
+    """``value`` can be iterated (:func:`is_iterable`).
+
+    Raises:
+        TypeError: it cannot (torch's type, which torch raises at ``iter()``); the message
+            names ``name``, says what it should yield (``what``) and what to pass.
+    """
+    if not is_iterable(value):
+        shown = (f"the class {name}={value.__qualname__}" if isinstance(value, type)
+                 else f"{type(value).__name__} {name}={value!r}")
+        raise TypeError(f"{name} should be an iterable {what}, but got {shown}, which cannot "
+                        f"be iterated; {_not_iterable_hint(name, value)}")
+
+
+def require_sized(name: str, value: Any, what: str) -> None:
+    """``len(value)`` can be asked (the type defines ``__len__``).
+
+    Raises:
+        TypeError: it cannot (torch's type, which torch raises at ``iter()`` or ``len()``).
+    """
+    found, method = _type_attribute(value, "__len__")
+    if not found or method is None:
+        raise TypeError(f"{name} should have a length ({what}), but got "
+                        f"{type(value).__name__} {name}={value!r}, which has no len(); pass "
+                        f"a dataset or a sequence, e.g. {name}=range(n)")

@@ -19,6 +19,8 @@ closes iterators still open at interpreter exit.
 
 from __future__ import annotations
 
+import inspect
+import textwrap
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -26,7 +28,9 @@ from typing import Any, TypeVar
 
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
+from . import _torch_data as _tud
 from ._aiter import _EpochIter, _shutdown_persistent_pool
+from ._arguments import ARGUMENTS
 from ._facade_loop import PortalDriver, open_drivers
 from ._loader import DataLoaderCore
 from ._pipeline.epoch import _PipelineCore
@@ -41,40 +45,12 @@ T_co = TypeVar("T_co", covariant=True)
 class DataLoader(DataLoaderCore[T_co]):
     """Combines a dataset and a sampler, and yields batches: ``async for`` or ``for``.
 
-    Same signature and semantics as :class:`torch.utils.data.DataLoader`
-    (dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
-    collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
-    multiprocessing_context, generator, prefetch_factor, persistent_workers,
-    pin_memory_device, in_order), plus keyword-only extras:
+    Same signature and semantics as :class:`torch.utils.data.DataLoader`, plus
+    keyword-only arguments of its own (each one's row of :mod:`aioloader._arguments`;
+    docs/migration.md has more on each):
 
     Args:
-        worker_method: ``"multiprocessing"`` (default: worker processes),
-            ``"thread"`` (worker threads in this process, for datasets whose
-            work releases the GIL; torch's upstream spelling; see
-            docs/migration.md) or ``"ray"`` (Ray actors, local or on a
-            cluster; needs ``pip install aioloader[ray]``; see docs/ray.md).
-            Same worker ids, seeds, sharding and batches.
-        fetch_concurrency: most ``await dataset[i]`` in flight per process
-            for async datasets (default 64).
-        fetch_threads: read the samples of a batch of a *sync* map-style
-            dataset with a pool of this many threads (I/O-bound datasets);
-            0 (default) reads them one after another, as torch.
-        device: opt-in: batches copied to this device (``"cuda"``) on a side stream,
-            ahead with workers (docs/pipeline.md); an object with tensors and no ``to()``
-            raises TypeError (docs/migration.md, "Custom batches and ``device=``").
-        device_prefetch: how many batches the device stage keeps in flight
-            (with workers or an async dataset).
-        on_error, max_failures, retries, retry_delay, respawn_workers: the
-            opt-in failure policy (skip and count bad samples, retry async
-            reads with backoff, replace dead workers); off by default. See
-            ``docs/failure_policy.md``; the epoch's report is ``loader.failures``.
-        ray_options: with ``worker_method="ray"``: ``"address"`` for
-            ``ray.init`` (used only if Ray is not initialised yet), every other
-            key goes to each actor's ``.options()`` (``num_cpus``, ``memory``, ...).
-        collect_stats: keep per-stage statistics for :meth:`stats` (default
-            ``True``; a few clock reads per batch). See ``docs/stats.md``.
-        stats_interval: also log a stats line every this many seconds on the
-            ``aioloader`` logger (INFO); ``None`` (default): no logging.
+        {own arguments}
 
     Example:
         >>> import torch
@@ -126,6 +102,18 @@ class DataLoader(DataLoaderCore[T_co]):
     def close(self) -> None:
         """Shut down persistent workers now (they are also closed at exit/GC)."""
         self._close_pool_sync()
+
+
+def _own_arguments() -> str:
+    """The lines of :class:`DataLoader`'s docstring for the arguments torch's lacks: each
+    one's default and meaning, from the table."""
+    torch_args = inspect.signature(_tud.DataLoader).parameters
+    return "\n".join(textwrap.fill(f"{arg.name}={arg.default!r}: {arg.what}.", 84,
+                                   initial_indent=" " * 8, subsequent_indent=" " * 12)
+                     for arg in ARGUMENTS if arg.name not in torch_args).lstrip()
+
+
+DataLoader.__doc__ = (DataLoader.__doc__ or "").replace("{own arguments}", _own_arguments())
 
 
 _iter_locks: weakref.WeakKeyDictionary[DataLoader[Any], threading.Lock] = (

@@ -34,9 +34,10 @@ from . import _torch_data as _tud
 from ._aiter import AsyncLoaderIter
 from ._arguments import ARGUMENTS, DEFAULT_FETCH_CONCURRENCY
 from ._coerce import as_int
-from ._config import ASSIGNABLE, LoaderConfig, loader_attributes, make_config, resolve_mp_context
+from ._config import ASSIGNABLE, LoaderConfig, make_config
 from ._fetch.policy import DEFAULT_RETRY_DELAY
 from ._fetch.report import FailureReport
+from ._options import resolve_mp_context
 from ._pipeline.epoch import _PipelineCore
 from ._pools.lease import PoolKeeper
 from ._resume import state as _state
@@ -107,14 +108,13 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         # Everything after the signature comes from the table of aioloader._arguments
         # (tests/test_arguments.py checks that the signature is the table's).
         given = locals()
-        given = {arg.name: given[arg.name] for arg in ARGUMENTS}
-        config = make_config(given)
+        config, attributes = make_config({arg.name: given[arg.name] for arg in ARGUMENTS})
         # Every epoch is built from this; assigning an attribute torch lets a user change
         # after construction makes a new one (__setattr__).
         self._config = config
         # torch's public attributes, as torch keeps them (frameworks re-create a loader
-        # from them): the checked values, the arguments as given where torch keeps those.
-        for name, value in loader_attributes(config, given).items():
+        # from them).
+        for name, value in attributes.items():
             setattr(self, name, value)
 
         # Per-stage statistics (docs/stats.md): loader.stats(); logged every stats_interval s.

@@ -1,70 +1,88 @@
-"""The ``DataLoader``'s argument checks: torch's exception types and messages, raised early.
+"""The rules that join several of the ``DataLoader``'s arguments, written once.
 
-Each check takes what the user passed and returns it as the configuration keeps it
-(plain Python values, the default samplers built); :func:`aioloader._config.make_config`
-calls them in the order torch checks its arguments, so the first bad argument is the
-one reported, with torch's exception type. An argument's own type and range are its rule
-in the table of :mod:`aioloader._arguments` (flags, integers and seconds by the one rule
-of :mod:`aioloader._coerce`); the checks here add torch's cross-argument ones.
+:func:`check_together` runs them in the order torch's ``DataLoader.__init__`` makes its
+checks, reading each argument through :class:`aioloader._arguments.Checked` (checked by
+its table row when first read): the first bad argument reported is the one torch
+reports, with torch's exception type, and torch's message where torch has one. They set
+what they decide (``prefetch_factor=2`` with workers, the default samplers and collate
+function, the autotuned knobs' starting values) and return what the config derives from
+several arguments. (Their part torch makes when an epoch starts is
+:func:`aioloader._config.check_at_iter`.)
+
+Some of them torch makes only when an epoch reaches the value, deep inside the loop and
+without the argument's name (an empty listed batch, a timeout too long to wait): made at
+construction here, with torch's exception type (or a subclass of it), naming the argument.
 """
 
 from __future__ import annotations
 
+import multiprocessing.context
 import os
-from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from . import _torch_data as _tud
-from ._arguments import ARGUMENT
-from ._checks import check_batch_list, check_timeout_range, not_a_str, require_iterable
+from ._arguments import ARGUMENT, DEFAULT_FETCH_CONCURRENCY, TUNABLE, Checked, take_auto
+from ._coerce import is_iterable
 from ._datapipes import apply_shuffle, is_iter_datapipe
 from ._errors import PrefetchFactorError
-from ._fetch.sync import DatasetKind, dataset_kind
+from ._fetch.policy import DEFAULT_MAX_RESPAWNS, FailurePolicy
+from ._fetch.sync import DatasetKind
 from ._ray_options import check_ray_options
-from .collate import default_collate
-from .sampler import BatchSampler, RandomSampler, Sampler
+from .collate import default_collate, default_convert
+from .sampler import RandomSampler
 
-#: The values of ``worker_method``: where the ``num_workers`` workers run. Local
-#: processes and threads use torch's spelling (its thread workers, PR #161044).
-WORKER_METHODS = ("multiprocessing", "thread", "ray")
-
-#: The value that opts a knob into autotuning (docs/autotune.md).
-AUTO = "auto"
-#: The arguments that accept :data:`AUTO`.
-TUNABLE = ("num_workers", "prefetch_factor", "fetch_concurrency")
-
-
-class _InfiniteConstantSampler(Sampler[None]):
-    """Yields ``None`` forever: the sampler of iterable-style datasets."""
-
-    def __iter__(self) -> Any:
-        while True:
-            yield None
+__all__ = [
+    "MAX_TIMEOUT",
+    "EmptyBatchError",
+    "TimeoutOverflowError",
+    "auto_start",
+    "check_timeout_range",
+    "check_together",
+    "no_prefetch_error",
+    "resolve_mp_context",
+]
 
 
-class AutoArgumentError(TypeError, ValueError):
-    """A string other than ``"auto"`` for a tunable argument.
+class EmptyBatchError(IndexError, ValueError):
+    """A ``batch_sampler`` list holding an empty batch, which ``default_collate`` refuses.
 
-    A ``ValueError`` (the value is wrong) and a ``TypeError`` (what torch raises for a
-    string ``num_workers``), so that code written for either catches it.
+    An :class:`IndexError`, the type torch raises at that batch (``default_collate([])``),
+    and a :class:`ValueError`, the type of a bad argument.
     """
 
 
-def take_auto(name: str, value: Any, start: int | None) -> tuple[Any, bool]:
-    """``value``, or ``start`` and True when it is ``"auto"`` (autotuned, docs/autotune.md).
+#: The longest ``timeout`` torch's workers can wait, in seconds (24.8 days): the
+#: ``poll()`` under its queue takes whole milliseconds in a C int.
+MAX_TIMEOUT = (2**31 - 1) / 1000
 
-    Raises:
-        AutoArgumentError: another string (a ValueError and a TypeError; it names the
-            argument and what is accepted).
+
+class TimeoutOverflowError(OverflowError, ValueError):
+    """A ``timeout`` longer than a wait for a batch can be (``inf`` included).
+
+    An :class:`OverflowError`, the type torch raises at the first batch (from its queue's
+    ``poll()``), and a :class:`ValueError`, the type of a bad argument.
     """
-    if isinstance(value, str):
-        if value == AUTO:
-            return start, True
-        raise AutoArgumentError(f"{name} should be an int or {AUTO!r} (autotuned, see "
-                         f"docs/autotune.md), but got {name}={value!r}")
-    return value, False
+
+
+def check_together(a: Checked, kind: DatasetKind) -> dict[str, Any]:
+    """Every rule that joins several arguments, in torch's order; ``a`` takes what they
+    decide. Returns the config's fields derived from several arguments: ``auto``,
+    ``failure_policy``, ``ray_address``, ``ray_actor_options``.
+    """
+    auto = _autotuned(a, kind)
+    _workers(a)
+    ray_address, ray_actor_options = _ray(a, kind)
+    a["multiprocessing_context"] = resolve_mp_context(a.given["multiprocessing_context"],
+                                                      a["num_workers"])
+    policy = _failure_policy(a, kind)
+    if a["worker_method"] == "thread" and a["num_workers"] > 0 and kind.is_async:
+        raise ValueError(
+            "worker_method='thread' serves sync datasets; an async dataset already runs "
+            "its fetches concurrently in the main process: use num_workers=0 (and "
+            "fetch_concurrency=), or worker_method='multiprocessing'")
+    _sampling(a, kind)
+    return {"auto": auto, "failure_policy": policy, "ray_address": ray_address,
+            "ray_actor_options": ray_actor_options}
 
 
 def auto_start(kind: DatasetKind, persistent_workers: Any) -> int:
@@ -75,10 +93,34 @@ def auto_start(kind: DatasetKind, persistent_workers: Any) -> int:
     return 0 if kind.is_async and not persistent else 1
 
 
-def _callable_or_none(name: str, value: Any, what: str) -> None:
-    if value is not None and not callable(value):
-        raise TypeError(f"{name} should be a callable ({what}) or None, but got "
-                        f"{type(value).__name__} {name}={value!r}")
+def _autotuned(a: Checked, kind: DatasetKind) -> frozenset[str]:
+    """The arguments given as ``"auto"`` (docs/autotune.md), set to their starting values."""
+    auto = frozenset(name for name in TUNABLE if take_auto(name, a.given[name]))
+    if "num_workers" in auto:
+        a["num_workers"] = auto_start(kind, a.given["persistent_workers"])
+    if "prefetch_factor" in auto:
+        if a["num_workers"] == 0 and "num_workers" not in auto:
+            raise ValueError(
+                "prefetch_factor='auto' tunes the batches requested ahead per worker: it "
+                "needs num_workers > 0 (or num_workers='auto'); with num_workers=0 leave "
+                "prefetch_factor=None")
+        a["prefetch_factor"] = None
+    if "fetch_concurrency" in auto:
+        a["fetch_concurrency"] = DEFAULT_FETCH_CONCURRENCY
+    return auto
+
+
+def check_timeout_range(timeout: float) -> None:
+    """``timeout`` (seconds, already a real number) is at most :data:`MAX_TIMEOUT`.
+
+    Raises:
+        TimeoutOverflowError: it is longer, or infinite.
+    """
+    if timeout > MAX_TIMEOUT:
+        raise TimeoutOverflowError(
+            f"timeout should be at most {MAX_TIMEOUT} seconds (about 24.8 days: the longest "
+            f"wait torch's worker queue can make), but got timeout={timeout}; pass "
+            f"timeout=0 to wait for batches without a time limit")
 
 
 def no_prefetch_error() -> PrefetchFactorError:
@@ -86,96 +128,30 @@ def no_prefetch_error() -> PrefetchFactorError:
     return PrefetchFactorError(
         "prefetch_factor must be greater than 0 with num_workers > 0 (it is how many "
         "batches each worker is asked for ahead; 0 would request none): pass "
-        "prefetch_factor=1 or more, or leave it None for the default of 2"
-    )
+        "prefetch_factor=1 or more, or leave it None for the default of 2")
 
 
-def check_worker_options(
-    num_workers: Any, timeout: Any, prefetch_factor: Any, persistent_workers: Any,
-) -> tuple[int, int | float, int | None, bool]:
-    """torch's checks of the worker arguments, in torch's order, with numpy numbers.
-
-    Returns ``(num_workers, timeout, prefetch_factor, persistent_workers)`` as plain
-    Python values; with workers and no ``prefetch_factor``, torch's default of 2.
-    """
-    # torch compares num_workers/timeout/prefetch_factor with 0 (TypeError for None or a
-    # str) and passes num_workers/prefetch_factor to range() at iter() (TypeError for a
-    # float): the same types, raised here. bool is an int there: num_workers=True is 1.
-    num_workers = ARGUMENT["num_workers"].check(num_workers)
-    if num_workers < 0:
-        raise ValueError(
-            "num_workers option should be non-negative; "
-            f"use num_workers=0 to disable multiprocessing (got num_workers={num_workers})."
-        )
-    timeout = ARGUMENT["timeout"].check(timeout)
-    if timeout < 0:
-        raise ValueError(f"timeout option should be non-negative (0 waits forever), but got "
-                         f"timeout={timeout}")
-    if num_workers > 0:  # without workers, check_at_iter: torch's AssertionError first
+def _workers(a: Checked) -> None:
+    """torch's checks of the worker arguments, in torch's order; then aioloader's."""
+    workers, timeout = a["num_workers"], a["timeout"]
+    if workers > 0:  # without workers, check_at_iter: torch's AssertionError first
         check_timeout_range(timeout)
-    if prefetch_factor is not None:
-        prefetch_factor = ARGUMENT["prefetch_factor"].check(prefetch_factor)
-    if num_workers == 0 and prefetch_factor is not None:
+    prefetch = a["prefetch_factor"]
+    if workers == 0 and prefetch is not None:
         raise ValueError(
             "prefetch_factor option could only be specified in multiprocessing. "
             "Let num_workers > 0 to enable multiprocessing, otherwise set "
-            "prefetch_factor to None."
-        )
-    if num_workers > 0 and prefetch_factor is None:
-        prefetch_factor = 2
-    elif prefetch_factor is not None and prefetch_factor < 0:
+            "prefetch_factor to None.")
+    if workers > 0 and prefetch is None:
+        a["prefetch_factor"] = 2
+    elif prefetch is not None and prefetch < 0:
         raise ValueError(f"prefetch_factor option should be non-negative, but got "
-                         f"prefetch_factor={prefetch_factor}")
-    elif prefetch_factor == 0:
-        # torch asserts this at iter(); PrefetchFactorError is an AssertionError too.
-        raise no_prefetch_error()
-    persistent = ARGUMENT["persistent_workers"].check(persistent_workers)
-    if persistent and num_workers == 0:
+                         f"prefetch_factor={prefetch}")
+    elif prefetch == 0:
+        raise no_prefetch_error()  # torch asserts this at iter(): an AssertionError too
+    if a["persistent_workers"] and workers == 0:
         raise ValueError("persistent_workers option needs num_workers > 0")
-    return num_workers, timeout, prefetch_factor, bool(persistent)
-
-
-def check_loader_options(
-    *, sampler: Any, batch_sampler: Any, collate_fn: Any, worker_init_fn: Any,
-    generator: Any, pin_memory: Any, pin_memory_device: Any, in_order: Any,
-) -> tuple[bool, bool]:
-    """The torch arguments torch itself checks only when it uses them (or never).
-
-    Called after torch's own checks, so that a call torch refuses at construction is
-    refused for the same argument. Returns ``(pin_memory, in_order)`` as bools.
-    """
-    for name, value, what in (("sampler", sampler, "of dataset keys"),
-                              ("batch_sampler", batch_sampler, "of lists of dataset keys")):
-        if value is not None:  # None: the argument left out
-            require_iterable(name, value, what)
-        not_a_str(name, value, what)
-    _callable_or_none("collate_fn", collate_fn, "it turns a list of samples into a batch")
-    _callable_or_none("worker_init_fn", worker_init_fn, "called with the worker id in "
-                      "each worker")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator should be a torch.Generator or None, but got "
-                        f"{type(generator).__name__} generator={generator!r}; e.g. "
-                        f"generator=torch.Generator().manual_seed(0)")
-    pin = ARGUMENT["pin_memory"].check(pin_memory)
-    if not isinstance(pin_memory_device, (str, torch.device)):
-        raise TypeError(f"pin_memory_device should be a str, but got "
-                        f"{type(pin_memory_device).__name__} "
-                        f"pin_memory_device={pin_memory_device!r}; it is deprecated in torch "
-                        f"(the current accelerator is used): leave it out")
-    order = ARGUMENT["in_order"].check(in_order)
-    if isinstance(batch_sampler, (list, tuple)):
-        check_batch_list(batch_sampler, collate_fn is None or collate_fn is default_collate)
-    return bool(pin), bool(order)
-
-
-def check_worker_method(worker_method: Any) -> None:
-    """``worker_method`` is one of :data:`WORKER_METHODS`."""
-    should = f"worker_method should be one of {', '.join(map(repr, WORKER_METHODS))}, but got"
-    if not isinstance(worker_method, str):
-        raise TypeError(f"{should} {type(worker_method).__name__} "
-                        f"worker_method={worker_method!r}")
-    if worker_method not in WORKER_METHODS:
-        raise ValueError(f"{should} worker_method={worker_method!r}")
+    _check_worker_count(workers, a["worker_method"])
 
 
 #: Up to this many workers the system's task limits are not read (they are far above it).
@@ -210,7 +186,7 @@ def _task_limit() -> tuple[int, str] | None:
     return min(limits) if limits else None
 
 
-def check_worker_count(num_workers: int, worker_method: str) -> None:
+def _check_worker_count(num_workers: int, worker_method: str) -> None:
     """Refuse a ``num_workers`` the system could never start, before starting any.
 
     Without this, starting would fork (or spawn threads) until the system refuses, then
@@ -228,100 +204,142 @@ def check_worker_count(num_workers: int, worker_method: str) -> None:
             f"per CPU core (os.cpu_count() is {os.cpu_count()})")
 
 
-def check_ray_args(
-    dataset: Any, worker_method: str, ray_options: dict[str, Any] | None,
-) -> tuple[str | None, dict[str, Any]]:
-    """Check ``ray_options``; returns Ray's address and actor options (``None, {}``: no Ray)."""
-    if ray_options is not None and worker_method != "ray":
-        raise ValueError("ray_options is used only with worker_method='ray'")
-    ray_address: str | None = None
-    ray_actor_options: dict[str, Any] = {}
-    if worker_method == "ray":
-        # Ray is imported here: without it, say `pip install aioloader[ray]` now.
-        ray_address, ray_actor_options = check_ray_options(ray_options)
-        if dataset_kind(dataset).is_async:
-            raise ValueError(
-                "worker_method='ray' serves sync datasets only: an async dataset "
-                "(async __getitem__/__getitems__/__aiter__) needs "
-                "worker_method='multiprocessing' or num_workers=0"
-            )
-    return ray_address, ray_actor_options
-
-
-def check_thread_workers(worker_method: str, num_workers: int, is_async: bool) -> None:
-    """Thread workers serve sync datasets only."""
-    if worker_method == "thread" and num_workers > 0 and is_async:
+def _ray(a: Checked, kind: DatasetKind) -> tuple[str | None, dict[str, Any]]:
+    """``ray_options`` with ``worker_method="ray"`` only: Ray's address and actor options."""
+    if a["worker_method"] != "ray":
+        if a.given["ray_options"] is not None:
+            raise ValueError("ray_options is used only with worker_method='ray'")
+        return None, {}
+    # Ray is imported here: without it, say `pip install aioloader[ray]` now.
+    address, actor_options = check_ray_options(a["ray_options"])
+    if kind.is_async:
         raise ValueError(
-            "worker_method='thread' serves sync datasets; an async dataset already runs "
-            "its fetches concurrently in the main process: use num_workers=0 (and "
-            "fetch_concurrency=), or worker_method='multiprocessing'"
-        )
+            "worker_method='ray' serves sync datasets only: an async dataset "
+            "(async __getitem__/__getitems__/__aiter__) needs "
+            "worker_method='multiprocessing' or num_workers=0")
+    return address, actor_options
 
 
-def resolve_sampling(
-    dataset: Any,
-    iterable: bool,
-    batch_size: int | None,
-    shuffle: bool | None,
-    sampler: Sampler[Any] | Iterable[Any] | None,
-    batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None,
-    drop_last: bool,
-    generator: torch.Generator | None,
-) -> tuple[int | None, bool, Sampler[Any] | Iterable[Any],
-           Sampler[list[Any]] | Iterable[list[Any]] | None]:
-    """Check the sampling arguments as torch does and build the default samplers.
+def resolve_mp_context(ctx: Any, num_workers: int) -> multiprocessing.context.BaseContext | None:
+    """``multiprocessing_context=``: by its row, and only with workers (as torch's setter)."""
+    if ctx is not None and num_workers <= 0:
+        raise ValueError(
+            "multiprocessing_context can only be used with multi-process loading "
+            f"(num_workers > 0), but got num_workers={num_workers}")
+    return ARGUMENT["multiprocessing_context"].check(ctx)  # type: ignore[no-any-return]
 
-    Returns ``(batch_size, drop_last, sampler, batch_sampler)`` as the loader keeps them
-    (``batch_sampler=`` turns off ``batch_size`` and ``drop_last``).
+
+def _failure_policy(a: Checked, kind: DatasetKind) -> FailurePolicy:
+    """The failure policy (docs/failure_policy.md): what its arguments mean together."""
+    on_error, max_failures = a["on_error"], a["max_failures"]
+    if max_failures is not None and on_error == "raise":
+        raise ValueError(
+            "max_failures bounds how many samples on_error='skip' may skip; it means "
+            "nothing with on_error='raise': drop one of the two")
+    retries, retry_delay = a["retries"], a["retry_delay"]
+    if retries and not kind.is_async:
+        raise ValueError(
+            "retries= applies to async datasets (async def __getitem__/__getitems__): a retry "
+            "of a sync read would sleep in the fetching thread or on the event loop. Retry "
+            "inside your __getitem__, or make it async")
+    if retries and kind.iterable:
+        raise ValueError(
+            "retries= applies to async map-style datasets: an async iterator that raised "
+            "cannot be asked for the same item again")
+    respawn = a["respawn_workers"]
+    respawns = DEFAULT_MAX_RESPAWNS if respawn is True else int(respawn)
+    if respawns and a["num_workers"] == 0:
+        raise ValueError("respawn_workers needs num_workers > 0 (it replaces dead worker "
+                         "processes)")
+    if respawns and kind.iterable:
+        raise ValueError(
+            "respawn_workers is not supported with iterable-style datasets: a respawned "
+            "worker would restart its shard from the beginning and deliver its samples "
+            "twice. Use a map-style dataset, or leave respawn_workers=False")
+    on_error = "skip" if max_failures is not None else on_error or "raise"
+    return FailurePolicy(on_error, max_failures, retries, float(retry_delay), respawns)
+
+
+def _sampling(a: Checked, kind: DatasetKind) -> None:
+    """torch's checks of the sampling arguments, in torch's order; the default samplers
+    and collate function.
+
+    torch's conflicts come first, judged by truth value as torch judges them:
+    ``shuffle=3`` beside a sampler is the ValueError torch raises (its own tests rely on
+    it), not the flag's TypeError.
     """
-    if iterable:
+    given = a.given
+    dataset, shuffle, sampler, batch_sampler = (
+        given[name] for name in ("dataset", "shuffle", "sampler", "batch_sampler"))
+    if kind.iterable:
         if is_iter_datapipe(dataset):
             # torch: shuffle= turns the graph's shufflers on or off; no sampler shuffles.
             apply_shuffle(dataset, shuffle)
         elif shuffle not in {False, None}:
-            raise ValueError(
-                "DataLoader with IterableDataset: expected unspecified shuffle "
-                f"option, but got shuffle={shuffle}"
-            )
+            raise ValueError("DataLoader with IterableDataset: expected unspecified shuffle "
+                             f"option, but got shuffle={shuffle}")
         for name, value in (("sampler", sampler), ("batch_sampler", batch_sampler)):
             if value is not None:
                 raise ValueError(f"DataLoader with IterableDataset: expected unspecified "
                                  f"{name} option, but got {name}={value}")
-
-    # torch's conflicts first, judged by truth value as torch does: shuffle=3 beside a
-    # sampler is the ValueError torch raises (its own tests rely on it), not our TypeError.
+        a["shuffle"] = shuffle  # not a flag here: torch never reads it as one
     if sampler is not None and shuffle:
         raise ValueError("sampler option is mutually exclusive with shuffle")
     if batch_sampler is not None:
-        if batch_size != 1 or shuffle or sampler is not None or drop_last:
-            raise ValueError(
-                "batch_sampler option is mutually exclusive with batch_size, "
-                "shuffle, sampler, and drop_last"
-            )
-        batch_size = None
-        drop_last = False
-    elif batch_size is None and drop_last:
-        raise ValueError(
-            "batch_size=None option disables auto-batching and is mutually "
-            "exclusive with drop_last"
-        )
-    if not iterable:
-        shuffle = bool(ARGUMENT["shuffle"].check(shuffle))
-
+        if given["batch_size"] != 1 or shuffle or sampler is not None or given["drop_last"]:
+            raise ValueError("batch_sampler option is mutually exclusive with batch_size, "
+                             "shuffle, sampler, and drop_last")
+        a["batch_size"], a["drop_last"] = None, False
+    elif given["batch_size"] is None:
+        if given["drop_last"]:
+            raise ValueError("batch_size=None option disables auto-batching and is mutually "
+                             "exclusive with drop_last")
+        a["drop_last"] = given["drop_last"]  # unread, as torch leaves it
+    shuffled = a["shuffle"]  # by its row (map-style; an iterable dataset's is set above)
     if sampler is None:
-        if iterable:
-            sampler = _InfiniteConstantSampler()
-        elif shuffle:
-            RandomSampler(dataset, generator=generator)  # aioloader's checks, as below
-            sampler = _tud.RandomSampler(dataset, generator=generator)
+        if kind.iterable:
+            sampler = _tud._InfiniteConstantSampler()  # torch's: None forever
+        elif shuffled:
+            RandomSampler(dataset, generator=given["generator"])  # aioloader's checks
+            sampler = _tud.RandomSampler(dataset, generator=given["generator"])
         else:
             sampler = _tud.SequentialSampler(dataset)
-    if batch_size is not None and batch_sampler is None:
-        # Checked with aioloader's messages (they say what to pass), kept as exactly torch's
-        # class, as the samplers above (same batches; isinstance(x, aioloader.BatchSampler)
-        # holds too): Lightning and Fabric re-create a loader whose batch sampler is not
-        # `type(x) is BatchSampler` around a rebuilt batch sampler, which leaves
-        # batch_size=None and a default SequentialSampler as loader.sampler.
-        BatchSampler(sampler, batch_size, drop_last)
-        batch_sampler = _tud.BatchSampler(sampler, batch_size, drop_last)
-    return batch_size, drop_last, sampler, batch_sampler
+    if batch_sampler is None and a["batch_size"] is not None:
+        # Kept as exactly torch's classes, as the samplers above (same batches;
+        # isinstance(x, aioloader.BatchSampler) holds too): Lightning and Fabric re-create a
+        # loader whose batch sampler is not `type(x) is BatchSampler` around a rebuilt
+        # batch sampler, which leaves batch_size=None and a default SequentialSampler.
+        batch_sampler = _tud.BatchSampler(sampler, a["batch_size"], a["drop_last"])
+    # The given sampler and batch_sampler by their rows, where torch's BatchSampler checks
+    # its sampler; a listed batch_sampler's batches, which torch reaches only in an epoch.
+    _, batches, collate_fn = a["sampler"], a["batch_sampler"], a["collate_fn"]
+    if isinstance(batches, (list, tuple)):
+        _check_batch_list(batches, collate_fn is None or collate_fn is default_collate)
+    a["sampler"], a["batch_sampler"] = sampler, batch_sampler
+    if collate_fn is None:
+        a["collate_fn"] = default_collate if batch_sampler is not None else default_convert
+
+
+def _check_batch_list(batches: list[Any] | tuple[Any, ...], default_collate: bool) -> None:
+    """A ``batch_sampler`` given as a list: each batch is a non-empty list of keys.
+
+    torch finds out at that batch (``TypeError`` from iterating an int, ``IndexError``
+    from ``default_collate([])``); a list can be checked now. An empty batch is refused
+    only when ``default_collate`` collates it: a custom ``collate_fn`` may handle ``[]``.
+
+    Raises:
+        TypeError: a batch is not an iterable of keys (or is a string).
+        EmptyBatchError: (an ``IndexError``) a batch is empty, with ``default_collate``.
+    """
+    for position, batch in enumerate(batches):
+        if isinstance(batch, (str, bytes)) or not is_iterable(batch):
+            raise TypeError(
+                f"batch_sampler should yield lists of dataset keys, but its batch "
+                f"{position} is {type(batch).__name__} {batch!r}; for one key per batch "
+                f"use batch_sampler=[[k] for k in keys], or sampler=keys with batch_size")
+        if default_collate and hasattr(batch, "__len__") and len(batch) == 0:
+            raise EmptyBatchError(
+                f"batch_sampler should yield non-empty lists of dataset keys, but its batch "
+                f"{position} is empty ({batch!r}) and default_collate cannot collate no "
+                f"samples; drop the empty batches, or pass a collate_fn that handles []")
+

@@ -10,7 +10,7 @@ with, or call, itself.
 
 from __future__ import annotations
 
-from torch.utils.data.dataloader import DataLoader
+from torch.utils.data.dataloader import DataLoader, _InfiniteConstantSampler
 from torch.utils.data.dataset import (
     ChainDataset,
     ConcatDataset,
@@ -42,4 +42,5 @@ __all__ = [
     "Subset",
     "SubsetRandomSampler",
     "WeightedRandomSampler",
+    "_InfiniteConstantSampler",
 ]

@@ -23,8 +23,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from . import _torch_data as _tud
-from ._checks import require_iterable, require_sized
-from ._coerce import torch_flag, torch_int
+from ._coerce import require_iterable, require_sized, torch_flag, torch_int
 
 __all__ = [
     "BatchSampler",

@@ -316,10 +316,13 @@ def test_public_signature_is_the_argument_table() -> None:
     the table's names, order, defaults and kinds, and torch's arguments are torch's."""
     params = list(inspect.signature(DataLoader).parameters.values())
     assert [p.name for p in params] == [a.name for a in ARGUMENTS]
+    assert params == list(inspect.signature(DataLoader.__init__).parameters.values())[1:]
     for param, arg in zip(params, ARGUMENTS, strict=True):
         assert param.default is arg.default or param.default == arg.default, arg.name
         assert param.kind == (inspect.Parameter.POSITIONAL_OR_KEYWORD if arg.positional
                               else inspect.Parameter.KEYWORD_ONLY), arg.name
+        if arg.default is not inspect.Parameter.empty:  # every row's check takes its default
+            assert arg.check(arg.default) == arg.default, arg.name
     theirs = list(inspect.signature(tud.DataLoader).parameters.values())
     ours = [(p.name, p.default, p.kind) for p in params[:len(theirs)]]
     assert ours == [(p.name, p.default, p.kind) for p in theirs]
@@ -338,7 +341,7 @@ def test_loader_attributes_and_assignment_rules_follow_the_table() -> None:
     ASSIGNABLE, and torch's refused ones still raise torch's ValueError."""
     loader = DataLoader(range(4), batch_size=2, retry_delay=np.float32(0.5),
                         respawn_workers=np.int64(0))
-    kept = [a.name for a in ARGUMENTS if a.keep is not None]
+    kept = [a.name for a in ARGUMENTS if a.attribute]
     assert all(name in vars(loader) for name in kept)
     assert type(loader.retry_delay) is float and type(loader.respawn_workers) is int
     assert {  # what torch reads at iter(), and aioloader's knobs an epoch reads
@@ -371,7 +374,7 @@ def test_make_config_refuses_unknown_and_missing_arguments() -> None:
         make_config({"dataset": [1], "nope": 1})
     with pytest.raises(TypeError, match="dataset"):
         make_config({})
-    assert make_config({"dataset": [1]}).fetch_concurrency == DEFAULT_FETCH_CONCURRENCY
+    assert make_config({"dataset": [1]})[0].fetch_concurrency == DEFAULT_FETCH_CONCURRENCY
 
 
 # --------------------------------------------------------------------------- numpy numbers

@@ -15,7 +15,7 @@ import torch
 
 import aioloader
 from aioloader import DataLoader, get_worker_info
-from aioloader._options import AutoArgumentError
+from aioloader._arguments import AutoArgumentError
 from aioloader._pipeline import autotune
 from aioloader._pipeline import epoch as epoch_mod
 from aioloader._pipeline.dispatch import Dispatcher, ReorderBuffer

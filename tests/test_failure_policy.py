@@ -38,7 +38,7 @@ from aioloader import (
     WorkerDiedError,
 )
 from aioloader._fetch.guard import aguard
-from aioloader._fetch.policy import make_policy
+from aioloader._fetch.policy import FailurePolicy
 from aioloader._fetch.records import Tally
 
 N = 20
@@ -235,8 +235,7 @@ def test_retry_backoff_doubles_from_the_base_delay(monkeypatch: pytest.MonkeyPat
         delays.append(seconds)
 
     monkeypatch.setattr(anyio, "sleep", fake_sleep)
-    policy = make_policy(on_error=None, max_failures=None, retries=3, retry_delay=0.25,
-                         respawn_workers=False, num_workers=0, iterable=False, is_async=True)
+    policy = FailurePolicy(retries=3, retry_delay=0.25)
     calls = 0
 
     async def read() -> str:

@@ -24,11 +24,8 @@ class Delivery:
     """The delivery bookkeeping of one epoch (shared by the epoch and its source).
 
     Example:
-        >>> from aioloader._fetch.policy import make_policy
-        >>> policy = make_policy(on_error=None, max_failures=None, retries=0,
-        ...                      retry_delay=0.1, respawn_workers=False, num_workers=0,
-        ...                      iterable=False, is_async=False)
-        >>> d = Delivery(FailureReport(policy, False), None, auto_collation=True,
+        >>> from aioloader._fetch.policy import FailurePolicy
+        >>> d = Delivery(FailureReport(FailurePolicy(), False), None, auto_collation=True,
         ...              dataset=[1, 2], len_called=None, iterable=False, num_workers=0,
         ...              track=None)
         >>> d.absorb([0, 1], "batch")
