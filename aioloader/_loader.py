@@ -45,6 +45,7 @@ from ._stats import ranks as _ranks
 from ._stats.book import StatsBook
 from ._stats.recorder import StatsHook
 from ._stats.report import LoaderStats
+from ._threads import run_in_own_thread
 from ._tune.state import EpochSummary, TuneState
 from .sampler import Sampler
 
@@ -403,7 +404,7 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         """Shut down persistent workers, if any (iterators close themselves)."""
         lease = self._pools.pop()
         if lease is not None:
-            await lease.aclose()
+            await run_in_own_thread("aioloader-close", lease.close, lease.pool.DEFAULT_GRACE)
 
     def _close_pool_sync(self) -> None:
         lease = self._pools.pop()
