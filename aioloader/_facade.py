@@ -123,10 +123,6 @@ class DataLoader(DataLoaderCore[T_co]):
             return _MultiProcessSyncLoaderIter(core)
         return SyncLoaderIter(core)
 
-    def close(self) -> None:
-        """Shut down persistent workers now (they are also closed at exit/GC)."""
-        self._close_pool_sync()
-
 
 _iter_locks: weakref.WeakKeyDictionary[DataLoader[Any], threading.Lock] = (
     weakref.WeakKeyDictionary())

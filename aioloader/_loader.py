@@ -398,15 +398,16 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         if state is not None:
             self._resume_pending = state
             self._resume_tracker = None
-            self._close_pool_sync()
+            self.close()
 
     async def aclose(self) -> None:
-        """Shut down persistent workers, if any (iterators close themselves)."""
+        """Shut down persistent workers, if any (iterators close themselves), off the loop."""
         lease = self._pools.pop()
         if lease is not None:
             await run_in_own_thread("aioloader-close", lease.close, lease.pool.DEFAULT_GRACE)
 
-    def _close_pool_sync(self) -> None:
+    def close(self) -> None:
+        """Shut down persistent workers now, blocking (they are also closed at exit/GC)."""
         lease = self._pools.pop()
         if lease is not None:
             lease.close()

@@ -286,7 +286,9 @@ class ThreadRunner(ParkableThread):
 
         A call still running user code (say a hung ``__getitem__``) cannot be
         interrupted; after ``grace`` the daemon thread is abandoned and a
-        warning is logged.
+        warning is logged. Not a twin of :meth:`close`, which it calls: :meth:`close`
+        only asks (what a finalizer or a sync teardown can do: it never blocks, nor
+        waits), this also waits for the end, which only a loop can do without a join.
         """
         if self._closed or (self._thread is None and not self._parked
                             and not self._launching):

@@ -569,6 +569,25 @@ async def test_close_while_serving_returns_quietly() -> None:
         await close_off_loop(pool)
 
 
+@pytest.mark.gc_off
+async def test_close_on_the_serving_loop_does_not_wait_for_itself() -> None:
+    """close() made on the very loop that runs serve() (a finalizer there) cancels it
+    without waiting for it (it could not return meanwhile); its fds go as it returns."""
+    with no_leaks():
+        pool = WorkerPool(make_configs(1, ds.ProbeDataset()), mp_context("fork"))
+        pool.start()
+        send, recv = anyio.create_memory_object_stream[Reply](10)
+        async with send, recv:
+            with anyio.fail_after(20):  # a close that waited its grace (60 s) would fail this
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(pool.serve, send.send)
+                    await pool.send(0, ("fetch", 0, 0, [0]))
+                    assert (await recv.receive()).kind == "data"
+                    pool.close(grace=60)
+                    assert pool.closed and pool.processes[0].exitcode is not None
+        assert pool._closed  # released once serve() returned
+
+
 # --------------------------------------------------------------------------- lifecycle
 
 
