@@ -404,7 +404,8 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         """Shut down persistent workers, if any (iterators close themselves), off the loop."""
         lease = self._pools.pop()
         if lease is not None:
-            await run_in_own_thread("aioloader-close", lease.close, lease.pool.DEFAULT_GRACE)
+            await run_in_own_thread("aioloader-close", lease.close, lease.pool.DEFAULT_GRACE,
+                                    park=self._pools.park)
 
     def close(self) -> None:
         """Shut down persistent workers now, blocking (they are also closed at exit/GC)."""

@@ -284,7 +284,8 @@ class EpochLifecycle:
         await self.runner.aclose()
         lease = self._release(failed)
         if lease is not None:
-            await run_in_own_thread("aioloader-close", lease.close, lease.pool.DEFAULT_GRACE)
+            await run_in_own_thread("aioloader-close", lease.close, lease.pool.DEFAULT_GRACE,
+                                    park=self.keeper.park)
         self._to(_CLOSED)
 
     def _teardown_sync(self) -> None:

@@ -368,7 +368,8 @@ class WorkerPool(PoolBase[Conn]):
         self._retired.append(conn)
         conn.say_exit()
         with anyio.CancelScope(shield=True):
-            await run_in_own_thread("aioloader-retire", stop, [conn.proc], self.DEFAULT_GRACE)
+            await run_in_own_thread("aioloader-retire", stop, [conn.proc], self.DEFAULT_GRACE,
+                                    park=self._park)
         logger.debug("retired worker %d", conn.worker_id)
 
     # ------------------------------------------------------------------ stop
