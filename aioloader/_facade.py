@@ -99,10 +99,6 @@ class DataLoader(DataLoaderCore[T_co]):
             return _MultiProcessSyncLoaderIter(core)
         return SyncLoaderIter(core)
 
-    def close(self) -> None:
-        """Shut down persistent workers now (they are also closed at exit/GC)."""
-        self._close_pool_sync()
-
 
 def _own_arguments() -> str:
     """The lines of :class:`DataLoader`'s docstring for the arguments torch's lacks: each

@@ -46,6 +46,7 @@ from ._stats import ranks as _ranks
 from ._stats.book import StatsBook
 from ._stats.recorder import StatsHook
 from ._stats.report import LoaderStats
+from ._threads import run_in_own_thread
 from ._tune.state import EpochSummary, TuneState
 from .sampler import Sampler
 
@@ -397,15 +398,17 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         if state is not None:
             self._resume_pending = state
             self._resume_tracker = None
-            self._close_pool_sync()
+            self.close()
 
     async def aclose(self) -> None:
-        """Shut down persistent workers, if any (iterators close themselves)."""
+        """Shut down persistent workers, if any (iterators close themselves), off the loop."""
         lease = self._pools.pop()
         if lease is not None:
-            await lease.aclose()
+            await run_in_own_thread("aioloader-close", lease.close, lease.pool.DEFAULT_GRACE,
+                                    park=self._pools.park)
 
-    def _close_pool_sync(self) -> None:
+    def close(self) -> None:
+        """Shut down persistent workers now, blocking (they are also closed at exit/GC)."""
         lease = self._pools.pop()
         if lease is not None:
             lease.close()

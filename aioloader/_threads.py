@@ -286,7 +286,9 @@ class ThreadRunner(ParkableThread):
 
         A call still running user code (say a hung ``__getitem__``) cannot be
         interrupted; after ``grace`` the daemon thread is abandoned and a
-        warning is logged.
+        warning is logged. Not a twin of :meth:`close`, which it calls: :meth:`close`
+        only asks (what a finalizer or a sync teardown can do: it never blocks, nor
+        waits), this also waits for the end, which only a loop can do without a join.
         """
         if self._closed or (self._thread is None and not self._parked
                             and not self._launching):
@@ -327,16 +329,18 @@ def threadsafe_call_soon() -> Callable[[Callable[[], None]], Any]:
     return asyncio.get_running_loop().call_soon_threadsafe
 
 
-async def run_in_own_thread(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+async def run_in_own_thread(name: str, fn: Callable[..., Any], *args: Any,
+                            park: ParkGroup | None = None) -> Any:
     """``fn(*args)`` in a thread started for this call and ended before it returns: a
-    one-off blocking call (unmapping a pool's segments, closing its fds) kept off the loop.
+    one-off blocking call (closing a worker pool: its ladder, its segments and fds) kept
+    off the loop. ``park``: the loader's park group (its forks wait for the call to end).
 
     Example:
         >>> import anyio
         >>> anyio.run(run_in_own_thread, "demo", sum, [1, 2])
         3
     """
-    runner = ThreadRunner(name)
+    runner = ThreadRunner(name, park)
     # The thread ends after the call whatever happens here: awaited below when this
     # coroutine goes on; left to end alone when it is cancelled or its loop closes.
     try:

@@ -220,6 +220,28 @@ def test_a_fork_after_a_worker_death_does_not_wait_for_the_old_teardown(
     _assert_each_forked_apart(fork_spy, 4)
 
 
+def test_the_same_loader_forks_after_a_worker_death_beside_none_of_its_threads(
+        fork_spy: _ForkSpy, tmp_path: Any) -> None:
+    """Regression test for issue 38: a pool's close runs in a thread of its own, parked
+    with its loader's threads: the same loader's next fork, made while the failed epoch's
+    close still waits for the worker inside its batch, waits for that close (which ends
+    the worker) and forks beside none of the loader's threads."""
+    os.mkfifo(tmp_path / "meet")
+    os.mkfifo(tmp_path / "gate")
+    gate = os.open(tmp_path / "gate", os.O_RDWR)
+    try:
+        loader = DataLoader(DiesWhileTheOtherWaits(str(tmp_path)), batch_size=1, num_workers=2,
+                            **FORK)
+        with pytest.raises(WorkerDiedError):
+            list(loader)
+        it = iter(loader)  # its forks: the first epoch's worker 1 is still in its batch
+        os.write(gate, b"x")  # this epoch's worker 1 may finish its batch
+        it.close()
+    finally:
+        os.close(gate)
+    _assert_forked_alone(fork_spy, 4)
+
+
 def test_two_loaders_alive_at_once_for(fork_spy: _ForkSpy) -> None:
     """Regression test for issues 18 and 37: zip() of two `for` loaders: each forks its
     workers with no thread of its own alive (the other's may run)."""

@@ -1,5 +1,5 @@
-"""The escalation ladder that stops worker processes (aioloader._pools.ladder), climbed by the
-blocking close() and by the async aclose() alike."""
+"""The escalation ladder that stops worker processes (aioloader._pools.ladder), climbed by
+close(), blocking, whether called where no loop runs or run off a loop."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from torch.utils.data import default_collate
 from aioloader._fetch.sync import DatasetKind
 from aioloader._pools.ladder import KILL_WAIT, TERM_WAIT, climb, process_steps
 from aioloader._pools.process import WorkerPool
+from aioloader._threads import run_in_own_thread
 from aioloader._worker.config import WorkerConfig
 
 
@@ -59,8 +60,8 @@ class IgnoresSigtermAndHangs:
 
 
 @pytest.mark.gc_off
-@pytest.mark.parametrize("how", ["close", "aclose"])
-def test_both_drivers_climb_to_sigkill_for_a_worker_that_ignores_sigterm(how: str) -> None:
+@pytest.mark.parametrize("how", ["close", "off a loop"])
+def test_both_callers_climb_to_sigkill_for_a_worker_that_ignores_sigterm(how: str) -> None:
     ctx = multiprocessing.get_context("fork")
     ready = ctx.Event()
     pool = WorkerPool([WorkerConfig(worker_id=0, num_workers=1,
@@ -76,7 +77,7 @@ def test_both_drivers_climb_to_sigkill_for_a_worker_that_ignores_sigterm(how: st
     if how == "close":
         pool.close(grace)
     else:
-        anyio.run(pool.aclose, grace)
+        anyio.run(run_in_own_thread, "test-close", pool.close, grace)
     elapsed = time.monotonic() - start
     assert proc.exitcode == -signal.SIGKILL
     # It was asked to exit, given its grace, ignored SIGTERM for TERM_WAIT, then killed.

@@ -31,6 +31,7 @@ from torch.utils.data._utils.worker import _generate_state
 from aioloader._errors import LoaderClosedError, RemoteError, WorkerDiedError
 from aioloader._fetch.sync import DatasetKind
 from aioloader._pools.process import WorkerPool
+from aioloader._threads import run_in_own_thread
 from aioloader._worker.codec import decode, encode
 from aioloader._worker.config import WorkerConfig, generate_numpy_seed
 from aioloader._worker.reply import Reply
@@ -110,7 +111,12 @@ async def running(configs: list[WorkerConfig], method: str = "fork",
             yield pool, recv
             tg.cancel_scope.cancel()
     finally:
-        await pool.aclose()
+        await close_off_loop(pool)
+
+
+async def close_off_loop(pool: WorkerPool, grace: float | None = None) -> None:
+    """``pool.close()`` run off the loop, as the loader's epochs do."""
+    await run_in_own_thread("test-close", pool.close, grace)
 
 
 async def ask(pool: WorkerPool, recv: ObjectReceiveStream[Reply],
@@ -337,7 +343,7 @@ async def test_replies_wait_in_the_pool_between_serve_calls() -> None:
                     del got
                     tg.cancel_scope.cancel()
         finally:
-            await pool.aclose()
+            await close_off_loop(pool)
 
 
 # --------------------------------------------------------------------------- async datasets
@@ -394,7 +400,7 @@ async def test_lambda_worker_init_fn_with_spawn_fails_at_start_and_leaks_nothing
         assert "importable top-level" in text
         assert type(info.value).__name__ in ("PicklingError", "AttributeError", "TypeError")
         assert pool.closed
-        await pool.aclose()  # idempotent after a failed start
+        await close_off_loop(pool)  # idempotent after a failed start
 
 
 async def test_workers_forked_from_an_executor_thread_exit_with_code_0() -> None:
@@ -417,7 +423,7 @@ async def test_workers_forked_from_an_executor_thread_exit_with_code_0() -> None
                 assert [p.exitcode for p in pool.processes] == [0, 0]
                 tg.cancel_scope.cancel()
         finally:
-            await pool.aclose()
+            await close_off_loop(pool)
 
 
 def test_configs_out_of_worker_id_order_are_rejected() -> None:
@@ -504,7 +510,7 @@ async def _kill9_mid_fetch_latency() -> float:
             result.clear()  # exception -> traceback -> watch() -> result: no cycle
             return raised_at - killed_at
         finally:
-            await pool.aclose()
+            await close_off_loop(pool)
 
 
 async def test_exit_code_is_named_after_replies_sent_before_death() -> None:
@@ -523,19 +529,19 @@ async def test_exit_code_is_named_after_replies_sent_before_death() -> None:
                 in str(exc)
             assert "aioloader worker 0 of 1" in str(exc)
         finally:
-            await pool.aclose()
+            await close_off_loop(pool)
 
 
 @pytest.mark.gc_off
-async def test_aclose_stops_a_worker_hanging_in_getitem_within_grace() -> None:
-    """aclose() ends a worker stuck in __getitem__ within its grace bound, reaping it."""
+async def test_close_stops_a_worker_hanging_in_getitem_within_grace() -> None:
+    """close() ends a worker stuck in __getitem__ within its grace bound, reaping it."""
     with no_leaks():
         pool = WorkerPool(make_configs(1, ds.DyingDataset()), mp_context("fork"))
         pool.start()
         await pool.send(0, ("fetch", 0, 0, [9]))
         pid = pool.pids[0]
         start = time.monotonic()
-        await pool.aclose(grace=0.5)
+        await close_off_loop(pool, 0.5)
         elapsed = time.monotonic() - start
         log.info("hanging worker stopped in %.3f s", elapsed)
         assert elapsed < 0.5 + 0.5 + 2.0
@@ -545,8 +551,8 @@ async def test_aclose_stops_a_worker_hanging_in_getitem_within_grace() -> None:
 
 
 @pytest.mark.gc_off
-async def test_aclose_while_serving_returns_quietly() -> None:
-    """aclose() called while serve() runs stops serve() without an error and frees all."""
+async def test_close_while_serving_returns_quietly() -> None:
+    """close() (off the loop) called while serve() runs stops serve() without an error and frees all."""
     with no_leaks():
         pool = WorkerPool(make_configs(2, ds.ProbeDataset()), mp_context("fork"))
         pool.start()
@@ -559,8 +565,27 @@ async def test_aclose_while_serving_returns_quietly() -> None:
                     msg = await recv.receive()
                     assert msg.kind == "data"
                     del msg
-                    await pool.aclose()
-        await pool.aclose()
+                    await close_off_loop(pool)
+        await close_off_loop(pool)
+
+
+@pytest.mark.gc_off
+async def test_close_on_the_serving_loop_does_not_wait_for_itself() -> None:
+    """close() made on the very loop that runs serve() (a finalizer there) cancels it
+    without waiting for it (it could not return meanwhile); its fds go as it returns."""
+    with no_leaks():
+        pool = WorkerPool(make_configs(1, ds.ProbeDataset()), mp_context("fork"))
+        pool.start()
+        send, recv = anyio.create_memory_object_stream[Reply](10)
+        async with send, recv:
+            with anyio.fail_after(20):  # a close that waited its grace (60 s) would fail this
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(pool.serve, send.send)
+                    await pool.send(0, ("fetch", 0, 0, [0]))
+                    assert (await recv.receive()).kind == "data"
+                    pool.close(grace=60)
+                    assert pool.closed and pool.processes[0].exitcode is not None
+        assert pool._closed  # released once serve() returned
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -569,8 +594,8 @@ async def test_aclose_while_serving_returns_quietly() -> None:
 @pytest.mark.slow
 @pytest.mark.gc_off
 @one_loop
-async def test_200_start_aclose_cycles_with_fork_leave_nothing() -> None:
-    """200 start/aclose cycles (one fetch every 25th) leave no process, fd or shm entry."""
+async def test_200_start_close_cycles_with_fork_leave_nothing() -> None:
+    """200 start/close cycles (one fetch every 25th) leave no process, fd or shm entry."""
     ctx = mp_context("fork")
     with no_leaks():
         start = time.monotonic()
@@ -589,7 +614,7 @@ async def test_200_start_aclose_cycles_with_fork_leave_nothing() -> None:
                     send.close()
                     recv.close()
             finally:
-                await pool.aclose()
+                await close_off_loop(pool)
         log.info("200 cycles in %.2f s", time.monotonic() - start)
 
 

@@ -197,7 +197,8 @@ class _PipelineCore(lifecycle.EpochLifecycle):
             if self.state is not _RUNNING and self.fatal is None:
                 raise StopAsyncIteration
         if self.track.discard and not self.track.replaying:
-            await self.track.areplay(self.anext)
+            for _ in self.track.replay():
+                await self.anext()
         if self.rec is not None:
             staged = len(self.device_stage.staged) if self.device_stage is not None else 0
             self.rec.occupancy(*self.buffer.counts(), staged)

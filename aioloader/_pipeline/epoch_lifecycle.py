@@ -5,7 +5,8 @@ A pipeline epoch (:class:`aioloader._pipeline.epoch._PipelineCore`) is an
 :meth:`EpochLifecycle._to` (docs/pipeline.md, "Shutdown"). Its first ``next()`` spawns
 the background task on the consumer's loop (:class:`aioloader._pipeline.backend._LoopHandle`),
 which runs the source and the sender; every exit goes through
-:meth:`EpochLifecycle._teardown` (or its synchronous twin where no loop can be used),
+:meth:`EpochLifecycle._teardown` (or :meth:`~EpochLifecycle._teardown_sync` where no loop
+can be awaited),
 which lets go of the batches, the pool lease and the epoch's thread.
 
 The parts the lifecycle drives (source, dispatcher, lease, ...) are built by
@@ -29,7 +30,7 @@ from .._fetch.amap import AsyncFetchPool
 from .._fetch.report import FailureReport
 from .._pools.lease import PoolKeeper, _PoolLease
 from .._stats.recorder import Recorder
-from .._threads import ThreadRunner
+from .._threads import ThreadRunner, run_in_own_thread
 from .autotune import EpochTuner
 from .backend import _LoopHandle
 from .device import DeviceStage
@@ -286,16 +287,21 @@ class EpochLifecycle:
         return lease
 
     async def _teardown(self, failed: bool = False) -> None:
-        """Every exit ends here, on the loop: STOPPING (or SUPERSEDED) -> CLOSED."""
+        """Every exit ends here, on the loop: STOPPING (or SUPERSEDED) -> CLOSED. What
+        only a loop can do (an async dataset's iterator closed, the epoch's thread's end
+        awaited, not joined), then the pool closed in a thread of its own."""
         await self.source.aclose()
         await self.runner.aclose()
         lease = self._release(failed)
         if lease is not None:
-            await lease.aclose()
+            await run_in_own_thread("aioloader-close", lease.close, lease.pool.DEFAULT_GRACE,
+                                    park=self.keeper.park)
         self._to(_CLOSED)
 
     def _teardown_sync(self) -> None:
-        """:meth:`_teardown` from any thread, where the loop is not there (or never was)."""
+        """:meth:`_teardown` where no loop can be awaited: the epoch never ran on one, or
+        its loop is gone, and from finalizers in any thread (the one sync teardown: a
+        finalizer cannot await)."""
         self.runner.close()
         self.source.close()
         lease = self._release(False)
@@ -347,7 +353,7 @@ class EpochLifecycle:
             self._wait_for_previous()
             assert isinstance(self.source, PoolSource)
             try:
-                self.source.start_sync()
+                self.source.start_workers()
             except BaseException:
                 self.close_from_gc()
                 raise

@@ -206,7 +206,8 @@ class InlineSource:
             if self.closed:
                 raise StopIteration
             if track.discard and not track.replaying:
-                track.replay(self.next_sync)
+                for _ in track.replay():
+                    self.next_sync()
             try:
                 index = next(self.sampler_iter)
             except StopIteration:
@@ -259,7 +260,8 @@ class InlineSource:
                 if self.closed:
                     raise StopAsyncIteration
                 if track.discard and not track.replaying:
-                    await track.areplay(self.anext)
+                    for _ in track.replay():
+                        await self.anext()
                 call = self.pending_call
                 if call is None:
                     policy = self.policy

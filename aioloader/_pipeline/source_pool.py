@@ -92,11 +92,12 @@ class PoolSource:
             by_worker.setdefault(worker, []).append(cmd)
         return _EarlySender(self.lease.pool, by_worker, self.rec)
 
-    def start_sync(self) -> None:
+    def start_workers(self) -> None:
         """Start the workers (if not yet) from the calling thread and send what is primed:
-        the sync facade's start, before its loop thread exists."""
+        the sync facade's start, before its loop thread exists; ``async for``'s, in the
+        epoch's thread (:meth:`start`)."""
         early = self._early_sender()
-        self.lease.start_sync(early)
+        self.lease.start(early)
         if early is not None:
             early.rest()
         self.push_now()
@@ -132,11 +133,10 @@ class PoolSource:
         epoch's thread, which starts the workers: :meth:`_early_sender`).
         """
         self.lease.pool.bind_loop()  # the previous epoch is over (the epoch waited for it)
-        early = self._early_sender()
-        await self.lease.start(self.runner, early)
-        if early is not None:
-            early.rest()
-        self.push_now()
+        if self.lease.started:
+            self.push_now()
+        else:  # a fork, a new interpreter, an actor, a thread: never on the loop's thread
+            await self.runner.run(self.start_workers)
         tg.start_soon(self._serve)
 
     async def begin_sending(self) -> None:

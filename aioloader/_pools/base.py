@@ -2,10 +2,11 @@
 its serve loop).
 
 :class:`PoolBase` is the lifecycle of the process, thread and Ray pools: ``start`` once,
-any number of ``serve`` calls (one at a time) and sends, then ``aclose`` or the sync
-``close`` (also run by ``__del__``, and at interpreter exit). A subclass says how to start
-its workers, how to stop them (its :mod:`aioloader._pools.ladder` rungs and how to wait
-for one) and what to free at the end.
+any number of ``serve`` calls (one at a time) and sends, then ``close``: one blocking
+close for every caller (``__del__``, interpreter exit, any thread; an event loop runs it
+in a thread of its own, :func:`aioloader._threads.run_in_own_thread`). A subclass says
+how to start its workers, how to stop them (its :mod:`aioloader._pools.ladder` rungs and
+how to wait for one) and what to free at the end.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, ClassVar
 import anyio
 
 from .._errors import IteratorClosedError, add_note
-from .._threads import ThreadRunner, close_at_exit, run_in_own_thread
+from .._threads import ThreadRunner, close_at_exit
 from .._worker.config import WorkerConfig
 from .serve import ServeLoop, W
 
@@ -47,7 +48,8 @@ class PoolBase(ServeLoop[W]):
     with ``close(grace=0.1)`` then (default: ``close()``).
     """
 
-    #: ``aclose()``'s default grace: seconds workers get to leave on their own.
+    #: The grace of a close run off an event loop (nobody waits on it but the epoch's end):
+    #: seconds workers get to leave on their own.
     DEFAULT_GRACE: ClassVar[float] = 2.0
     #: ``close()``'s default grace (it blocks the calling thread meanwhile).
     CLOSE_GRACE: ClassVar[float] = 0.5
@@ -69,10 +71,12 @@ class PoolBase(ServeLoop[W]):
         self._closed = False  # everything released
         self._serving = 0
         self._serve_scopes: set[anyio.CancelScope] = set()
-        self._idle: anyio.Event | None = None  # set when the last serve() returns
+        self._serve_thread = 0  # the ident of the thread whose loop runs serve()
+        self._idle = threading.Event()  # set while no serve() runs
+        self._idle.set()
         self._deferred_release = False  # fds to close when the running serve() ends
         self._owner_pid = os.getpid()
-        self._close_lock = threading.Lock()
+        self._close_lock = threading.Lock()  # orders close, release and serve()'s end
         #: The id of the worker being started (set by :meth:`_start_workers`), for the
         #: message of a failed start; None once every worker started.
         self._starting: int | None = None
@@ -108,7 +112,7 @@ class PoolBase(ServeLoop[W]):
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`aclose` or :meth:`close` started."""
+        """True once :meth:`close` started."""
         return self._closing
 
     def _repr_detail(self) -> str:
@@ -197,7 +201,7 @@ class PoolBase(ServeLoop[W]):
     # ------------------------------------------------------------------ serve bookkeeping
 
     def _serve_begin(self) -> anyio.CancelScope:
-        """A ``serve()`` call starts: its scope, which :meth:`aclose` cancels.
+        """A ``serve()`` call starts: its scope, which :meth:`close` cancels.
 
         Raises:
             IteratorClosedError: the pool is closed.
@@ -206,19 +210,23 @@ class PoolBase(ServeLoop[W]):
             raise IteratorClosedError("the worker pool is closed")
         scope = anyio.CancelScope()
         self._serve_scopes.add(scope)
-        self._serving += 1
+        with self._close_lock:
+            self._serving += 1
+            self._idle.clear()
+        self._serve_thread = threading.get_ident()
         return scope
 
     def _serve_end(self, scope: anyio.CancelScope) -> None:
-        """A ``serve()`` call ends: wake a waiting :meth:`aclose`, run a deferred release."""
+        """A ``serve()`` call ends: wake a waiting :meth:`close`, run a deferred release."""
         self._serve_scopes.discard(scope)
-        self._serving -= 1
-        if self._serving == 0:
-            if self._idle is not None:
-                self._idle.set()
-            if self._deferred_release:  # a close() that could not close our fds
-                self._deferred_release = False
-                self._release()
+        with self._close_lock:
+            self._serving -= 1
+            if self._serving:
+                return
+            release, self._deferred_release = self._deferred_release, False
+            self._idle.set()
+        if release:  # a close() that could not close our fds
+            self._release()
 
     # ------------------------------------------------------------------ resize (autotune)
 
@@ -252,12 +260,8 @@ class PoolBase(ServeLoop[W]):
         wait for them) per rung (:func:`aioloader._pools.ladder.climb`)."""
         raise NotImplementedError
 
-    def _wait_blocking(self, live: list[Any], limit: float) -> None:
+    def _wait(self, live: list[Any], limit: float) -> None:
         """Block up to ``limit`` s until the ``live`` workers have ended."""
-        raise NotImplementedError
-
-    async def _wait(self, live: list[Any], limit: float) -> None:
-        """Wait on the loop, without blocking it, up to ``limit`` s for the ``live`` workers."""
         raise NotImplementedError
 
     def _begin_close(self) -> bool:
@@ -268,71 +272,50 @@ class PoolBase(ServeLoop[W]):
             self._closing = True
             return True
 
-    async def aclose(self, grace: float | None = None) -> None:
-        """Stop every worker and release everything; idempotent, shielded.
-
-        A running :meth:`serve` is stopped first (waited for up to ``grace``
-        seconds); then the workers are asked to leave and the pool's ladder is
-        climbed without blocking the loop (workers get ``grace`` seconds,
-        default :attr:`DEFAULT_GRACE`, before anything harsher).
-        """
-        if not self._begin_close():
-            return
-        grace = self.DEFAULT_GRACE if grace is None else grace
-        with anyio.CancelScope(shield=True):
-            try:
-                if self._serving:  # stop serve() first: its waits use our fds
-                    self._idle = anyio.Event()
-                    for scope in list(self._serve_scopes):
-                        scope.cancel()
-                    with anyio.move_on_after(grace):
-                        await self._idle.wait()
-                for live, limit in self._ladder(grace):
-                    await self._wait(live, limit)
-                if self._serving == 0:
-                    await self._await_helpers()
-            finally:
-                # Unmapping the segments and closing the fds can take tens of ms: not on
-                # the loop (nothing of the pool runs there any more).
-                await run_in_own_thread("aioloader-release", self._release,
-                                        self._serving == 0)
-
-    async def _await_helpers(self) -> None:
-        """Wait on the loop for the pool's helper processes (a zygote) to leave, its
-        workers gone: the release that follows would block on them."""
-
     def close(self, grace: float | None = None) -> None:
-        """Sync :meth:`aclose`: safe from finalizers, ``atexit`` and any thread.
+        """Stop every worker and release everything; idempotent. Blocks the calling
+        thread while it climbs the ladder (workers get ``grace`` seconds, default
+        :attr:`CLOSE_GRACE`, to leave on their own before anything harsher).
 
-        Blocks the calling thread while it climbs the ladder (workers get
-        ``grace`` seconds, default :attr:`CLOSE_GRACE`). Idempotent. Does
-        nothing in a process other than the one that started the pool (a
-        forked child: its lock may have been held by a thread absent there).
+        The one close, blocking: safe from finalizers, ``atexit`` and any thread; on an
+        event loop, ``await run_in_own_thread(name, pool.close, grace)`` keeps it off the
+        loop. A running :meth:`serve` is cancelled on its loop first and, from any other
+        thread, waited for up to ``grace`` (its waits use the fds the release closes; they
+        are closed once it returns). Does nothing in a process other than the one that
+        started the pool (a forked child: its lock may have been held by a thread absent
+        there).
         """
-        if os.getpid() != self._owner_pid:
-            return
-        if self._begin_close():
+        if os.getpid() == self._owner_pid and self._begin_close():
             self._close_now(self.CLOSE_GRACE if grace is None else grace)
 
     def _close_now(self, grace: float) -> None:
-        if os.getpid() != self._owner_pid:
-            return  # a forked copy of the pool: the workers are not ours
         try:
+            call_soon = self._call_soon
+            if self._serving and call_soon is not None:
+                try:
+                    for scope in list(self._serve_scopes):
+                        call_soon(scope.cancel)
+                except RuntimeError:  # its loop is closed: serve() runs no more
+                    pass
+                else:
+                    if self._serve_thread != threading.get_ident():  # never wait on ourselves
+                        self._idle.wait(grace)
             for live, limit in self._ladder(grace):
-                self._wait_blocking(live, limit)
+                self._wait(live, limit)
         finally:
-            # With serve() running on a loop elsewhere, its fds must stay valid until
-            # it is cancelled; only the workers are dealt with then.
-            self._release(close_fds=self._serving == 0)
+            self._release()
 
-    def _release(self, close_fds: bool = True) -> None:
-        if self._closed:
-            return
-        self._reap()
-        if not close_fds:
-            self._deferred_release = True
-            return
-        self._closed = True
+    def _release(self) -> None:
+        """Reap the workers that ended; close every fd and drop every buffer, unless a
+        ``serve()`` still runs (it waits on them): then as it returns."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._reap()
+            if self._serving:
+                self._deferred_release = True
+                return
+            self._closed = True
         self._free()
         type(self)._live.discard(self)
         logger.debug("%s closed", type(self).__name__)
@@ -345,10 +328,6 @@ class PoolBase(ServeLoop[W]):
 
     def __del__(self) -> None:
         try:
-            if self._started and not self._closing:
-                self.close()
-            elif not self._started:
-                self._closing = True
-                self._release()
+            self.close()
         except Exception:
             pass

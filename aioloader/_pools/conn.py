@@ -21,7 +21,7 @@ import anyio
 
 from .._errors import WorkerDiedError, add_note
 from .._park import fd_section, let_others_run
-from .._threads import ThreadRunner
+from .._threads import ThreadRunner, run_in_own_thread
 from .._worker.codec import decode
 from .._worker.config import WorkerConfig
 from .._worker.fdlimit import is_out_of_files, out_of_files_error
@@ -229,7 +229,8 @@ class Conn:
     async def death_error(self, num_workers: int, method: str) -> WorkerDiedError:
         """Why the process ended unasked, in torch's words."""
         proc = self.proc
-        await reap(proc, 1.0)  # the sentinel fires a moment before the exit status exists
+        if proc.exitcode is None:  # the sentinel fires a moment before the exit status exists
+            await run_in_own_thread("aioloader-reap", reap, proc, 1.0)
         code = proc.exitcode
         self.exitcode = code
         pid = proc.pid

@@ -1,4 +1,4 @@
-"""Stopping workers: one escalation ladder, climbed by a blocking or by an async waiter.
+"""Stopping workers: one escalation ladder, climbed by a blocking waiter.
 
 A ladder is a plain sequence of steps ``(action, wait)``: do ``action`` to the
 workers still alive (``None``: nothing), then wait up to ``wait`` seconds for
@@ -8,17 +8,15 @@ asked every worker to exit and hung up its socket::
     wait grace  ->  SIGTERM, wait 0.5 s  ->  SIGKILL, wait 2 s
 
 :func:`climb` walks a ladder and yields, for each step, the workers to wait
-for and for how long; it stops as soon as none is alive. How to wait is the
-caller's: a sync close blocks on the process sentinels
-(:func:`wait_exit_blocking`, ``multiprocessing.connection.wait``); an async
-close awaits their readiness on the event loop (:func:`wait_exit`) and never
-blocks it. :class:`aioloader._pools.base.PoolBase` drives every pool's ladder
-both ways with the same steps.
+for and for how long; it stops as soon as none is alive. The waits block
+(:func:`wait_exit`, on the process sentinels): an event loop has them run in a
+thread of their own (:func:`aioloader._threads.run_in_own_thread`), as
+:class:`aioloader._pools.base.PoolBase` does for a close made on a loop.
 
-Example (blocking)::
+Example::
 
     for live, limit in climb(procs, process_steps(2.0), is_alive):
-        wait_exit_blocking(live, limit)
+        wait_exit(live, limit)
 """
 
 from __future__ import annotations
@@ -32,10 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import wait as mp_wait
 from typing import Protocol, TypeVar
 
-import anyio
-
 __all__ = ["KILL_WAIT", "TERM_WAIT", "Proc", "climb", "is_alive", "process_steps", "reap",
-           "reap_blocking", "wait_exit", "wait_exit_blocking"]
+           "stop", "wait_exit"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +111,7 @@ def _signal_all(sig: int, grace: float, procs: list[Proc]) -> None:
 # --------------------------------------------------------------------------- waiting
 
 
-def wait_exit_blocking(procs: list[Proc], limit: float) -> None:
+def wait_exit(procs: list[Proc], limit: float) -> None:
     """Block up to ``limit`` s until ``procs`` have ended, reaping each as it ends."""
     waiting = {p.sentinel: p for p in procs if p.exitcode is None}
     end = time.monotonic() + limit
@@ -124,42 +120,22 @@ def wait_exit_blocking(procs: list[Proc], limit: float) -> None:
         if left <= 0:
             break
         for sentinel in mp_wait(list(waiting), left):
-            reap_blocking(waiting.pop(sentinel), _REAP_WAIT)  # type: ignore[arg-type]
+            reap(waiting.pop(sentinel), _REAP_WAIT)  # type: ignore[arg-type]
 
 
-async def wait_exit(procs: list[Proc], limit: float) -> None:
-    """Wait on the loop up to ``limit`` s until ``procs`` have ended, reaping each."""
-    with anyio.move_on_after(limit):
-        for proc in procs:
-            if proc.exitcode is None:
-                try:
-                    await anyio.wait_readable(proc.sentinel)
-                except anyio.BusyResourceError:  # pragma: no cover - serve() still waits on it
-                    pass
-                await reap(proc, _REAP_WAIT)
-
-
-def _reap_pauses(proc: Proc, wait: float) -> Iterator[float]:
-    """The pauses between reap attempts (``exitcode`` is a ``waitpid(WNOHANG)``) until
-    ``proc`` is reaped or ``wait`` s have passed.
+def reap(proc: Proc, wait: float) -> None:
+    """Reap ``proc`` if it ended, blocking up to ``wait`` s for its exit status.
 
     A process's sentinel becomes readable when the kernel closes its fds, a
-    moment before the process can be reaped: this bridges that gap.
+    moment before the process can be reaped (``exitcode`` is a
+    ``waitpid(WNOHANG)``): this bridges that gap.
     """
     end = time.monotonic() + wait
-    while proc.exitcode is None:
-        if time.monotonic() >= end:
-            return
-        yield _REAP_POLL
+    while proc.exitcode is None and time.monotonic() < end:
+        time.sleep(_REAP_POLL)
 
 
-def reap_blocking(proc: Proc, wait: float) -> None:
-    """Reap ``proc`` if it ended, blocking up to ``wait`` s for its exit status."""
-    for pause in _reap_pauses(proc, wait):
-        time.sleep(pause)
-
-
-async def reap(proc: Proc, wait: float) -> None:
-    """Reap ``proc`` if it ended, waiting on the loop up to ``wait`` s for its exit status."""
-    for pause in _reap_pauses(proc, wait):
-        await anyio.sleep(pause)
+def stop(procs: list[Proc], grace: float) -> None:
+    """Climb :func:`process_steps` for ``procs`` (asked to exit already), blocking."""
+    for live, limit in climb(procs, process_steps(grace), is_alive):
+        wait_exit(live, limit)

@@ -13,12 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .._park import ParkGroup
-from .._threads import ThreadRunner
 from .process import WorkerPool
 from .ray import RayWorkerPool
 from .thread import ThreadWorkerPool
 
-#: Every kind of worker pool (one interface: start, send, serve, aclose/close).
+#: Every kind of worker pool (one interface: start, send, serve, close).
 AnyPool = WorkerPool | ThreadWorkerPool | RayWorkerPool
 
 
@@ -63,29 +62,19 @@ class _PoolLease:
                 return
         self.close()
 
-    def start_sync(self, on_started: Callable[[int], None] | None = None) -> None:
-        """Start the pool's workers now, from the calling thread (once); ``on_started``:
-        :meth:`~aioloader._pools.base.PoolBase.start`'s."""
+    def start(self, on_started: Callable[[int], None] | None = None) -> None:
+        """Start the pool's workers now, from the calling thread (once): never the loop's
+        (a fork, a new interpreter, an actor, a thread: ``Thread.start`` waits until the
+        new thread runs); ``on_started``: :meth:`~aioloader._pools.base.PoolBase.start`'s."""
         if not self.started:
             self.started = True
             self.pool.start(on_started)
 
-    async def start(self, runner: ThreadRunner,
-                    on_started: Callable[[int], None] | None = None) -> None:
-        """Start the pool's workers (once) without blocking the loop: in ``runner``'s
-        thread (``on_started`` is called there). A fork, a new interpreter, an actor, and
-        a thread too (``Thread.start`` waits until the new thread runs)."""
-        if not self.started:
-            await runner.run(self.start_sync, on_started)
-
-    async def aclose(self) -> None:
+    def close(self, grace: float | None = None) -> None:
+        """Close the pool (once; blocking: :meth:`~aioloader._pools.base.PoolBase.close`)."""
         self.closed = True
         if self._finalizer.detach() is not None:
-            await self.pool.aclose()
-
-    def close(self) -> None:
-        self.closed = True
-        self._finalizer()
+            self.pool.close(grace)
 
 
 class PoolKeeper:

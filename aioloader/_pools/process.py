@@ -23,7 +23,7 @@ Example (``fork`` start method, a sync map-style dataset)::
         await pool.send(0, ("fetch", 0, 0, [0, 1]))
         reply = await recv.receive()   # reply.kind == "data", reply.batch
         tg.cancel_scope.cancel()
-    await pool.aclose()
+    await run_in_own_thread("close", pool.close)  # pool.close() where no loop runs
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ import anyio
 
 from .._errors import IteratorClosedError
 from .._park import ParkGroup
-from .._threads import ThreadRunner
+from .._threads import ThreadRunner, run_in_own_thread
 from .._worker.config import WorkerConfig
 from .._worker.image import DatasetImage
 from .base import ConfigSource, PoolBase
 from .conn import Conn, register_parent_end
-from .ladder import Proc, climb, is_alive, process_steps, wait_exit, wait_exit_blocking
+from .ladder import Proc, climb, is_alive, process_steps, stop, wait_exit
 from .serve import Deliver, Transform
 from .zygote import Zygote
 
@@ -294,6 +294,7 @@ class WorkerPool(PoolBase[Conn]):
     def _serve_open(self, transform: Transform | None) -> None:
         # Decodes every frame off the loop; started now (a thread comes up in milliseconds
         # on busy cores: not on the first reply's path), joined before serve() ends.
+        super()._serve_open(transform)
         self._decoder = ThreadRunner("aioloader-decode", self._park)
         self._decoder.prestart()
         self._transform = transform
@@ -303,6 +304,7 @@ class WorkerPool(PoolBase[Conn]):
         if self._decoder is not None:
             await self._decoder.aclose()
         self._decoder = self._transform = None
+        await super()._serve_close()
 
     def _finished(self, conn: Conn) -> bool:
         return conn.exited and not conn.pending and not len(conn.reader)
@@ -387,9 +389,8 @@ class WorkerPool(PoolBase[Conn]):
         self._retired.append(conn)
         conn.say_exit()
         with anyio.CancelScope(shield=True):
-            for live, limit in climb([conn.proc], process_steps(self.DEFAULT_GRACE),
-                                     is_alive):
-                await wait_exit(live, limit)
+            await run_in_own_thread("aioloader-retire", stop, [conn.proc], self.DEFAULT_GRACE,
+                                    park=self._park)
         logger.debug("retired worker %d", conn.worker_id)
 
     # ------------------------------------------------------------------ stop
@@ -405,11 +406,8 @@ class WorkerPool(PoolBase[Conn]):
                 c.close_socket()
         yield from climb([c.proc for c in self._workers], process_steps(grace), is_alive)
 
-    def _wait_blocking(self, live: list[Proc], limit: float) -> None:
-        wait_exit_blocking(live, limit)
-
-    async def _wait(self, live: list[Proc], limit: float) -> None:
-        await wait_exit(live, limit)
+    def _wait(self, live: list[Proc], limit: float) -> None:
+        wait_exit(live, limit)
 
     def _reap(self) -> None:
         for c in self._workers:
@@ -417,10 +415,6 @@ class WorkerPool(PoolBase[Conn]):
                 c.proc.join(0)
             except (AssertionError, ValueError):
                 pass
-
-    async def _await_helpers(self) -> None:
-        if self._zygote is not None:
-            await self._zygote.aleave()
 
     def _free(self) -> None:
         for c in self._workers + self._retired:

@@ -2,7 +2,7 @@
 
 :class:`RayWorkerPool` is what the pipeline needs from a pool (the interface of
 :class:`aioloader._pools.process.WorkerPool`: ``start``, ``send``/``send_nowait``/``flush``,
-``serve(deliver)``, ``aclose``/``close``), with the N workers running as Ray actors
+``serve(deliver)``, ``close``), with the N workers running as Ray actors
 instead of local processes. The dispatch, the reorder buffer, the timeout and the
 exactly-once bookkeeping stay in the loader: this module only moves commands to
 the actors and replies back, through Ray's object store.
@@ -80,7 +80,7 @@ class RayWorkerPool(PoolBase[_Actor]):
         actor_options: passed to each actor's ``.options()``.
 
     The loader never calls ``ray.shutdown()``: Ray may be shared with the rest of the
-    program. The actors are killed (``ray.kill``) by :meth:`aclose`/:meth:`close`,
+    program. The actors are killed (``ray.kill``) by :meth:`close`,
     at garbage collection and at interpreter exit (before ``atexit`` handlers such as
     ``ray.shutdown`` run). ``grace`` is accepted for the common interface: an actor
     has nothing to flush, so it is killed at once.

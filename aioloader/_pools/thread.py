@@ -234,12 +234,8 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
             logger.warning("worker threads %s still busy in the dataset after %.1f s; "
                            "abandoning them (threads cannot be interrupted)", busy, grace)
 
-    def _wait_blocking(self, live: list[threading.Thread], limit: float) -> None:
+    def _wait(self, live: list[threading.Thread], limit: float) -> None:
         join_all(live, limit)
-
-    async def _wait(self, live: list[threading.Thread], limit: float) -> None:
-        # Joins block: not on the loop.
-        await run_in_own_thread("aioloader-thread-join", join_all, live, limit)
 
     def _free(self) -> None:
         for w in self._workers:

@@ -31,7 +31,7 @@ from .._worker.config import WorkerConfig
 from .._worker.image import DatasetImage
 from .._worker.wire import FrameReader, send_frame
 from .._worker.zygote import IMAGE, STATUS, zygote_main
-from .ladder import wait_exit, wait_exit_blocking
+from .ladder import wait_exit
 
 __all__ = ["Zygote", "ZygoteChild", "ZygoteError"]
 
@@ -249,31 +249,22 @@ class Zygote:
         logger.warning("the zygote of a spawn pool is gone; its next workers are spawned "
                        "one by one")
 
-    def _hang_up(self) -> None:
-        """Close our end of its socket: the zygote leaves once its workers have."""
+    def close(self) -> None:
+        """Hang up (the zygote leaves once its workers have), and wait for it, bounded
+        (blocking: a pool's close made on a loop runs in a thread of its own)."""
         self.broken = True
         if self.sock.fileno() >= 0:
             self._reader.close()
             self.sock.close()
-
-    async def aleave(self) -> None:
-        """:meth:`close`'s wait, on the loop: hang up and await its exit (bounded), so that
-        the :meth:`close` that follows finds it gone and does not block."""
-        self._hang_up()
-        await wait_exit([self.proc], _EXIT_LIMIT)
-
-    def close(self) -> None:
-        """Hang up (the zygote then leaves at once), and wait for it, bounded."""
-        self._hang_up()
         # Waited on its sentinel and reaped by polling (the ladder's wait), not join(): a
         # thread of the user's (multiprocessing.active_children(), a join) may reap the
         # zygote, our child, at the same moment, and join() then reads no exit status.
         proc = self.proc
-        wait_exit_blocking([proc], _EXIT_LIMIT)
+        wait_exit([proc], _EXIT_LIMIT)
         if proc.exitcode is None:
             logger.warning("the zygote (pid %s) did not leave in %.0f s; killing it",
                            proc.pid, _EXIT_LIMIT)
             proc.kill()
-            wait_exit_blocking([proc], _EXIT_LIMIT)
+            wait_exit([proc], _EXIT_LIMIT)
         if proc.exitcode is not None:
             proc.close()

@@ -11,7 +11,7 @@ API (``state_dict()``/``load_state_dict()``, torchdata states) is
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -315,23 +315,16 @@ class EpochTracker:
             return 0
         return (self.last_worker + 1) % self.num_workers
 
-    def replay(self, next_batch: Callable[[], Any]) -> None:
-        """Iterable dataset without state: fetch and drop the batches already consumed."""
+    def replay(self) -> Iterator[None]:
+        """Iterable dataset without state: once per batch already consumed, the caller
+        fetches one and drops it (``for _ in track.replay(): fetch()``, awaited or not),
+        :attr:`replaying` until its loop ends, however it ends (the generator's ``finally``
+        runs as the loop is left)."""
         self.replaying = True
         try:
             while self.discard:
                 self.discard -= 1
-                next_batch()
-        finally:
-            self.replaying = False
-
-    async def areplay(self, next_batch: Callable[[], Awaitable[Any]]) -> None:
-        """:meth:`replay` for ``async for``."""
-        self.replaying = True
-        try:
-            while self.discard:
-                self.discard -= 1
-                await next_batch()
+                yield
         finally:
             self.replaying = False
 
