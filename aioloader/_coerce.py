@@ -21,7 +21,7 @@ rule, without bools. An iterable (a ``sampler``, a sampler's ``data_source``) is
 from its type, as ``iter()`` and ``len()`` judge it (:func:`require_iterable`,
 :func:`require_sized`): torch finds out only when an epoch reaches it, without the
 argument's name. Every message names the argument and says what to pass. (A loaded
-state's values are data, not arguments: :mod:`aioloader._resume.checks` judges them by
+state's values are data, not arguments: :mod:`aioloader._resume.fields` judges them by
 their type alone, never calling them, and names their key path.)
 
 Example:

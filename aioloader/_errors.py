@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from collections.abc import Iterator
 from typing import NoReturn
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "WorkerDiedError",
     "add_note",
     "batch_note",
+    "exception_chain",
 ]
 
 
@@ -204,3 +206,12 @@ class RemoteError:
         if note is not None:
             add_note(exc, note)
         raise exc
+
+
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc``, then its cause (or else its context), and so on; each once."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__

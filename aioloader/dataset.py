@@ -21,7 +21,7 @@ from torch import Generator, Tensor, default_generator
 
 from . import _torch_data as _tud
 from ._coerce import is_exact_int
-from ._split import split_sizes
+from ._split_sizes import split_sizes
 
 __all__ = [
     "BufferedShuffleDataset",

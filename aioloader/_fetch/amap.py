@@ -11,7 +11,7 @@ collated when its last sample arrives; samples keep the sampler's order. The
 first error in a batch cancels that batch's other fetches and is raised by
 :meth:`AsyncFetchPool.fetch` with its original type and traceback.
 
-The async iterable-style fetcher lives in :mod:`aioloader._fetch.aiter`, the
+The async iterable-style fetcher lives in :mod:`aioloader._fetch.async_iterable`, the
 sample reads through dataset wrappers in :mod:`aioloader._fetch.aread`.
 """
 

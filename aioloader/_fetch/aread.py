@@ -4,7 +4,7 @@ Shared by the async fetchers: :func:`read_sample` (one sample of a map-style
 dataset, through ``Subset``/``ConcatDataset``/``StackDataset`` wrappers; used by
 :class:`~aioloader._fetch.amap.AsyncFetchPool`) and :func:`iterate_async` (the items
 of an async iterable-style dataset, ``ChainDataset`` included; used by
-:class:`~aioloader._fetch.aiter.AsyncIterFetcher`).
+:class:`~aioloader._fetch.async_iterable.AsyncIterFetcher`).
 """
 
 from __future__ import annotations

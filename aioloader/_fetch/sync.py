@@ -4,7 +4,7 @@ Shared by the main process (``num_workers=0``) and worker processes. A fetcher i
 created once per epoch per process, as torch does, so an iterable-style dataset is
 re-iterated each epoch. How a dataset is read is its :class:`DatasetKind`
 (:func:`dataset_kind`); the async kinds are fetched by :mod:`aioloader._fetch.amap` and
-:mod:`aioloader._fetch.aiter`.
+:mod:`aioloader._fetch.async_iterable`.
 """
 
 from __future__ import annotations

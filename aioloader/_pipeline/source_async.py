@@ -2,7 +2,7 @@
 
 :class:`AsyncFetchSource` runs each dispatched batch's reads as a task on the consumer's
 loop (:class:`~aioloader._fetch.amap.AsyncFetchPool` for map-style datasets, at most
-``fetch_concurrency`` reads in flight; :class:`~aioloader._fetch.aiter.AsyncIterFetcher`
+``fetch_concurrency`` reads in flight; :class:`~aioloader._fetch.async_iterable.AsyncIterFetcher`
 for iterable ones), collates small batches on the loop and others in the epoch's thread,
 pins, and puts each batch in its slot of the reorder buffer.
 """
@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from .._fetch.aiter import AsyncIterFetcher
 from .._fetch.amap import AsyncFetchPool
+from .._fetch.async_iterable import AsyncIterFetcher
 from .._fetch.policy import FailurePolicy
 from .._fetch.sync import EXHAUSTED, DatasetKind
 from .._stats.recorder import COLLATE, PIN, Recorder

@@ -24,8 +24,8 @@ from .. import _torch_data as _tud
 from .. import distributed as _distributed
 from .. import sampler as _sampler
 from .._datapipes import is_iter_datapipe
-from .checks import CONTRADICTION, CORRUPT, WHAT_TO_DO, length
 from .elastic import distributed_info
+from .fields import CONTRADICTION, CORRUPT, WHAT_TO_DO, length
 from .tracker import _stateful_sampler
 
 __all__ = ["check_positions"]

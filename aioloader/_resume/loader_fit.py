@@ -15,7 +15,9 @@ from typing import Any
 import torch
 
 from .. import _torch_data as _tud
-from .checks import (
+from .dataset_state import _DATASET_STATE, _stateful
+from .elastic import distributed_info
+from .fields import (
     CORRUPT,
     WHAT_TO_DO,
     Check,
@@ -29,8 +31,6 @@ from .checks import (
     check_torch_rng_state,
     length,
 )
-from .dataset_state import _DATASET_STATE, _stateful
-from .elastic import distributed_info
 from .tracker import _stateful_sampler, generators
 
 __all__ = ["CONFIG_FIELDS", "check_against_loader", "check_world", "compare_config",

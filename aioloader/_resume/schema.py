@@ -11,7 +11,7 @@ trusts. Two layouts are read: aioloader's, version 3 (:data:`_FIELDS`; versions 
 ``StatefulDataLoader`` states (:func:`read_torchdata`).
 
 This module knows the layouts and reads them; the checks it composes live below it:
-each value alone in :mod:`aioloader._resume.checks`, what must match the loading loader
+each value alone in :mod:`aioloader._resume.fields`, what must match the loading loader
 in :mod:`aioloader._resume.loader_fit`, and last, the keys against each other in
 :mod:`aioloader._resume.consistency` (a state whose keys contradict each other describes
 no epoch).
@@ -33,7 +33,16 @@ from typing import Any
 import torch
 
 from .. import _torch_data as _tud
-from .checks import (
+from .consistency import check_positions
+from .dataset_state import (
+    _DATASET_ITER_STATE,
+    _DATASET_STATE,
+    _FETCHER_ENDED,
+    _FETCHER_STATE,
+    _WORKER_ID,
+)
+from .elastic import check_distributed, check_elastic, distributed_info
+from .fields import (
     CORRUPT,
     MAX_SEED,
     WHAT_TO_DO,
@@ -53,15 +62,6 @@ from .checks import (
     check_torch_rng_state,
     length,
 )
-from .consistency import check_positions
-from .dataset_state import (
-    _DATASET_ITER_STATE,
-    _DATASET_STATE,
-    _FETCHER_ENDED,
-    _FETCHER_STATE,
-    _WORKER_ID,
-)
-from .elastic import check_distributed, check_elastic, distributed_info
 from .loader_fit import (
     CONFIG_FIELDS,
     check_against_loader,

@@ -40,7 +40,7 @@ def _rng_lists(rng: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _to_tensor(v: Any) -> torch.Tensor:
-    """A validated RNG state (:mod:`aioloader._resume.checks`) as ``set_state`` takes it."""
+    """A validated RNG state (:mod:`aioloader._resume.fields`) as ``set_state`` takes it."""
     if isinstance(v, torch.Tensor):
         return v
     return torch.frombuffer(bytearray(v), dtype=torch.uint8)  # 10x torch.tensor(list)

@@ -55,8 +55,8 @@ class _AsyncEpoch:
         """Own the epoch's fetcher and fetch tasks until cancelled by :meth:`stop`."""
         import anyio
 
-        from .._fetch.aiter import AsyncIterFetcher
         from .._fetch.amap import AsyncFetchPool
+        from .._fetch.async_iterable import AsyncIterFetcher
 
         cfg = self.cfg
         iter_fetcher: AsyncIterFetcher | None = None

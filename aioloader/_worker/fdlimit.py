@@ -19,9 +19,8 @@ import errno
 import os
 import resource
 
-from .._errors import TransportError
+from .._errors import TransportError, exception_chain
 from .._worker_info import get_worker_info
-from .fds import exception_chain
 
 __all__ = [
     "TOO_MANY_FDS",

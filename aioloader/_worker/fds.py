@@ -12,15 +12,16 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+
+from .._errors import exception_chain
 
 try:
     import _posixshmem  # CPython's shm_open/shm_unlink (multiprocessing.shared_memory)
 except ImportError:  # pragma: no cover - not POSIX
     _posixshmem = None
 
-__all__ = ["close_fds", "exception_chain", "memfd_sharing", "sharing_strategy",
-           "unlink_failed_segments"]
+__all__ = ["close_fds", "memfd_sharing", "sharing_strategy", "unlink_failed_segments"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +48,6 @@ def unlink_failed_segments(exc: BaseException | None) -> list[str]:
                 if pid == me and _shm_unlink(name):
                     removed.append(name)
     return removed
-
-
-def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
-    """``exc``, then its cause (or else its context), and so on; each once."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
 
 
 def _shm_unlink(name: str) -> bool:
