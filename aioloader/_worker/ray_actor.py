@@ -29,9 +29,14 @@ class RayWorker:
         self._init_error = run_worker_init(cfg)
         self._epoch = _SyncEpoch(cfg, self._init_error)
 
-    def info(self) -> tuple[int, str]:
-        """This actor's pid and host name (for error messages)."""
-        return os.getpid(), os.uname().nodename
+    def info(self) -> tuple[int, str, str]:
+        """This actor's pid, host name and Ray node id (for error messages).
+
+        The first call the loader makes on the actor: its reply says the actor is up.
+        """
+        import ray  # this runs in a Ray worker: Ray is imported and connected there
+
+        return os.getpid(), os.uname().nodename, ray.get_runtime_context().get_node_id()
 
     def fetch(self, epoch: Any, seq: Any, index: Any) -> Reply:
         """A ``"data"``, ``"error"`` or ``"exhausted"`` reply for one batch."""
