@@ -44,19 +44,27 @@ DEFAULT_PLACEMENT_TIMEOUT = 60.0
 
 
 @contextlib.contextmanager
-def ray_held(ray: Any) -> Iterator[bool]:
+def ray_held(ray: Any, timeout: float = -1) -> Iterator[bool]:
     """Yields whether Ray is connected; if so, ``ray.shutdown()`` cannot begin until the
     block ends, so a Ray call made there never starts Ray again (most of Ray's API calls
     ``ray.init()`` itself where Ray is not connected).
 
     Holds Ray's own connect/shutdown lock (with a Ray that has none, only asks
-    ``ray.is_initialized()``). Another thread's call holds it for a moment; a
-    ``ray.shutdown()`` that runs holds it to its end: then Ray is down.
+    ``ray.is_initialized()``): another thread's call holds it for a moment, a
+    ``ray.shutdown()`` to its end. ``timeout``: seconds to wait for it (-1: no limit);
+    yields False if it did not come.
     """
     lock = getattr(getattr(getattr(ray, "_private", None), "worker", None),
                    "_connect_or_shutdown_lock", None)
-    with lock if lock is not None else contextlib.nullcontext():
+    if lock is None:
         yield bool(ray.is_initialized())
+    elif not lock.acquire(timeout=timeout):
+        yield False
+    else:
+        try:
+            yield bool(ray.is_initialized())
+        finally:
+            lock.release()
 
 
 def import_ray() -> Any:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import re
 import time
 import uuid
 from collections import deque
@@ -57,6 +58,9 @@ logger = logging.getLogger(__name__)
 
 #: While a call is in flight, how often (seconds) the loop looks whether Ray is connected.
 RAY_CHECK_S = 1.0
+#: How long killing an actor waits for Ray's connect/shutdown lock (a ray.shutdown()
+#: holds it to its end, and takes the actors with it).
+KILL_WAIT_S = 2.0
 
 #: Why an actor cannot be reached, or started, once Ray is down.
 RAY_DOWN = ("Ray is not connected any more: ray.shutdown() ran (or is running) after the "
@@ -209,7 +213,8 @@ class RayWorkerPool(PoolBase[_Actor]):
         Raises:
             WorkerDiedError: Ray is not connected (it is not connected again).
         """
-        generation = len(self._workers) > worker_id and self._workers[worker_id].generation + 1
+        generation = (self._workers[worker_id].generation + 1
+                      if worker_id < len(self._workers) else 0)
         name = f"{self._prefix}-worker-{worker_id}" + (f"-r{generation}" if generation else "")
         with ray_held(self._ray) as up:
             if not up:
@@ -221,7 +226,7 @@ class RayWorkerPool(PoolBase[_Actor]):
                                              **self._actor_options).remote(
                 self._configs[worker_id], self._dataset_ref)
             info = handle.info.remote().future()
-        actor = _Actor(worker_id, int(generation), name, handle, info,
+        actor = _Actor(worker_id, generation, name, handle, info,
                        time.monotonic() + self._placement_timeout)
         with self._close_lock:
             closing = self._closing
@@ -406,11 +411,20 @@ class RayWorkerPool(PoolBase[_Actor]):
         return f"{actor.name} (pid {pid}) on {host} (Ray node {node})"
 
     def _death_error(self, actor: _Actor, exc: BaseException) -> WorkerDiedError:
-        pid = actor.where[0] if actor.where is not None else None
+        """A dead actor's error: its pid and host as it reported them (else as Ray's text
+        gives them: it died before it reported), and Ray's reason."""
         text = str(exc).strip()
+        located = self._located(actor)
+        pid = actor.where[0] if actor.where is not None else None
+        if pid is None:
+            found = dict(re.findall(r"^\s*(pid|ip): (\S+)$", text, re.M))
+            if "pid" in found:
+                pid = int(found["pid"])
+                located = (f"{actor.name} (pid {pid}) on {found.get('ip', '?')} (as Ray "
+                           f"says: it died before it reported)")
         cause = _reason(text) if text else type(exc).__name__
         msg = (f"DataLoader worker (pid {pid if pid is not None else 'unknown'}) exited "
-               f"unexpectedly: Ray actor {self._located(actor)} died ({type(exc).__name__}: "
+               f"unexpectedly: Ray actor {located} died ({type(exc).__name__}: "
                f"{cause}) {self._whose(actor.worker_id)}")
         if not self._ray_up():
             msg += f" {RAY_DOWN}."
@@ -461,9 +475,13 @@ class RayWorkerPool(PoolBase[_Actor]):
             return
         handle, actor.handle = actor.handle, None
         try:
-            with ray_held(self._ray) as up:
+            # Bounded: a finalizer may run this in one of Ray's threads, which a
+            # ray.shutdown() holding the lock joins.
+            with ray_held(self._ray, timeout=KILL_WAIT_S) as up:
                 if up:
                     self._ray.kill(handle, no_restart=True)
+                else:
+                    logger.debug("Ray is down or busy: %s not killed", actor.name)
         except Exception:
             logger.debug("ray.kill(%s) failed", actor.name, exc_info=True)
 
