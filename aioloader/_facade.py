@@ -69,8 +69,10 @@ class DataLoader(DataLoaderCore[T_co]):
             reads with backoff, replace dead workers); off by default. See
             ``docs/failure_policy.md``; the epoch's report is ``loader.failures``.
         ray_options: with ``worker_method="ray"``: ``"address"`` for
-            ``ray.init`` (used only if Ray is not initialised yet), every other
-            key goes to each actor's ``.options()`` (``num_cpus``, ``memory``, ...).
+            ``ray.init`` (used only if Ray is not initialised yet),
+            ``"placement_timeout"`` (seconds an actor may wait for a node, default
+            60), every other key goes to each actor's ``.options()``
+            (``num_cpus``, ``memory``, ``resources``, ...). See ``docs/ray.md``.
         collect_stats: keep per-stage statistics for :meth:`stats` (default
             ``True``; a few clock reads per batch). See ``docs/stats.md``.
         stats_interval: also log a stats line every this many seconds on the

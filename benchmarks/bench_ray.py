@@ -33,6 +33,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(1, ROOT)  # measure this checkout's aioloader, not an installed one
 
 
 class CPUBound(torch.utils.data.Dataset):
