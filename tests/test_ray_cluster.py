@@ -191,7 +191,7 @@ def test_node_lost_without_a_policy_names_the_actor_pid_and_host(nodes: Nodes) -
     assert pid is not None and f"pid {pid}" in message  # the pid the actor reported ...
     assert pid in {p for batch in seen for p in batch[1].tolist()}  # ... that fetched
     assert names[died.value.worker_id] in message
-    assert f"on {HOST} (Ray node {node.node_id})" in message
+    assert f"on {HOST} ({node.node_ip_address}, Ray node {node.node_id})" in message
     assert "its node has died" in message  # Ray's reason
     assert _flat(seen) == list(range(len(_flat(seen))))  # in order, none twice, up to it
     it._shutdown_workers()

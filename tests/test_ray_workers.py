@@ -232,7 +232,8 @@ def test_actor_killed_mid_epoch_is_named(ray: Any) -> None:
     assert name in str(info.value) and "exited unexpectedly" in str(info.value)
     # Regression test for issue 40: the pid and host the actor reported are named.
     assert info.value.pid is not None and info.value.pid != os.getpid()
-    assert f"(pid {info.value.pid}) on {os.uname().nodename} (Ray node " in str(info.value)
+    assert f"(pid {info.value.pid}) on {os.uname().nodename} (" in str(info.value)
+    assert ", Ray node " in str(info.value)
     flat = [x for b in seen for x in b]
     assert flat == list(range(len(flat)))  # in order, nothing twice, up to the death
     _assert_actors_dead(ray, names)

@@ -12,8 +12,8 @@ code; each reply's ``ObjectRef.future()`` is completed by Ray's own thread, whos
 done-callback wakes the loop (asyncio or trio) with its thread-safe ``call_soon``: no
 thread per reply. While a call is in flight the loop also looks, once a second, whether
 Ray is still connected (``ray.shutdown()`` leaves calls in flight unanswered for ever
-and sets no event). An actor's first reply (its pid, host and node) must come within
-``ray_options["placement_timeout"]`` unless Ray placed it on a node by then. The
+and sets no event). An actor's first reply (its pid, host, IP address and node) must
+come within ``ray_options["placement_timeout"]`` unless Ray placed it on a node by then. The
 semantics this gives (a worker process's ids, seeds, order and errors; dead actors, lost
 nodes, Ray shut down): docs/ray.md.
 
@@ -104,8 +104,8 @@ class _Actor:
         self.generation = generation  # 0, then 1, 2, ... for its replacements
         self.name = name
         self.handle = handle
-        self.info = info  # the future of its first call's reply: (pid, host, node id)
-        self.where: tuple[int, str, str] | None = None  # that reply, once read
+        self.info = info  # the future of its first call's reply: (pid, host, IP, node id)
+        self.where: tuple[int, str, str, str] | None = None  # that reply, once read
         self.place_by = place_by  # time.monotonic() by which Ray must have placed it
         self.unplaced = False  # Ray found no node for it in time
         self.pending: deque[_Entry] = deque()
@@ -329,12 +329,12 @@ class RayWorkerPool(PoolBase[_Actor]):
                 place_by = None  # placed: it is starting (a runtime_env, worker_init_fn)
 
     async def _until_up(self, actor: _Actor) -> None:
-        """Read the actor's first reply (its pid, host and node: it is up), waiting for
+        """Read the actor's first reply (its pid, host, IP, node: it is up), waiting for
         it; Ray gets ``placement_timeout`` seconds from the actor's creation to place it."""
         await self._settled(actor, actor.info, actor.place_by)
         try:
-            pid, host, node = actor.info.result()
-            actor.where = (pid, host, node)
+            pid, host, ip, node = actor.info.result()
+            actor.where = (pid, host, ip, node)
         except self._died as exc:
             actor.exited = True
             actor.pending.clear()
@@ -404,11 +404,11 @@ class RayWorkerPool(PoolBase[_Actor]):
 
     @staticmethod
     def _located(actor: _Actor) -> str:
-        """``"NAME (pid P) on HOST (Ray node N)"``, as far as the actor reported it."""
+        """``"NAME (pid P) on HOST (IP, Ray node N)"``, as far as the actor reported it."""
         if actor.where is None:
             return f"{actor.name} (not up yet: pid and host unknown)"
-        pid, host, node = actor.where
-        return f"{actor.name} (pid {pid}) on {host} (Ray node {node})"
+        pid, host, ip, node = actor.where
+        return f"{actor.name} (pid {pid}) on {host} ({ip}, Ray node {node})"
 
     def _death_error(self, actor: _Actor, exc: BaseException) -> WorkerDiedError:
         """A dead actor's error: its pid and host as it reported them (else as Ray's text
