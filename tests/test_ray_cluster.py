@@ -179,9 +179,9 @@ def test_node_lost_without_a_policy_names_the_actor_pid_and_host(nodes: Nodes) -
     loader = DataLoader(Where(200), batch_size=2, num_workers=2, worker_method="ray",
                         ray_options={"resources": {"lost_a": 1}}, timeout=120)
     it = iter(loader)
-    seen = [next(it)]
+    seen = [next(it), next(it)]  # one batch from each actor: both are up
     names = _actor_names(it)
-    assert list(seen[0][2]) == [node.node_id] * 2
+    assert [n for batch in seen for n in batch[2]] == [node.node_id] * 4
     nodes.cluster.remove_node(node)
     with pytest.raises(WorkerDiedError) as died:
         for batch in it:
@@ -189,7 +189,7 @@ def test_node_lost_without_a_policy_names_the_actor_pid_and_host(nodes: Nodes) -
     message = str(died.value)
     pid = died.value.pid
     assert pid is not None and f"pid {pid}" in message  # the pid the actor reported ...
-    assert pid in {p for batch in seen for p in batch[1].tolist()}  # ... that fetched
+    assert pid == seen[died.value.worker_id][1][0]  # ... that fetched its batches
     assert names[died.value.worker_id] in message
     assert f"on {HOST} ({node.node_ip_address}, Ray node {node.node_id})" in message
     assert "its node has died" in message  # Ray's reason
