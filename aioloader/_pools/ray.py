@@ -13,13 +13,14 @@ done-callback wakes the loop (asyncio or trio) with its thread-safe ``call_soon`
 thread per reply. While a call is in flight the loop also looks, once a second, whether
 Ray is still connected (``ray.shutdown()`` leaves calls in flight unanswered for ever
 and sets no event). An actor's first reply (its pid, host, IP address and node) must
-come within ``ray_options["placement_timeout"]`` unless Ray placed it on a node by then. The
-semantics this gives (a worker process's ids, seeds, order and errors; dead actors, lost
-nodes, Ray shut down): docs/ray.md.
+come within ``ray_options["placement_timeout"]`` unless Ray placed it on a node by
+then. The semantics this gives (a worker process's ids, seeds, order and errors; dead
+actors, lost nodes, Ray shut down): docs/ray.md.
 
 Ray is imported lazily: the package imports and runs without it. Every Ray call made
-after the start holds Ray connected (:func:`_held`): Ray's API would otherwise call
-``ray.init()`` itself, and connect again a program that shut Ray down.
+after the start holds Ray connected (:func:`aioloader._ray_options.ray_held`): Ray's API
+would otherwise call ``ray.init()`` itself, and connect again a program that shut Ray
+down.
 """
 
 from __future__ import annotations
@@ -335,7 +336,7 @@ class RayWorkerPool(PoolBase[_Actor]):
         try:
             pid, host, ip, node = actor.info.result()
             actor.where = (pid, host, ip, node)
-        except self._died as exc:
+        except Exception as exc:  # it died (or its start failed otherwise) before it replied
             actor.exited = True
             actor.pending.clear()
             raise self._death_error(actor, exc) from None
