@@ -71,7 +71,7 @@ class DataLoader(DataLoaderCore[T_co]):
         ray_options: with ``worker_method="ray"``: ``"address"`` for
             ``ray.init`` (used only if Ray is not initialised yet),
             ``"placement_timeout"`` (seconds an actor may wait for a node, default
-            60), every other key goes to each actor's ``.options()``
+            15), every other key goes to each actor's ``.options()``
             (``num_cpus``, ``memory``, ``resources``, ...). See ``docs/ray.md``.
         collect_stats: keep per-stage statistics for :meth:`stats` (default
             ``True``; a few clock reads per batch). See ``docs/stats.md``.

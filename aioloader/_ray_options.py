@@ -38,9 +38,11 @@ DEFAULT_ACTOR_OPTIONS: dict[str, Any] = {"num_cpus": 1}
 #: actor the loader creates (at the start, or to replace a dead one) may wait for Ray to
 #: place it on a node; past it the epoch fails with ``WorkerDiedError`` (docs/ray.md).
 PLACEMENT_TIMEOUT = "placement_timeout"
-#: Its default, in seconds: a node of a running cluster takes seconds; raise it where a new
-#: node takes minutes to join (an autoscaling cluster).
-DEFAULT_PLACEMENT_TIMEOUT = 60.0
+#: Its default, in seconds: a node of a running cluster places an actor (starts a worker
+#: process for it) in a second or two, a few under load; shorter than a typical
+#: ``timeout=``, so that the loader says why rather than that it waited. Raise it where a
+#: new node takes minutes to join (an autoscaling cluster) or a runtime_env to install.
+DEFAULT_PLACEMENT_TIMEOUT = 15.0
 
 
 @contextlib.contextmanager

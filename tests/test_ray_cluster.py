@@ -282,8 +282,8 @@ def test_ray_shutdown_while_replacements_wait_keeps_ray_down(nodes: Nodes) -> No
     assert len(list(persistent)) == 2
     node = _add_node(nodes, "lost_d")
     loader = DataLoader(Where(200), batch_size=2, num_workers=2, worker_method="ray",
-                        ray_options={"resources": {"lost_d": 1}}, respawn_workers=True,
-                        timeout=120)
+                        ray_options={"resources": {"lost_d": 1}, "placement_timeout": 120},
+                        respawn_workers=True, timeout=120)  # the replacements wait
     it = iter(loader)
     next(it)
     errors: list[BaseException] = []
