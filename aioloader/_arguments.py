@@ -288,7 +288,8 @@ ARGUMENTS: tuple[Argument, ...] = (
     _arg("snapshot_every_n_steps", 1, partial(as_int, minimum=1), (_T, _V), "torchdata's "
          "snapshot interval; accepted, changes nothing"),
     _arg("ray_options", None, _optional(_typed("a dict", lambda value: isinstance(
-         value, Mapping))), (_T, _V), "Ray's address and each actor's options", field=None),
+         value, Mapping))), (_T, _V), "Ray's address, how long an actor may wait for a node "
+         "(placement_timeout) and each actor's options", field=None),
     _arg("collect_stats", True, as_flag, (_T,), "keep per-stage statistics", assignable=True),
     _arg("stats_interval", None, _optional(_interval), (_T, _V),
          "between stats log lines; None for no logging"),

@@ -260,15 +260,17 @@ _warm_up()
 
 
 class _Snapshot:
-    def __init__(self) -> None:
+    def __init__(self, kept_fds: tuple[str, ...] = ()) -> None:
         self.threads = set(threading.enumerate())
         self.fds = fd_table()
         self.shm = shm_entries()
+        self.kept_fds = kept_fds  # fd targets (prefixes) that may outlive the test
 
     def leaks(self, allowed_threads: Callable[[threading.Thread], bool]) -> dict[str, Any]:
         threads = [t for t in threading.enumerate()
                    if t not in self.threads and t.is_alive() and not allowed_threads(t)]
-        fds = new_fds(self.fds, fd_table(), _session_fds())
+        fds = {fd: target for fd, target in new_fds(self.fds, fd_table(), _session_fds()).items()
+               if not target.startswith(self.kept_fds)}
         shm = shm_entries() - self.shm
         found: dict[str, Any] = {}
         if multiprocessing.active_children():
@@ -303,6 +305,9 @@ def pytest_configure(config: Any) -> None:
     config.addinivalue_line(
         "markers", "keeps_threads(prefix): threads whose name starts with prefix may outlive "
         "the test (say why where it is used)")
+    config.addinivalue_line(
+        "markers", "keeps_fds(prefix): fds whose target starts with prefix may outlive the "
+        "test (say why where it is used)")
 
 
 _CUDA_STARTED: list[bool] = []
@@ -349,7 +354,7 @@ def _no_leaks(request: Any) -> Iterator[None]:
     if no_gc:
         gc.collect()  # start from a clean heap: what is found later is the test's
         gc.disable()
-    snap = _Snapshot()
+    snap = _Snapshot(tuple(m.args[0] for m in request.node.iter_markers("keeps_fds")))
     try:
         yield
         found = _wait_for_leaks(snap, allowed, LEAK_GRACE_S)

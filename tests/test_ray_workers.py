@@ -221,7 +221,7 @@ def test_actor_killed_mid_epoch_is_named(ray: Any) -> None:
     loader = DataLoader(Counting(200), batch_size=2, num_workers=2, worker_method="ray",
                         timeout=60)
     it = iter(loader)
-    seen = [next(it).tolist()]
+    seen = [next(it).tolist(), next(it).tolist()]  # both actors are up: they answered
     name = _actor_names(it)[1]
     names = _actor_names(it)
     ray.kill(ray.get_actor(name))
@@ -230,6 +230,10 @@ def test_actor_killed_mid_epoch_is_named(ray: Any) -> None:
             seen.append(batch.tolist())
     assert info.value.worker_id == 1
     assert name in str(info.value) and "exited unexpectedly" in str(info.value)
+    # Regression test for issue 40: the pid and host the actor reported are named.
+    assert info.value.pid is not None and info.value.pid != os.getpid()
+    assert f"(pid {info.value.pid}) on {os.uname().nodename} (" in str(info.value)
+    assert ", Ray node " in str(info.value)
     flat = [x for b in seen for x in b]
     assert flat == list(range(len(flat)))  # in order, nothing twice, up to the death
     _assert_actors_dead(ray, names)
@@ -283,6 +287,20 @@ def test_timeout_then_close_kills_a_stuck_actor(ray: Any) -> None:
     _assert_actors_dead(ray, names)
 
 
+@pytest.mark.gc_off
+def test_an_actor_ray_cannot_place_is_a_named_error(ray: Any) -> None:
+    """Regression test for issue 40: no node has the resource; no timeout set, yet the
+    epoch fails after placement_timeout, saying what the actor asked for."""
+    loader = DataLoader(Counting(4), num_workers=1, worker_method="ray",
+                        ray_options={"resources": {"nowhere": 1}, "placement_timeout": 1})
+    it = iter(loader)
+    with pytest.raises(WorkerDiedError, match=r"worker 0 could not be placed") as error:
+        next(it)
+    assert "{'CPU': 1, 'nowhere': 1}" in str(error.value)
+    assert "ray_options['placement_timeout']" in str(error.value)
+    _assert_actors_dead(ray, _actor_names(it))
+
+
 def test_reserved_and_bad_ray_options(ray: Any) -> None:
     with pytest.raises(ValueError, match="max_restarts"):
         DataLoader(Counting(4), num_workers=1, worker_method="ray",
@@ -290,6 +308,10 @@ def test_reserved_and_bad_ray_options(ray: Any) -> None:
     with pytest.raises(ValueError):  # Ray's own validation, at construction
         DataLoader(Counting(4), num_workers=1, worker_method="ray",
                    ray_options={"no_such_option": 1})
+    for bad, error in ((0, ValueError), (float("inf"), ValueError), ("60", TypeError)):
+        with pytest.raises(error, match=r"ray_options\['placement_timeout'\] should be"):
+            DataLoader(Counting(4), num_workers=1, worker_method="ray",
+                       ray_options={"placement_timeout": bad})
 
 
 def test_example_goes_from_local_workers_to_ray_by_one_argument(

@@ -157,7 +157,7 @@ def take_pool(config: LoaderConfig, keeper: PoolKeeper, track: EpochTracker,
         base_seed = track.seed  # drawn at the epoch's iter(), in the probe
     else:
         base_seed = _base_seed(config, track)
-    lease = _PoolLease(start_pool(config, base_seed, keeper.park, track.worker_states,
+    lease = _PoolLease(start_pool(config, base_seed, keeper, track.worker_states,
                                   worker_seed, track.resume_rngs()), base_seed)
     lease.worker_rng = track.worker_rng
     lease.seed_group = group

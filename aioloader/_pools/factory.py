@@ -7,15 +7,14 @@ from typing import Any
 
 from .._config import LoaderConfig
 from .._datapipes import is_datapipe, sharding_init_fn, thread_copy
-from .._park import ParkGroup
 from .._worker.config import WorkerConfig
-from .lease import AnyPool
+from .lease import AnyPool, PoolKeeper
 from .process import WorkerPool
 from .ray import RayWorkerPool
 from .thread import ThreadWorkerPool
 
 
-def start_pool(config: LoaderConfig, base_seed: int, park: ParkGroup,
+def start_pool(config: LoaderConfig, base_seed: int, keeper: PoolKeeper,
                 resume_states: dict[int, Any] | None = None,
                 shared_seed: int | None = None,
                 resume_rngs: dict[int, bytes] | None = None) -> AnyPool:
@@ -24,7 +23,8 @@ def start_pool(config: LoaderConfig, base_seed: int, park: ParkGroup,
     A DataPipe's workers shard it first (torch's ``_sharding_worker_init_fn`` wraps
     ``worker_init_fn``) and an ``IterDataPipe``'s are seeded from ``shared_seed``; thread
     workers each get their own copy of the graph (:mod:`aioloader._datapipes`).
-    ``park``: the loader's park group (process workers' forks park its threads).
+    ``keeper``: the loader's :class:`~aioloader._pools.lease.PoolKeeper` (process workers'
+    forks park the loader's threads, its park group; Ray pools share its ``ray`` link).
     ``resume_states``/``resume_rngs``: per worker, the iterable dataset's state and the RNG
     states a resumed worker starts from (:mod:`aioloader._resume.tracker`).
     """
@@ -58,7 +58,9 @@ def start_pool(config: LoaderConfig, base_seed: int, park: ParkGroup,
     if config.worker_method == "thread":
         return ThreadWorkerPool(configs)
     if config.worker_method == "ray":
-        return RayWorkerPool(configs, config.ray_address, config.ray_actor_options)
+        return RayWorkerPool(configs, config.ray_address, config.ray_actor_options,
+                             keeper.ray)
     ctx = config.mp_context
-    return WorkerPool(configs, multiprocessing.get_context() if ctx is None else ctx, park)
+    return WorkerPool(configs, multiprocessing.get_context() if ctx is None else ctx,
+                      keeper.park)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from .._park import ParkGroup
 from .process import WorkerPool
-from .ray import RayWorkerPool
+from .ray import RayLink, RayWorkerPool
 from .thread import ThreadWorkerPool
 
 #: Every kind of worker pool (one interface: start, send, serve, close).
@@ -85,14 +85,16 @@ class PoolKeeper:
     lease so that the next one starts fresh workers. The loader's finalizer calls
     :meth:`owner_gone`: the workers stop with the loader (or with the epoch still using
     them). Holds no reference to the loader. Its :attr:`park` is the loader's park group:
-    the loader's threads, parked around its forks (:mod:`aioloader._park`).
+    the loader's threads, parked around its forks (:mod:`aioloader._park`); its
+    :attr:`ray` what the loader's Ray pools remember from one to the next.
     """
 
-    __slots__ = ("__weakref__", "lease", "park")
+    __slots__ = ("__weakref__", "lease", "park", "ray")
 
     def __init__(self) -> None:
         self.lease: _PoolLease | None = None
         self.park = ParkGroup()
+        self.ray = RayLink()
 
     def live(self) -> _PoolLease | None:
         """The kept lease, unless it was shut down (``_shutdown_workers()``)."""

@@ -7,9 +7,9 @@ reports a worker that died or, when ``respawn`` allows, replaces it (its
 ``"respawned"`` notice kept until handed over). A pool says only how one worker's
 replies are received and handed over until it ends (``_pump``, which raises
 :class:`~aioloader._errors.WorkerDiedError` for an end nobody asked for), how a dead
-worker is replaced (``_replace``) and what a call needs while it runs
-(``_serve_open``/``_serve_close``). Thread and Ray pools wait for a worker with
-:meth:`ServeLoop._sleep`: woken from any thread, no polling.
+worker is replaced (``_replace``, where ``_can_replace`` allows it) and what a call
+needs while it runs (``_serve_open``/``_serve_close``). Thread and Ray pools wait for a
+worker with :meth:`ServeLoop._sleep`: woken from any thread, no polling.
 """
 
 from __future__ import annotations
@@ -163,7 +163,8 @@ class ServeLoop(Generic[W]):
                     await self._pump(worker, deliver)
                     return
                 except WorkerDiedError as death:
-                    if respawn is None or self._closing or not respawn(death):
+                    if (respawn is None or self._closing or not self._can_replace(worker)
+                            or not respawn(death)):
                         raise
                     logger.debug("respawning %s worker %d after: %s", type(self).__name__,
                                  wid, death)
@@ -198,6 +199,11 @@ class ServeLoop(Generic[W]):
     async def _replace(self, dead: W) -> W:
         """Start a worker with ``dead``'s id and config in its place; return it."""
         raise NotImplementedError
+
+    def _can_replace(self, dead: W) -> bool:
+        """Whether a replacement for ``dead`` can be started at all (asked before the
+        ``respawn`` policy): a pool says no where a replacement could only fail."""
+        return True
 
     async def _sleep(self, holder: Any, ready: Callable[[], bool]) -> None:
         """Wait until ``holder.wake()`` is called (from any thread), unless ``ready()``."""

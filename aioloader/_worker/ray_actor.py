@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 from .config import WorkerConfig, reseed_datapipe, run_worker_init, seed_worker
@@ -29,9 +30,14 @@ class RayWorker:
         self._init_error = run_worker_init(cfg)
         self._epoch = _SyncEpoch(cfg, self._init_error)
 
-    def info(self) -> tuple[int, str]:
-        """This actor's pid and host name (for error messages)."""
-        return os.getpid(), os.uname().nodename
+    def info(self) -> tuple[int, str, str, str]:
+        """This actor's pid, host name, node IP address and Ray node id (for error
+        messages). The first call the loader makes on the actor: its reply says it is up.
+        """
+        import ray  # this runs in a Ray worker: Ray is imported and connected there
+
+        node_ip: Callable[[], str] = ray.util.get_node_ip_address  # untyped in Ray
+        return os.getpid(), os.uname().nodename, node_ip(), ray.get_runtime_context().get_node_id()
 
     def fetch(self, epoch: Any, seq: Any, index: Any) -> Reply:
         """A ``"data"``, ``"error"`` or ``"exhausted"`` reply for one batch."""
