@@ -6,6 +6,11 @@ CI's 2 cores: the driver's head node (1 CPU) and a data node (2 CPUs and the cus
 resource ``data``), shared by the module. A test that loses a node adds its own (2 CPUs
 and a resource of its own) and removes it. The last test shuts Ray down (the module's
 fixture then only removes the nodes). Skipped where Ray is not installed.
+
+They run in a pytest process of their own, which the one test of the outer run starts: a
+driver that joined a multi-node cluster keeps Ray's threads and sockets for its life, and a
+worker forked from it afterwards can crash (a later test file's fork workers died of
+SIGSEGV when these ran in the suite's own process).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import subprocess
 import sys
 import threading
 import warnings
@@ -33,6 +39,9 @@ ray = pytest.importorskip("ray")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = os.uname().nodename
+#: Set in the process the outer run starts for these tests.
+INNER_ENV = "AIOLOADER_RAY_CLUSTER_TESTS"
+INNER = os.environ.get(INNER_ENV) == "1"
 
 # As in test_ray_workers.py: torch 2.4 rebuilds a returned tensor's storage with a bare
 # torch.load(), which warns about its weights_only default.
@@ -94,8 +103,21 @@ class Nodes(NamedTuple):
     data: str  # the data node's id
 
 
+@pytest.mark.skipif(INNER, reason="the outer run's test")
+@pytest.mark.timeout(900)
+def test_the_cluster_tests_pass_in_a_process_of_their_own() -> None:
+    env = dict(os.environ, **{INNER_ENV: "1"})
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          os.path.abspath(__file__)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=840)
+    assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[Nodes]:
+    if not INNER:
+        pytest.skip("runs in the cluster tests' own process (the test above)")
     from ray.cluster_utils import Cluster
 
     # The actors unpickle this module's datasets: sent by value; aioloader from PYTHONPATH.
