@@ -1,8 +1,8 @@
 """``async for batch in loader``: one epoch's async iterator, :class:`AsyncLoaderIter`.
 
 Tasks sharing one iterator take turns (:class:`_Turns`); each ``__anext__`` waits for the
-epoch's next batch in order (its wait timed for ``loader.stats()`` by a wrapper the epoch
-gives, :meth:`_PipelineCore.awaits`), and a probing first
+epoch's next batch in order (its wait timed for ``loader.stats()`` by a wrapper,
+:func:`aioloader._stats.wrap.awaits`), and a probing first
 epoch under ``num_workers="auto"`` is handed over to workers here (``HandOver``). Also
 torch's iterator hooks that frameworks and torch's own tests reach into (``_workers``,
 ``_shutdown_workers``), shared with the sync facade's iterator.
@@ -22,6 +22,7 @@ from ._fetch.report import FailureReport
 from ._pipeline.backend import backend_pending, load_backend
 from ._pipeline.epoch import _PipelineCore
 from ._pipeline.source_probe import HandOver
+from ._stats.wrap import awaits
 
 __all__ = ["AsyncLoaderIter"]
 
@@ -122,7 +123,7 @@ class AsyncLoaderIter(_EpochIter, Generic[T_co]):
         (its few attributes are read faster per batch than the core's), else the core;
         timed by the epoch's statistics when they are on."""
         source = core.inline_source if core.inline_source is not None else core
-        return core.awaits(source.anext)
+        return awaits(core.rec, source.anext, core.depths)
 
     def __aiter__(self) -> AsyncLoaderIter[T_co]:
         return self

@@ -31,6 +31,7 @@ from ._facade_loop import PortalDriver, open_drivers
 from ._loader import DataLoaderCore
 from ._pipeline.epoch import _PipelineCore
 from ._pipeline.source_probe import HandOver
+from ._stats.wrap import waits
 
 __all__ = ["DataLoader", "SyncLoaderIter"]
 
@@ -164,7 +165,7 @@ class SyncLoaderIter(_EpochIter, _BaseDataLoaderIter, Iterator[T_co]):
             self._drive(core)
         else:
             # Each batch: the worker's call, timed by the epoch's statistics when they are on.
-            self._next: Callable[[], Any] = core.waits(self._worker.next_sync)
+            self._next: Callable[[], Any] = waits(core.rec, self._worker.next_sync)
             self._finalizer = weakref.finalize(self, core.close_from_gc)
 
     def _drive(self, core: _PipelineCore) -> None:
@@ -173,7 +174,7 @@ class SyncLoaderIter(_EpochIter, _BaseDataLoaderIter, Iterator[T_co]):
         driver = PortalDriver(core)
         driver.start_soon()
         self._driver = driver
-        self._next = core.waits(driver.next)
+        self._next = waits(core.rec, driver.next, core.depths)
         open_drivers.add(driver)
         self._finalizer = weakref.finalize(self, driver.close)
 

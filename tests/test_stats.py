@@ -693,7 +693,7 @@ def test_the_timing_policy_times_the_first_batches_then_one_in_sixteen() -> None
 
     def run(book: StatsBook, sample: bool, batches: int) -> list[int]:
         rec = book.new_epoch()
-        rec.sample(sample)
+        rec.pace(sampled=sample)
         timed: list[int] = []
         fetch = wrap.timed_fetch(rec, lambda index: index, auto_collation=True)
 

@@ -12,7 +12,7 @@ teardown) is :class:`aioloader._pipeline.epoch_lifecycle.EpochLifecycle`'s. This
 composes them and takes the batches out in order, through the device stage when
 ``device=`` is set; with statistics on, its stages are wrapped once, when it is built
 (:func:`~aioloader._pipeline.epoch_setup.time_stages`), and the consumer's calls by its
-iterator (:meth:`_PipelineCore.waits`). What differs between modes is the choice of source
+iterator. What differs between modes is the choice of source
 (:class:`~aioloader._pipeline.source_inline.InlineSource`, its probing variant,
 :class:`~aioloader._pipeline.source_async.AsyncFetchSource`,
 :class:`~aioloader._pipeline.source_pool.PoolSource`): docs/pipeline.md's table of
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -41,7 +41,6 @@ from .._fetch.records import NOTHING
 from .._fetch.report import TooManyFailuresError
 from .._fetch.sync import EXHAUSTED
 from .._pools.lease import PoolKeeper
-from .._stats import wrap as _wrap
 from .._stats.recorder import Recorder
 from .._threads import ThreadRunner
 from .._tune.bounds import limits, read_system
@@ -131,8 +130,10 @@ class _PipelineCore(lifecycle.EpochLifecycle):
         probing = tune is not None and tune.probing and resume is None
         self.source = setup.make_source(self, config, sampler_iter, probing=probing,
                                         live=live, reset_seed=reset_seed)
-        # The delivery boundary of an epoch with a window (statistics count there).
+        # The delivery boundary of an epoch with a window (statistics count there), and
+        # the queues the consumer's calls find (statistics sample them: wrap.waits).
         self.absorb: Callable[[Any, Any], Any] = self.delivery.absorb
+        self.depths = None if self.inline else self._depths
         if rec is not None:
             setup.time_stages(self, config, rec, probing)
         if self.lease is not None:
@@ -167,7 +168,7 @@ class _PipelineCore(lifecycle.EpochLifecycle):
         tune.record(Decision(tune.batches + drawn, "num_workers", 0, verdict.workers,
                              verdict.reason))
         if not verdict.workers and self.rec is not None:  # 1 batch in time_every again
-            self.rec.sample(isinstance(self.source, InlineSource) and self.source.plain)
+            self.rec.pace(sampled=isinstance(self.source, InlineSource) and self.source.plain)
         return verdict
 
     def hand_over(self, workers: int) -> _PipelineCore:
@@ -193,16 +194,6 @@ class _PipelineCore(lifecycle.EpochLifecycle):
         return successor
 
     # -- consumer side ---------------------------------------------------------------------
-
-    def waits(self, fn: Callable[[], Any]) -> Callable[[], Any]:
-        """``fn``, the consumer's call for a batch (``next``), as its iterator calls it:
-        timed for the statistics (its wait; with a window, the queues it found), or
-        ``fn`` itself when they are off."""
-        return _wrap.waits(self.rec, fn, None if self.inline else self._depths)
-
-    def awaits(self, fn: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
-        """:meth:`waits` for ``async for``."""
-        return _wrap.awaits(self.rec, fn, None if self.inline else self._depths)
 
     def _depths(self) -> tuple[int, int, int]:
         """Batches in flight, ready in the reorder buffer and staged on the device."""

@@ -42,7 +42,7 @@ from .._pools.lease import PoolKeeper, _PoolLease
 from .._resume.tracker import EpochTracker
 from .._stats import wrap as _wrap
 from .._stats.proc import WorkerProcs, worker_ids
-from .._stats.recorder import DEVICE, DISPATCH, LANE_CONSUMER, PIN, Recorder, TimedCollate
+from .._stats.recorder import COLLATE, DEVICE, DISPATCH, LANE_CONSUMER, PIN, Recorder
 from .._tune.bounds import read_system
 from .._tune.state import TuneState
 from .autotune import EpochTuner
@@ -234,8 +234,8 @@ def make_source(epoch: Any, config: LoaderConfig, sampler_iter: Any, *, probing:
             commands_ready=epoch._commands_ready,
             allow_respawn=(epoch._allow_respawn if config.failure_policy.max_respawns
                            else None))
-    collate_fn = TimedCollate(config.collate_fn, rec) if rec is not None else (
-        config.collate_fn)
+    collate_fn = (_wrap.timed(rec, COLLATE, config.collate_fn) if rec is not None
+                  else config.collate_fn)
     if epoch.inline:
         source_cls = ProbingInlineSource if probing else InlineSource
         return source_cls(config, sampler_iter, delivery=epoch.delivery, track=epoch.track,
@@ -249,16 +249,9 @@ def make_source(epoch: Any, config: LoaderConfig, sampler_iter: Any, *, probing:
 
 
 def time_stages(epoch: Any, config: LoaderConfig, rec: Recorder, probing: bool) -> None:
-    """Statistics on: wrap each stage of ``epoch`` (the ``_PipelineCore`` being built) once
-    for the epoch (docs/stats.md, "The stages"); the stage code never reads the clock.
-
-    The sampler iterator (``sampling``), the source's fetch or a reply's worker stamp
-    (``fetch``, ``collate``, ``transport``), a command's send (``dispatch``), pinning
-    (``pin``) and the device copy (``device``); batches are counted at the delivery
-    boundary, or by an in-process source's fetch, which delivers what it fetches. The
-    consumer's calls are wrapped by its iterator (``epoch.waits``). An in-process epoch of
-    plain batches times 1 batch in 16 (``Recorder.sample``; a probing one every batch).
-    """
+    """Statistics on: wrap each stage's per-batch call of ``epoch`` (the ``_PipelineCore``
+    being built) once; docs/pipeline.md, "Statistics", lists them. An in-process epoch of
+    plain batches times 1 batch in 16 (``Recorder.pace``; a probing one every batch)."""
     source = epoch.source
     if isinstance(source, InlineSource):
         source.sampler_iter = _wrap.TimedDraws(rec, source.sampler_iter, LANE_CONSUMER)
@@ -266,7 +259,7 @@ def time_stages(epoch: Any, config: LoaderConfig, rec: Recorder, probing: bool) 
         source.pin_batch = _wrap.timed(rec, PIN, source.pin_batch)
         if source.to_device is not None:
             source.to_device = _wrap.timed(rec, DEVICE, source.to_device)
-        rec.sample(source.plain and not probing)
+        rec.pace(sampled=source.plain and not probing)
         return
     epoch.dispatch.sampler = _wrap.TimedDraws(rec, epoch.dispatch.sampler)
     epoch.absorb = _wrap.counted(rec, epoch.absorb, config.auto_collation)

@@ -22,7 +22,7 @@ import asyncio
 import functools
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -206,12 +206,7 @@ class InlineSource:
 
     # -- async for ----------------------------------------------------------------------------
 
-    def anext(self) -> Coroutine[Any, Any, Any]:
-        """One batch (``async for``; the core's :meth:`anext` delegates here): the
-        coroutine of :meth:`_anext` itself, one frame less per batch."""
-        return self._anext()
-
-    async def _anext(self) -> Any:
+    async def anext(self) -> Any:
         """One batch for ``async for``: :meth:`_next` on the loop while batches are measured
         tiny (:class:`_InlinePolicy`), else drawn on the loop and fetched in the thread; a
         cancelled wait for the thread keeps its batch (:attr:`pending_call`) for the next

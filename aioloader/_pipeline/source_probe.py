@@ -83,9 +83,9 @@ class ProbingInlineSource(InlineSource):
     async def anext(self) -> Any:
         """:meth:`InlineSource.anext`, timed (or :class:`HandOver`)."""
         if not self.probing:
-            return await self._anext()
+            return await InlineSource.anext(self)
         self._hand_over_if_due()
         t0, c0 = _ns(), _cpu_ns()
-        data = await self._anext()
+        data = await InlineSource.anext(self)
         self._observe(t0, c0)
         return data

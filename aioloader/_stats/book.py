@@ -3,7 +3,7 @@
 Three modules, one job each:
 
 * :mod:`aioloader._stats.recorder`: the per-batch counters (:class:`Recorder` in the main
-  process, :class:`WorkerClock` in workers, :class:`TimedCollate`), the hot path;
+  process, :class:`WorkerClock` in workers; :mod:`aioloader._stats.wrap` writes them);
 * this module: :class:`StatsBook`, a loader's statistics, which folds finished
   epochs' counters into totals and turns totals into results;
 * :mod:`aioloader._stats.report`: the results (:class:`LoaderStats`, its table and

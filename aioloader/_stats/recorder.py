@@ -32,7 +32,7 @@ from . import hist as _hist
 from .proc import WorkerProcs
 
 __all__ = ["LANE_CONSUMER", "LANE_LOADER", "STAGES", "STEP", "Recorder", "Snapshots",
-           "StatsHook", "TimedCollate", "WorkerClock"]
+           "StatsHook", "WorkerClock"]
 
 # A child of the "aioloader" logger: configuring "aioloader" shows these lines too.
 _LOG = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class Recorder:
     Every stage is observed at its boundaries through one call, :meth:`observe` (the
     consumer's calls through :meth:`waited`, which observes their waits). Which batches
     are timed at all is a policy, :meth:`due`, asked once per consumer call: every batch,
-    or with sampling on (an in-process epoch of plain batches, :meth:`sample`) 1 in
+    or with sampling on (an in-process epoch of plain batches, :meth:`pace`) 1 in
     :attr:`TIME_EVERY`, the others only counted (:attr:`untimed`) and their times
     estimated by the fold (:class:`aioloader._stats.book.StatsBook`): a steady loop
     repeats itself. :attr:`timing` says whether the batch being made is timed.
@@ -199,13 +199,11 @@ class Recorder:
         self.timing = True
         return _now()
 
-    def sample(self, on: bool) -> None:
-        """Sampling on (an in-process epoch of plain batches) or off (every batch timed)."""
-        self.sampled = on
-        self.pace()
-
-    def pace(self) -> None:
-        """Set :attr:`time_every` from sampling, hooks, periodic logging and the trace."""
+    def pace(self, sampled: bool | None = None) -> None:
+        """Set :attr:`time_every` from sampling (``sampled``: on for an in-process epoch of
+        plain batches, off for every batch timed), hooks, periodic logging and the trace."""
+        if sampled is not None:
+            self.sampled = sampled
         self.time_every = (self.TIME_EVERY if self.sampled and not self.watch
                            and self.trace is None else 1)
 
@@ -277,34 +275,11 @@ class Recorder:
             _LOG.debug("stats logging failed", exc_info=True)
 
 
-class TimedCollate:
-    """``collate_fn`` wrapped to add its time to the collate counter of ``sink``.
-
-    ``sink`` is a :class:`Recorder` (main process) or a :class:`WorkerClock`; both
-    keep ``count``/``ns`` lists indexed by stage, and say whether this batch is timed
-    (``timing``). A call that raises is not counted.
-    """
-
-    __slots__ = ("fn", "sink")
-
-    def __init__(self, fn: Callable[[Any], Any], sink: Recorder | WorkerClock) -> None:
-        self.fn = fn
-        self.sink = sink
-
-    def __call__(self, data: Any) -> Any:
-        sink = self.sink
-        if not sink.timing:
-            return self.fn(data)
-        t0 = _now()
-        batch = self.fn(data)
-        sink.observe(COLLATE, t0)
-        return batch
-
-
 class WorkerClock:
     """A worker process's timings, stamped onto each ``"data"`` reply.
 
-    The worker's loop wraps its calls once (statistics on): the wait for a command
+    The worker's loop wraps its calls once (statistics on): its ``collate_fn``
+    (:func:`aioloader._stats.wrap.timed`, this clock its sink), the wait for a command
     (:meth:`waits`) and the fetch that answers one (:meth:`stamped`, :meth:`astamped`),
     whose ``"data"`` reply gets the stamp. Sync workers: ``idle`` is the time spent
     waiting for the next command. Async workers: the time with no fetch in flight.
@@ -312,20 +287,17 @@ class WorkerClock:
 
     __slots__ = ("count", "idle_ns", "idle_since", "in_flight", "ns")
 
-    timing = True  # every batch (TimedCollate asks)
+    timing = True  # every batch is timed (wrap.timed asks)
 
     def __init__(self) -> None:
-        self.count = [0] * len(STAGES)  # only COLLATE is used (TimedCollate's sink)
+        self.count = [0] * len(STAGES)  # only COLLATE is used (wrap.timed's sink)
         self.ns = [0] * len(STAGES)
         self.idle_ns = 0
         self.in_flight = 0
         self.idle_since = _now()
 
-    def wrap(self, collate_fn: Callable[[Any], Any]) -> TimedCollate:
-        return TimedCollate(collate_fn, self)
-
     def observe(self, stage: int, t0: int) -> None:
-        """:class:`TimedCollate`'s sink: one item of ``stage`` from ``t0`` to now."""
+        """The collate wrapper's sink: one item of ``stage`` from ``t0`` to now."""
         self.count[stage] += 1
         self.ns[stage] += _now() - t0
 

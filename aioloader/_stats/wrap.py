@@ -2,27 +2,12 @@
 
 Stage code never reads the clock nor asks whether statistics are on: with
 ``collect_stats=True`` the epoch wraps each stage's per-batch call once, when it is built
-(:func:`aioloader._pipeline.epoch_setup.time_stages`), and the consumer's iterator wraps
-the consumer's call (:func:`waits`, :func:`awaits`); with statistics off the unwrapped
-calls run. Each wrapper times its call and reports it to the epoch's
-:class:`~aioloader._stats.recorder.Recorder` (:meth:`~Recorder.observe`), or counts what
-crossed it:
-
-* :class:`TimedDraws`: the sampler iterator (``sampling``);
-* :func:`timed_fetch`, :func:`atimed_fetch`: a fetch in the main process (``fetch``, its
-  ``collate_fn`` timed apart by :class:`~aioloader._stats.recorder.TimedCollate`);
-* :func:`timed`, :func:`atimed`: any other stage's call (``dispatch``, ``pin``,
-  ``device``);
-* :func:`counted`: the delivery boundary of an epoch with a window (its batches, samples);
-* :func:`timed_intake`: a worker pool's reply intake (the worker's stamp: ``fetch``,
-  ``collate``, ``transport`` and the per-worker figures), counted from the pool's start
-  (:func:`reading`);
-* :func:`waits`, :func:`awaits`: the consumer's call (``consumer_wait``, the training
-  step between calls, the queue depths it found), which asks the timing policy
-  (:meth:`Recorder.due`) whether its batch is timed: the wrappers an in-process epoch
-  samples (:class:`TimedDraws`, the fetch and collate) read :attr:`Recorder.timing`.
-
-Where each stage is measured: docs/stats.md, "The stages".
+(:func:`aioloader._pipeline.epoch_setup.time_stages`; docs/pipeline.md, "Statistics",
+lists them), and the consumer's iterator wraps the consumer's call (:func:`waits`); with
+statistics off the unwrapped calls run. Each wrapper reports to the epoch's
+:class:`~aioloader._stats.recorder.Recorder`. The consumer's wrapper asks the timing
+policy (:meth:`Recorder.due`) whether its batch is timed; the wrappers an in-process
+epoch samples read its answer (:attr:`Recorder.timing`) and only count the others.
 """
 
 from __future__ import annotations
@@ -31,24 +16,22 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from .recorder import COLLATE, FETCH, SAMPLING, TRANSPORT, Recorder
+from .recorder import COLLATE, FETCH, SAMPLING, TRANSPORT, Recorder, WorkerClock
 
 __all__ = ["TimedDraws", "atimed", "atimed_fetch", "awaits", "counted", "reading", "timed",
            "timed_fetch", "timed_intake", "waits"]
 
 _now = time.perf_counter_ns
+Depths = Callable[[], tuple[int, int, int]]
 
 
 class TimedDraws:
-    """The sampler iterator, each draw of a timed batch observed (``sampling``) on
-    ``lane`` (the trace's row: the consumer's in-process, else the loader's)."""
+    """The sampler iterator: each draw of a timed batch is ``sampling``, on ``lane``."""
 
     __slots__ = ("it", "lane", "rec")
 
     def __init__(self, rec: Recorder, it: Iterator[Any], lane: int | None = None) -> None:
-        self.rec = rec
-        self.it = it
-        self.lane = lane
+        self.rec, self.it, self.lane = rec, it, lane
 
     def __iter__(self) -> TimedDraws:
         return self
@@ -64,31 +47,26 @@ class TimedDraws:
 
 
 def _count(rec: Recorder, index: Any, auto_collation: bool) -> None:
-    """One more batch of ``index`` delivered: its sampled indices counted (one per batch
-    without auto-collation, or for a batch sampler's item without ``len()``)."""
+    """A batch of ``index`` delivered, and its sampled indices (one without
+    auto-collation, or for a batch sampler's item without ``len()``)."""
     rec.batches += 1
-    if auto_collation:
-        try:
-            rec.samples += len(index)
-        except TypeError:
-            rec.samples += 1
-    else:
+    try:
+        rec.samples += len(index) if auto_collation else 1
+    except TypeError:
         rec.samples += 1
 
 
 def _fetched(rec: Recorder, t0: int, collated: int) -> None:
-    """A fetch from ``t0`` to now: observed as ``fetch`` without the ``collate_fn`` time
-    added since (``collated``: the collate counter at ``t0``; a fetch overlapping another's
-    collate does not count it as reading either)."""
-    t1 = _now()
-    rec.observe(FETCH, t0, t0 + max(0, t1 - t0 - (rec.ns[COLLATE] - collated)))
+    """A fetch from ``t0`` to now, without the ``collate_fn`` time added since to the
+    counter that was ``collated`` (an overlapping fetch's collate is not reading either)."""
+    ns = _now() - t0 - (rec.ns[COLLATE] - collated)
+    rec.observe(FETCH, t0, t0 + max(ns, 0))
 
 
 def timed_fetch(rec: Recorder, fetch: Callable[[Any], Any],
                 auto_collation: bool) -> Callable[[Any], Any]:
-    """An in-process source's fetch (``fetch(index) -> batch``, raising StopIteration at
-    the dataset's end): every batch it returns is counted as delivered (such a source
-    delivers what it fetches, in the consumer's call), a timed one's reading observed."""
+    """An in-process source's ``fetch(index)``, whose batch is delivered in the same call:
+    counted, and its reading observed when it is timed."""
     def call(index: Any) -> Any:
         if not rec.timing:
             data = fetch(index)
@@ -103,8 +81,7 @@ def timed_fetch(rec: Recorder, fetch: Callable[[Any], Any],
 
 def atimed_fetch(rec: Recorder, fetch: Callable[[Any], Awaitable[Any]],
                  end: object) -> Callable[[Any], Awaitable[Any]]:
-    """An async dataset's fetch (``await fetch(index)``; ``end``: what it returns at the
-    dataset's end), its reading observed."""
+    """An async dataset's ``await fetch(index)`` (``end`` at the dataset's end): observed."""
     async def call(index: Any) -> Any:
         t0, collated = _now(), rec.ns[COLLATE]
         data = await fetch(index)
@@ -114,15 +91,16 @@ def atimed_fetch(rec: Recorder, fetch: Callable[[Any], Awaitable[Any]],
     return call
 
 
-def timed(rec: Recorder, stage: int, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (a stage's call: pinning, a device copy, a command's send), observed as
-    ``stage`` when it returns."""
-    observe = rec.observe
-
+def timed(rec: Recorder | WorkerClock, stage: int,
+          fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A stage's call (``collate_fn``, pinning, a device copy, a command's send), observed
+    as ``stage`` when its batch is timed (a call that raises is not)."""
     def call(*args: Any) -> Any:
+        if not rec.timing:
+            return fn(*args)
         t0 = _now()
         value = fn(*args)
-        observe(stage, t0)
+        rec.observe(stage, t0)
         return value
     return call
 
@@ -130,36 +108,39 @@ def timed(rec: Recorder, stage: int, fn: Callable[..., Any]) -> Callable[..., An
 def atimed(rec: Recorder, stage: int,
            fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """:func:`timed` for a coroutine function."""
-    observe = rec.observe
-
     async def call(*args: Any) -> Any:
         t0 = _now()
         value = await fn(*args)
-        observe(stage, t0)
+        rec.observe(stage, t0)
         return value
     return call
 
 
 def counted(rec: Recorder, absorb: Callable[[Any, Any], Any],
             auto_collation: bool) -> Callable[[Any, Any], Any]:
-    """An epoch's delivery boundary (``absorb(index, batch)``), each batch counted."""
+    """The delivery boundary of an epoch with a window (``absorb(index, batch)``)."""
     def call(index: Any, data: Any) -> Any:
         _count(rec, index, auto_collation)
         return absorb(index, data)
     return call
 
 
+def reading(rec: Recorder, start: Callable[[Any], Awaitable[None]]
+            ) -> Callable[[Any], Awaitable[None]]:
+    """A pool source's ``start(tg)``: from its end (the workers are up), the main process
+    reads their replies (:attr:`Recorder.reading_ns`: transport counts from there)."""
+    async def call(tg: Any) -> None:
+        await start(tg)
+        rec.reading_ns = _now()
+    return call
+
+
 def timed_intake(rec: Recorder, intake: Callable[[Any], Awaitable[None]], epoch: int,
                  slots: dict[int, Any]) -> Callable[[Any], Awaitable[None]]:
-    """A pool's reply intake (``await intake(reply)``): a batch of this epoch still waited
-    for (its ``seq`` in ``slots``) carries its worker's stamp
-    (:class:`~aioloader._stats.recorder.WorkerClock`), observed here, just decoded.
-
-    Start-up is left out (it is ``startup_s``): transport counts from when the main
-    process started reading replies (:attr:`Recorder.reading_ns`), and a worker's idle
-    time only after the first delivery (before it, workers wait for the consumer's
-    pipeline to come up).
-    """
+    """A pool's reply intake: a batch of this epoch still waited for (its ``seq`` in
+    ``slots``) carries its worker's stamp (:class:`~aioloader._stats.recorder.WorkerClock`),
+    observed just decoded. Start-up is left out (``startup_s``): transport counts from
+    :func:`reading`, a worker's idle time from the first delivery."""
     observe = rec.observe
 
     async def call(reply: Any) -> None:
@@ -188,17 +169,7 @@ def timed_intake(rec: Recorder, intake: Callable[[Any], Awaitable[None]], epoch:
     return call
 
 
-def reading(rec: Recorder, start: Callable[[Any], Awaitable[None]]
-            ) -> Callable[[Any], Awaitable[None]]:
-    """A pool source's ``start(tg)``: once it returns (the workers are up), the main
-    process reads their replies (:attr:`Recorder.reading_ns`, :func:`timed_intake`)."""
-    async def call(tg: Any) -> None:
-        await start(tg)
-        rec.reading_ns = _now()
-    return call
-
-
-def _depths(rec: Recorder, depths: Callable[[], tuple[int, int, int]]) -> None:
+def _depths(rec: Recorder, depths: Depths) -> None:
     """The queue depths a consumer call found: in flight, ready, staged on the device."""
     flight, ready, staged = depths()
     rec.occ_n += 1
@@ -208,50 +179,47 @@ def _depths(rec: Recorder, depths: Callable[[], tuple[int, int, int]]) -> None:
 
 
 def waits(rec: Recorder | None, fn: Callable[[], Any],
-          depths: Callable[[], tuple[int, int, int]] | None = None) -> Callable[[], Any]:
-    """``fn``, the consumer's call for a batch (``for``), timed as the policy says
-    (:meth:`Recorder.due`); ``depths``: the queues to sample at each call (an epoch with a
-    window). ``fn`` itself when statistics are off."""
+          depths: Depths | None = None) -> Callable[[], Any]:
+    """``fn``, the consumer's call for a batch (``next``), timed as the policy says (and
+    the queues it found, ``depths``, in an epoch with a window); ``fn`` itself when
+    statistics are off. Written out, as :func:`awaits`: it runs once per batch."""
     if rec is None:
         return fn
-    due, waited = rec.due, rec.waited
 
     def call() -> Any:
-        t0 = due()
+        t0 = rec.due()
         if depths is not None:
             _depths(rec, depths)
         try:
             data = fn()
         except BaseException:
-            waited(t0, _now(), False)  # the wall time ends here
+            rec.waited(t0, _now(), False)  # the wall time ends here
             raise
         if t0:
-            waited(t0, _now())
-        else:
+            rec.waited(t0, _now())
+        else:  # not timed: only counted
             rec.untimed += 1
         return data
     return call
 
 
 def awaits(rec: Recorder | None, fn: Callable[[], Awaitable[Any]],
-           depths: Callable[[], tuple[int, int, int]] | None = None
-           ) -> Callable[[], Awaitable[Any]]:
-    """:func:`waits` for ``async for`` (``await fn()``)."""
+           depths: Depths | None = None) -> Callable[[], Awaitable[Any]]:
+    """:func:`waits` for ``async for``."""
     if rec is None:
         return fn
-    due, waited = rec.due, rec.waited
 
     async def call() -> Any:
-        t0 = due()
+        t0 = rec.due()
         if depths is not None:
             _depths(rec, depths)
         try:
             data = await fn()
         except BaseException:
-            waited(t0, _now(), False)  # the wall time ends here (or pauses: cancelled)
+            rec.waited(t0, _now(), False)  # the wall time ends here (or pauses: cancelled)
             raise
         if t0:
-            waited(t0, _now())
+            rec.waited(t0, _now())
         else:
             rec.untimed += 1
         return data

@@ -20,7 +20,8 @@ from typing import Any
 
 from .._errors import RemoteError
 from .._fetch.sync import DatasetKind
-from .._stats.recorder import WorkerClock
+from .._stats.recorder import COLLATE, WorkerClock
+from .._stats.wrap import timed
 from .codec import decode
 from .config import WorkerConfig, _where
 from .fds import close_fds
@@ -45,7 +46,7 @@ class _AsyncEpoch:
         self.reply: Callable[[_AsyncEpoch, Any, Any, Any], Awaitable[Reply]] = _fetch_reply
         if clock is not None:  # a copy: the config may be shared (threads, respawns)
             clock.reset()
-            cfg = dataclasses.replace(cfg, collate_fn=clock.wrap(cfg.collate_fn))
+            cfg = dataclasses.replace(cfg, collate_fn=timed(clock, COLLATE, cfg.collate_fn))
             self.reply = clock.astamped(_fetch_reply)
         self.cfg = cfg
         self.error = init_error

@@ -23,7 +23,8 @@ from .._resume.dataset_state import (
     load_fetcher_state,
     worker_state,
 )
-from .._stats.recorder import WorkerClock
+from .._stats.recorder import COLLATE, WorkerClock
+from .._stats.wrap import timed
 from .._worker_info import get_worker_info
 from .codec import encode
 from .config import WorkerConfig, _where, reseed_datapipe
@@ -147,8 +148,9 @@ def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
     clock = WorkerClock() if cfg.stats else None
     fetch = _SyncEpoch.fetch
     if clock is not None:  # the worker's timings: its calls wrapped once
-        cfg = dataclasses.replace(cfg, collate_fn=clock.wrap(cfg.collate_fn))  # a copy: the
-        next_command = clock.waits(next_command)  # config may be shared (threads, respawns)
+        # A copy of the config: it may be shared (threads, respawns).
+        cfg = dataclasses.replace(cfg, collate_fn=timed(clock, COLLATE, cfg.collate_fn))
+        next_command = clock.waits(next_command)
         fetch = clock.stamped(fetch)
     state = _SyncEpoch(cfg, init_error)
     try:
