@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 #: :meth:`ReorderBuffer.pop`: nothing is outstanding (every dispatched batch was released).
@@ -119,13 +119,13 @@ class Dispatcher:
     continues where the saved one was).
     """
 
-    __slots__ = ("active", "buffer", "cycle", "done", "draining", "epoch", "in_order",
-                 "num_workers", "owed", "pending", "sampler", "tasks", "track", "window")
+    __slots__ = ("active", "buffer", "cycle", "done", "draining", "draw", "epoch", "in_order",
+                 "num_workers", "owed", "pending", "tasks", "track", "window")
 
     def __init__(self, sampler: Iterator[Any], buffer: ReorderBuffer, *, num_workers: int,
                  window: int, in_order: bool, epoch: int, track: _Drawn,
                  skip: int = 0) -> None:
-        self.sampler = sampler
+        self.draw: Callable[[], Any] = sampler.__next__  # statistics wrap it
         self.buffer = buffer
         self.num_workers = num_workers
         self.window = window
@@ -156,7 +156,7 @@ class Dispatcher:
         if self.done:
             return False
         try:
-            index = next(self.sampler)
+            index = self.draw()
         except StopIteration:
             self.done = True
             return False

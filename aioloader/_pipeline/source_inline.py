@@ -9,8 +9,8 @@ Its window is one batch, fetched inside the call that drew it, so nothing runs b
 calls and the epoch starts no background task. One loop (:meth:`InlineSource._next`)
 draws, fetches and hands over a batch for both interfaces; ``async for`` runs it on the
 loop, or draws on the loop and fetches in the thread. Its stages are attributes called
-once per batch (the sampler iterator, :attr:`~InlineSource.fetch`, ``pin_batch``,
-``to_device``), which statistics wrap once per epoch
+once per batch (``draw``, :attr:`~InlineSource.fetch`, ``pin_batch``, ``to_device``),
+which statistics wrap once per epoch
 (:func:`aioloader._pipeline.epoch_setup.time_stages`). A small object of its own: the
 per-batch code reads its attributes, and an instance with at most 30 attributes keeps
 CPython's fast attribute access.
@@ -80,7 +80,7 @@ class InlineSource:
         self.closed = False
         # Weak: the epoch owns its source; closing goes back through the epoch's lifecycle.
         self.owner = weakref.ref(owner)
-        self.sampler_iter = sampler_iter
+        self.draw: Callable[[], Any] = sampler_iter.__next__
         wstate = track.worker_states.get(0) if self.kind.iterable else None
         _dstate.load_dataset_state(self.dataset, wstate)
         self.device = config.device
@@ -93,8 +93,9 @@ class InlineSource:
                                         collate_fn, config.drop_last, config.fetch_threads)
         self.fetcher = guard_fetcher(self.raw_fetcher, config.failure_policy, None)
         _dstate.load_fetcher_state(self.raw_fetcher, wstate)
-        #: The stages, one call each per batch: ``fetch(index)`` (StopIteration at the
-        #: dataset's end), then pinning and the device copy (each batch of ``data``).
+        #: The stages, one call each per batch: ``draw()`` (from the sampler, above),
+        #: ``fetch(index)`` (StopIteration at the dataset's end), then pinning and the
+        #: device copy (each batch of ``data``).
         self.fetch: Callable[[Any], Any] = self.fetcher.fetch
         self.pin_batch: Callable[[Any], Any] = pin.apply
         self.to_device: Callable[[Any], Any] | None = (
@@ -120,7 +121,7 @@ class InlineSource:
         while True:
             if self.closed:
                 raise StopIteration
-            index = next(self.sampler_iter)
+            index = self.draw()
             try:
                 data = self.fetch(index) if self.plain else self._staged(index)
             except StopIteration:  # the dataset ended the epoch (as in torch)
@@ -234,7 +235,7 @@ class InlineSource:
                 if self.closed:
                     raise StopIteration
                 if call is None:
-                    self.drawn = next(self.sampler_iter)
+                    self.drawn = self.draw()
                     stream = (_device.current_stream_of(self.device)
                               if self.device is not None else None)
                     call = self.pending_call = _ThreadCall(_timed, self._staged, self.drawn,

@@ -296,7 +296,7 @@ class WorkerClock:
         self.in_flight = 0
         self.idle_since = _now()
 
-    def observe(self, stage: int, t0: int) -> None:
+    def observe(self, stage: int, t0: int, lane: int | None = None) -> None:
         """The collate wrapper's sink: one item of ``stage`` from ``t0`` to now."""
         self.count[stage] += 1
         self.ns[stage] += _now() - t0

@@ -13,37 +13,16 @@ epoch samples read its answer (:attr:`Recorder.timing`) and only count the other
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .recorder import COLLATE, FETCH, SAMPLING, TRANSPORT, Recorder, WorkerClock
+from .recorder import COLLATE, FETCH, TRANSPORT, Recorder, WorkerClock
 
-__all__ = ["TimedDraws", "atimed", "atimed_fetch", "awaits", "counted", "reading", "timed",
-           "timed_fetch", "timed_intake", "waits"]
+__all__ = ["atimed", "atimed_fetch", "awaits", "counted", "reading", "timed", "timed_fetch",
+           "timed_intake", "waits"]
 
 _now = time.perf_counter_ns
 Depths = Callable[[], tuple[int, int, int]]
-
-
-class TimedDraws:
-    """The sampler iterator: each draw of a timed batch is ``sampling``, on ``lane``."""
-
-    __slots__ = ("it", "lane", "rec")
-
-    def __init__(self, rec: Recorder, it: Iterator[Any], lane: int | None = None) -> None:
-        self.rec, self.it, self.lane = rec, it, lane
-
-    def __iter__(self) -> TimedDraws:
-        return self
-
-    def __next__(self) -> Any:
-        rec = self.rec
-        if not rec.timing:
-            return next(self.it)
-        t0 = _now()
-        index = next(self.it)
-        rec.observe(SAMPLING, t0, lane=self.lane)
-        return index
 
 
 def _count(rec: Recorder, index: Any, auto_collation: bool) -> None:
@@ -91,16 +70,17 @@ def atimed_fetch(rec: Recorder, fetch: Callable[[Any], Awaitable[Any]],
     return call
 
 
-def timed(rec: Recorder | WorkerClock, stage: int,
-          fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A stage's call (``collate_fn``, pinning, a device copy, a command's send), observed
-    as ``stage`` when its batch is timed (a call that raises is not)."""
+def timed(rec: Recorder | WorkerClock, stage: int, fn: Callable[..., Any],
+          lane: int | None = None) -> Callable[..., Any]:
+    """A stage's call (a draw from the sampler, ``collate_fn``, pinning, a device copy, a
+    command's send), observed as ``stage`` (on the trace's ``lane``, default the stage's)
+    when its batch is timed; a call that raises is not."""
     def call(*args: Any) -> Any:
         if not rec.timing:
             return fn(*args)
         t0 = _now()
         value = fn(*args)
-        rec.observe(stage, t0)
+        rec.observe(stage, t0, lane=lane)
         return value
     return call
 
