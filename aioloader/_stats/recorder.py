@@ -100,11 +100,9 @@ class Recorder:
     # Each attribute is described where __init__ sets it.
     __slots__ = (
         "batches", "book", "count", "countdown", "epoch", "first_done_ns", "first_wait_ns",
-        "hist", "hmax", "hooks", "last_ns", "log_every_ns", "next_log_ns", "ns",
-        "num_workers", "occ_flight", "occ_n", "occ_ready", "occ_staged", "period", "procs",
-        "reading_ns", "sampled", "samples", "start_ns", "step_from", "step_ns",
-        "time_every", "timing", "trace", "untimed", "w_batches", "w_collate", "w_fetch", "w_idle",
-        "watch",
+        "hist", "hmax", "hooks", "last_ns", "log_every_ns", "next_log_ns", "ns", "occ",
+        "period", "procs", "reading_ns", "sampled", "samples", "start_ns", "step_from",
+        "step_ns", "time_every", "timing", "trace", "untimed", "watch", "workers",
     )
 
     #: With sampling on, time one batch in this many (the others are only counted, and
@@ -138,15 +136,10 @@ class Recorder:
         self.start_ns = 0
         self.last_ns = 0  # when the consumer's latest timed call returned (the wall's end)
         self.step_from = 0  # ... if the step from there to the next call is timed (else 0)
-        self.num_workers = num_workers
-        self.w_batches = [0] * num_workers
-        self.w_fetch = [0] * num_workers
-        self.w_collate = [0] * num_workers
-        self.w_idle = [0] * num_workers
-        self.occ_n = 0
-        self.occ_ready = 0
-        self.occ_flight = 0
-        self.occ_staged = 0
+        # Per worker: batches, fetch, collate and idle nanoseconds (wrap.timed_intake).
+        self.workers = [[0, 0, 0, 0] for _ in range(num_workers)]
+        # The queues seen at consumer calls: calls, and batches in flight, ready, staged.
+        self.occ = [0, 0, 0, 0]
         self.log_every_ns = int(log_every_s * 1e9) if log_every_s else 0
         self.next_log_ns = 0
         # Weak: the book holds its current recorder (no cycle to leave to the cyclic GC).
@@ -285,26 +278,21 @@ class WorkerClock:
     waiting for the next command. Async workers: the time with no fetch in flight.
     """
 
-    __slots__ = ("count", "idle_ns", "idle_since", "in_flight", "ns")
+    __slots__ = ("collate_ns", "idle_ns", "idle_since", "in_flight")
 
     timing = True  # every batch is timed (wrap.timed asks)
 
     def __init__(self) -> None:
-        self.count = [0] * len(STAGES)  # only COLLATE is used (wrap.timed's sink)
-        self.ns = [0] * len(STAGES)
-        self.idle_ns = 0
-        self.in_flight = 0
+        self.collate_ns = self.idle_ns = self.in_flight = 0
         self.idle_since = _now()
 
     def observe(self, stage: int, t0: int, lane: int | None = None) -> None:
-        """The collate wrapper's sink: one item of ``stage`` from ``t0`` to now."""
-        self.count[stage] += 1
-        self.ns[stage] += _now() - t0
+        """The ``collate_fn`` wrapper's sink: its call from ``t0`` to now."""
+        self.collate_ns += _now() - t0
 
     def reset(self) -> None:
         """A new epoch: idle time between epochs is not this epoch's."""
-        self.ns[COLLATE] = 0
-        self.idle_ns = 0
+        self.collate_ns = self.idle_ns = 0
         self.idle_since = _now()
 
     def waits(self, next_command: Callable[[], Any]) -> Callable[[], Any]:
@@ -348,7 +336,6 @@ class WorkerClock:
     def _stamp(self, t0: int) -> tuple[int, int, int, int]:
         """The 4 ints appended to a reply for a batch whose fetch started at ``t0``."""
         t = _now()
-        collate, idle = self.ns[COLLATE], self.idle_ns
-        self.ns[COLLATE] = 0
-        self.idle_ns = 0
+        collate, idle = self.collate_ns, self.idle_ns
+        self.collate_ns = self.idle_ns = 0
         return (t - t0, collate, idle, t)

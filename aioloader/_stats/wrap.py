@@ -140,11 +140,12 @@ def timed_intake(rec: Recorder, intake: Callable[[Any], Awaitable[None]], epoch:
                 idle = 0
             elif began - idle < first:
                 idle = began - first if began > first else 0
-            if 0 <= worker < rec.num_workers:
-                rec.w_batches[worker] += 1
-                rec.w_fetch[worker] += fetch
-                rec.w_collate[worker] += collate
-                rec.w_idle[worker] += idle
+            if 0 <= worker < len(rec.workers):
+                counters = rec.workers[worker]
+                counters[0] += 1
+                counters[1] += fetch
+                counters[2] += collate
+                counters[3] += idle
         await intake(reply)
     return call
 
@@ -152,10 +153,11 @@ def timed_intake(rec: Recorder, intake: Callable[[Any], Awaitable[None]], epoch:
 def _depths(rec: Recorder, depths: Depths) -> None:
     """The queue depths a consumer call found: in flight, ready, staged on the device."""
     flight, ready, staged = depths()
-    rec.occ_n += 1
-    rec.occ_flight += flight
-    rec.occ_ready += ready
-    rec.occ_staged += staged
+    occ = rec.occ
+    occ[0] += 1
+    occ[1] += flight
+    occ[2] += ready
+    occ[3] += staged
 
 
 def waits(rec: Recorder | None, fn: Callable[[], Any],
