@@ -687,6 +687,8 @@ def test_the_timing_policy_times_the_first_batches_then_one_in_sixteen() -> None
     epoch's first ``TIME_EVERY`` and then one in ``TIME_EVERY``; every batch without
     sampling or once a trace is kept; the untimed ones still count exactly. Issue 38: the
     consumer's call and the fetch are timed by wrappers (aioloader._stats.wrap)."""
+    from types import SimpleNamespace
+
     from aioloader._stats import wrap
     from aioloader._stats.book import StatsBook
     from aioloader._stats.recorder import Recorder
@@ -695,7 +697,8 @@ def test_the_timing_policy_times_the_first_batches_then_one_in_sixteen() -> None
         rec = book.new_epoch()
         rec.pace(sampled=sample)
         timed: list[int] = []
-        fetch = wrap.timed_fetch(rec, lambda index: index, auto_collation=True)
+        fetcher = SimpleNamespace(fetch=lambda index: index)
+        fetch = wrap.timed_fetch(rec, fetcher, auto_collation=True, split=False)
 
         def next_batch(i: int) -> None:  # an in-process epoch's call: its fetch counts it
             if rec.timing:

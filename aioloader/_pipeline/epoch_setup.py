@@ -255,7 +255,8 @@ def time_stages(epoch: Any, config: LoaderConfig, rec: Recorder, probing: bool) 
     source = epoch.source
     if isinstance(source, InlineSource):
         source.draw = _wrap.timed(rec, SAMPLING, source.draw, LANE_CONSUMER)
-        source.fetch = _wrap.timed_fetch(rec, source.fetch, config.auto_collation)
+        source.fetch = _wrap.timed_fetch(rec, source.fetcher, config.auto_collation,
+                                         split=source.plain)
         source.pin_batch = _wrap.timed(rec, PIN, source.pin_batch)
         if source.to_device is not None:
             source.to_device = _wrap.timed(rec, DEVICE, source.to_device)

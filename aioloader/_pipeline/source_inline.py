@@ -69,7 +69,8 @@ class InlineSource:
     def __init__(self, config: LoaderConfig, sampler_iter: Iterator[Any], *,
                  delivery: Delivery, track: EpochTracker, runner: ThreadRunner,
                  pin: PinPolicy, owner: Any, collate_fn: Callable[[Any], Any]) -> None:
-        """``collate_fn``: the epoch's (timed when statistics are on); ``owner``: the epoch."""
+        """``collate_fn``: the epoch's (timed when statistics are on: not for plain batches,
+        whose fetch splits reading from collating itself); ``owner``: the epoch."""
         self.kind = config.kind
         self.dataset = config.dataset
         self.delivery = delivery
@@ -90,7 +91,8 @@ class InlineSource:
             delivery.policy_active or pin.requested or self.device is not None)
         # The resume state is read from the plain fetcher; batches come through its guard.
         self.raw_fetcher = make_fetcher(self.kind, self.dataset, config.auto_collation,
-                                        collate_fn, config.drop_last, config.fetch_threads)
+                                        config.collate_fn if self.plain else collate_fn,
+                                        config.drop_last, config.fetch_threads)
         self.fetcher = guard_fetcher(self.raw_fetcher, config.failure_policy, None)
         _dstate.load_fetcher_state(self.raw_fetcher, wstate)
         #: The stages, one call each per batch: ``draw()`` (from the sampler, above),
