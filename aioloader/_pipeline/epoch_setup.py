@@ -42,7 +42,7 @@ from .._pools.lease import PoolKeeper, _PoolLease
 from .._resume.tracker import EpochTracker
 from .._stats import wrap as _wrap
 from .._stats.proc import WorkerProcs, worker_ids
-from .._stats.recorder import COLLATE, DEVICE, DISPATCH, LANE_CONSUMER, PIN, SAMPLING, Recorder
+from .._stats.recorder import COLLATE, DEVICE, DISPATCH, LANE_CONSUMER, PIN, Recorder
 from .._tune.bounds import read_system
 from .._tune.state import TuneState
 from .autotune import EpochTuner
@@ -254,7 +254,7 @@ def time_stages(epoch: Any, config: LoaderConfig, rec: Recorder, probing: bool) 
     plain batches times 1 batch in 16 (``Recorder.pace``; a probing one every batch)."""
     source = epoch.source
     if isinstance(source, InlineSource):
-        source.draw = _wrap.timed(rec, SAMPLING, source.draw, LANE_CONSUMER)
+        source.draw = _wrap.timed_draw(rec, source.draw, LANE_CONSUMER)
         source.fetch = _wrap.timed_fetch(rec, source.fetcher, config.auto_collation,
                                          split=source.plain)
         source.pin_batch = _wrap.timed(rec, PIN, source.pin_batch)
@@ -262,7 +262,7 @@ def time_stages(epoch: Any, config: LoaderConfig, rec: Recorder, probing: bool) 
             source.to_device = _wrap.timed(rec, DEVICE, source.to_device)
         rec.pace(sampled=source.plain and not probing)
         return
-    epoch.dispatch.draw = _wrap.timed(rec, SAMPLING, epoch.dispatch.draw)
+    epoch.dispatch.draw = _wrap.timed_draw(rec, epoch.dispatch.draw)
     epoch.absorb = _wrap.counted(rec, epoch.absorb, config.auto_collation)
     source.pin_batch = _wrap.timed(rec, PIN, source.pin_batch)
     if epoch.device_stage is not None:

@@ -117,15 +117,17 @@ class InlineSource:
         the epoch was closed. Batches whose every sample was skipped are consumed here.
 
         The common case (a plain batch) does its bookkeeping inline: this runs once per
-        batch, and ``benchmarks/bench_overhead.py`` measures it.
+        batch, and ``benchmarks/bench_overhead.py`` measures it. The stage calls are read
+        into locals first: called as ``self.draw()``, an instance attribute takes CPython's
+        slow method lookup.
         """
-        track = self.track
+        track, draw, fetch = self.track, self.draw, self.fetch
         while True:
             if self.closed:
                 raise StopIteration
-            index = self.draw()
+            index = draw()
             try:
-                data = self.fetch(index) if self.plain else self._staged(index)
+                data = fetch(index) if self.plain else self._staged(index)
             except StopIteration:  # the dataset ended the epoch (as in torch)
                 raise
             except Exception:
@@ -141,7 +143,8 @@ class InlineSource:
     def _staged(self, index: Any, finish: bool = False, stream: Any = None) -> Any:
         """The batch of ``index`` fetched, pinned and copied to the device (``finish``:
         finished on ``stream``, the consumer's, read on its thread: ``async for``)."""
-        data = self.fetch(index)
+        fetch = self.fetch
+        data = fetch(index)
         if self.pin.enabled:
             data = on_batch(self.pin_batch, data)
         if self.to_device is not None:

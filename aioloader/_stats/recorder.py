@@ -286,7 +286,7 @@ class WorkerClock:
         self.collate_ns = self.idle_ns = self.in_flight = 0
         self.idle_since = _now()
 
-    def observe(self, stage: int, t0: int, lane: int | None = None) -> None:
+    def observe(self, stage: int, t0: int) -> None:
         """The ``collate_fn`` wrapper's sink: its call from ``t0`` to now."""
         self.collate_ns += _now() - t0
 

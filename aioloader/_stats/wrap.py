@@ -16,10 +16,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .recorder import COLLATE, FETCH, TRANSPORT, Recorder, WorkerClock
+from .recorder import COLLATE, FETCH, SAMPLING, TRANSPORT, Recorder, WorkerClock
 
-__all__ = ["atimed", "atimed_fetch", "awaits", "counted", "reading", "timed", "timed_fetch",
-           "timed_intake", "waits"]
+__all__ = ["atimed", "atimed_fetch", "awaits", "counted", "reading", "timed", "timed_draw",
+           "timed_fetch", "timed_intake", "waits"]
 
 _now = time.perf_counter_ns
 Depths = Callable[[], tuple[int, int, int]]
@@ -84,18 +84,31 @@ def atimed_fetch(rec: Recorder, fetch: Callable[[Any], Awaitable[Any]],
     return call
 
 
-def timed(rec: Recorder | WorkerClock, stage: int, fn: Callable[..., Any],
-          lane: int | None = None) -> Callable[..., Any]:
-    """A stage's call (a draw from the sampler, ``collate_fn``, pinning, a device copy, a
-    command's send), observed as ``stage`` (on the trace's ``lane``, default the stage's)
-    when its batch is timed; a call that raises is not."""
+def timed(rec: Recorder | WorkerClock, stage: int,
+          fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A stage's call (``collate_fn``, pinning, a device copy, a command's send), observed
+    as ``stage`` when its batch is timed; a call that raises is not."""
     def call(*args: Any) -> Any:
         if not rec.timing:
             return fn(*args)
         t0 = _now()
         value = fn(*args)
-        rec.observe(stage, t0, lane=lane)
+        rec.observe(stage, t0)
         return value
+    return call
+
+
+def timed_draw(rec: Recorder, draw: Callable[[], Any],
+               lane: int | None = None) -> Callable[[], Any]:
+    """A draw from the sampler (``sampling``, on the trace's ``lane``): :func:`timed`
+    without arguments to pass (it runs once per batch)."""
+    def call() -> Any:
+        if not rec.timing:
+            return draw()
+        t0 = _now()
+        index = draw()
+        rec.observe(SAMPLING, t0, lane=lane)
+        return index
     return call
 
 
