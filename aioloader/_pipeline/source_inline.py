@@ -143,8 +143,7 @@ class InlineSource:
     def _staged(self, index: Any, finish: bool = False, stream: Any = None) -> Any:
         """The batch of ``index`` fetched, pinned and copied to the device (``finish``:
         finished on ``stream``, the consumer's, read on its thread: ``async for``)."""
-        fetch = self.fetch
-        data = fetch(index)
+        data = self.fetch(index)
         if self.pin.enabled:
             data = on_batch(self.pin_batch, data)
         if self.to_device is not None:

@@ -140,8 +140,7 @@ class StatsBook:
         if self.current is not None:  # no PSS read here: iter() is the consumer's path
             self.done.fold(self.current, pss=False)
         workers = self.num_workers if num_workers is None else num_workers
-        rec = Recorder(workers, self.log_every_s, self, self.done.epochs + 1,
-                       trace=self.trace, hooks=self.hooks)
+        rec = Recorder(workers, self.log_every_s, self, trace=self.trace, hooks=self.hooks)
         self.current = rec
         return rec
 

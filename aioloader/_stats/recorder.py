@@ -99,7 +99,7 @@ class Recorder:
 
     # Each attribute is described where __init__ sets it.
     __slots__ = (
-        "batches", "book", "count", "countdown", "epoch", "first_done_ns", "first_wait_ns",
+        "batches", "book", "count", "countdown", "first_done_ns", "first_wait_ns",
         "hist", "hmax", "hooks", "last_ns", "log_every_ns", "next_log_ns", "ns", "occ",
         "period", "procs", "reading_ns", "sampled", "samples", "start_ns", "step_from",
         "step_ns", "time_every", "timing", "trace", "untimed", "watch", "workers",
@@ -111,7 +111,7 @@ class Recorder:
     TIME_EVERY = 16
 
     def __init__(self, num_workers: int, log_every_s: float | None = None,
-                 book: Snapshots | None = None, epoch: int = 0,
+                 book: Snapshots | None = None,
                  trace: deque[tuple[int, int, int, int, int]] | None = None,
                  hooks: list[StatsHook] | None = None) -> None:
         # Timed items by stage: their number and nanoseconds.
@@ -144,7 +144,6 @@ class Recorder:
         self.next_log_ns = 0
         # Weak: the book holds its current recorder (no cycle to leave to the cyclic GC).
         self.book = weakref.ref(book) if book is not None else None
-        self.epoch = epoch
         # The policy (due): countdown, batches until the next timed one (the first one is
         # timed); period, what it was last set to; time_every, 1 unless sampling is on and
         # nothing looks at every batch (periodic logging, stats hooks, a trace).

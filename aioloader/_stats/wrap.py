@@ -25,16 +25,6 @@ _now = time.perf_counter_ns
 Depths = Callable[[], tuple[int, int, int]]
 
 
-def _count(rec: Recorder, index: Any, auto_collation: bool) -> None:
-    """A batch of ``index`` delivered, and its sampled indices (one without
-    auto-collation, or for a batch sampler's item without ``len()``)."""
-    rec.batches += 1
-    try:
-        rec.samples += len(index) if auto_collation else 1
-    except TypeError:
-        rec.samples += 1
-
-
 def _fetched(rec: Recorder, t0: int, collated: int) -> None:
     """A fetch from ``t0`` to now, without the ``collate_fn`` time added since to the
     counter that was ``collated`` (an overlapping fetch's collate is not reading either)."""
@@ -125,9 +115,15 @@ def atimed(rec: Recorder, stage: int,
 
 def counted(rec: Recorder, absorb: Callable[[Any, Any], Any],
             auto_collation: bool) -> Callable[[Any, Any], Any]:
-    """The delivery boundary of an epoch with a window (``absorb(index, batch)``)."""
+    """The delivery boundary of an epoch with a window (``absorb(index, batch)``): a batch
+    and its sampled indices (one without auto-collation, or for a batch sampler's item
+    without ``len()``), as :func:`timed_fetch` counts them."""
     def call(index: Any, data: Any) -> Any:
-        _count(rec, index, auto_collation)
+        rec.batches += 1
+        try:
+            rec.samples += len(index) if auto_collation else 1
+        except TypeError:
+            rec.samples += 1
         return absorb(index, data)
     return call
 
