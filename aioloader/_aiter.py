@@ -1,7 +1,8 @@
 """``async for batch in loader``: one epoch's async iterator, :class:`AsyncLoaderIter`.
 
 Tasks sharing one iterator take turns (:class:`_Turns`); each ``__anext__`` waits for the
-epoch's next batch in order (timing the wait for ``loader.stats()``), and a probing first
+epoch's next batch in order (its wait timed for ``loader.stats()`` by a wrapper,
+:func:`aioloader._stats.wrap.awaits`), and a probing first
 epoch under ``num_workers="auto"`` is handed over to workers here (``HandOver``). Also
 torch's iterator hooks that frameworks and torch's own tests reach into (``_workers``,
 ``_shutdown_workers``), shared with the sync facade's iterator.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -20,8 +21,8 @@ import anyio
 from ._fetch.report import FailureReport
 from ._pipeline.backend import backend_pending, load_backend
 from ._pipeline.epoch import _PipelineCore
-from ._pipeline.source_inline import InlineSource
 from ._pipeline.source_probe import HandOver
+from ._stats.wrap import awaits
 
 __all__ = ["AsyncLoaderIter"]
 
@@ -113,19 +114,22 @@ class AsyncLoaderIter(_EpochIter, Generic[T_co]):
     def __init__(self, core: _PipelineCore) -> None:
         self._core = core
         self._turns = _Turns()
-        # Where batches come from: the in-process worker itself when there is one (its
-        # few attributes are read faster per batch than the core's), else the core.
-        self._source: _PipelineCore | InlineSource = (
-            core.inline_source if core.inline_source is not None else core)
-        # The recorder of the consumer's waits (an inline source times its own: None).
-        self._waits = core.rec if core.inline_source is None else None
+        self._anext = self._calls(core)
         self._me = weakref.ref(self)  # for a hand-over to workers (HandOver)
+
+    @staticmethod
+    def _calls(core: _PipelineCore) -> Callable[[], Awaitable[Any]]:
+        """What each ``__anext__`` awaits: the in-process worker itself when there is one
+        (its few attributes are read faster per batch than the core's), else the core;
+        timed by the epoch's statistics when they are on."""
+        source = core.inline_source if core.inline_source is not None else core
+        return awaits(core.rec, source.anext, core.depths)
 
     def __aiter__(self) -> AsyncLoaderIter[T_co]:
         return self
 
     async def __anext__(self) -> T_co:
-        core, turns, me, rec = self._source, self._turns, self._me, self._waits
+        anext, turns, me = self._anext, self._turns, self._me
         if backend_pending():  # a trio loop's first batch: anyio's backend off the loop
             await load_backend(self._core.runner)
         del self  # tracebacks must not keep the iterator (and its workers) alive
@@ -134,30 +138,23 @@ class AsyncLoaderIter(_EpochIter, Generic[T_co]):
         else:
             turns.busy = True
         try:
-            if rec is None:
-                return await core.anext()  # type: ignore[no-any-return]
-            with rec.waiting():
-                return await core.anext()  # type: ignore[no-any-return]
+            return await anext()  # type: ignore[no-any-return]
         except HandOver as handover:  # a probing first epoch under "auto": workers go on
             workers = handover.workers
             del handover
             it = me()
             assert it is not None  # its caller holds it
-            source = it._hand_over(workers)
+            anext = it._hand_over(workers)
             del it
-            if source.rec is None:
-                return await source.anext()  # type: ignore[no-any-return]
-            with source.rec.waiting():
-                return await source.anext()  # type: ignore[no-any-return]
+            return await anext()  # type: ignore[no-any-return]
         finally:
             turns.release()
 
-    def _hand_over(self, workers: int) -> _PipelineCore:
-        """The epoch goes on with ``workers`` workers (docs/autotune.md)."""
-        core = self._core.hand_over(workers)
-        self._core = self._source = core
-        self._waits = core.rec
-        return core
+    def _hand_over(self, workers: int) -> Callable[[], Awaitable[Any]]:
+        """The epoch goes on with ``workers`` workers (docs/autotune.md): its call."""
+        core = self._core = self._core.hand_over(workers)
+        self._anext = self._calls(core)
+        return self._anext
 
     async def aclose(self) -> None:
         """Stop the epoch and release everything it holds. Idempotent."""

@@ -172,15 +172,15 @@ def is_gone(pid: int) -> bool:
 def test_a_reply_crosses_the_wire_as_a_plain_tuple_and_keeps_its_fields() -> None:
     """A worker process sends a Reply's wire tuple (no class named per batch); the parent
     rebuilds the record. Pickled as a whole (Ray), it keeps the same fields. The parent's
-    own fields (the worker id, the pinning time) do not travel."""
+    own field (the worker id) does not travel."""
     reply = Reply("data", 3, 7, [1, 2], state={"pos": 1}, rng=b"rng", timings=(1, 2, 3, 4))
-    reply.worker, reply.pin_ns = 5, 9
+    reply.worker = 5
     payload, fds = encode(reply.wire())
     assert b"Reply" not in payload and fds == []
     for back in (Reply(*decode(payload, fds)), pickle.loads(pickle.dumps(reply))):
         assert (back.kind, back.epoch, back.seq, back.batch, back.error, back.state, back.rng,
                 back.timings) == ("data", 3, 7, [1, 2], None, {"pos": 1}, b"rng", (1, 2, 3, 4))
-        assert (back.worker, back.pin_ns) == (-1, None)
+        assert back.worker == -1
 
 
 # --------------------------------------------------------------------------- seeding

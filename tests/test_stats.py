@@ -685,20 +685,28 @@ def test_sampled_and_full_timing_report_the_same_fields_and_counts(use_async: bo
 def test_the_timing_policy_times_the_first_batches_then_one_in_sixteen() -> None:
     """Issue 33: ``Recorder.due`` decides which batches are timed: with sampling on, the
     epoch's first ``TIME_EVERY`` and then one in ``TIME_EVERY``; every batch without
-    sampling or once a trace is kept; the untimed ones still count exactly."""
+    sampling or once a trace is kept; the untimed ones still count exactly. Issue 38: the
+    consumer's call and the fetch are timed by wrappers (aioloader._stats.wrap)."""
+    from types import SimpleNamespace
+
+    from aioloader._stats import wrap
     from aioloader._stats.book import StatsBook
     from aioloader._stats.recorder import Recorder
 
     def run(book: StatsBook, sample: bool, batches: int) -> list[int]:
         rec = book.new_epoch()
-        rec.sample(sample)
-        timed = []
-        for i in range(batches):
-            t0 = rec.due()
-            rec.delivered([i, i], auto_collation=True, timed=bool(t0))
-            if t0:
+        rec.pace(sampled=sample)
+        timed: list[int] = []
+        fetcher = SimpleNamespace(fetch=lambda index: index)
+        fetch = wrap.timed_fetch(rec, fetcher, auto_collation=True, split=False)
+
+        def next_batch(i: int) -> None:  # an in-process epoch's call: its fetch counts it
+            if rec.timing:
                 timed.append(i)
-                rec.waited(t0, t0 + 1000)
+            fetch([i, i])
+
+        for i in range(batches):
+            wrap.waits(rec, lambda i=i: next_batch(i))()
         return timed
 
     every = Recorder.TIME_EVERY

@@ -29,7 +29,6 @@ __all__ = [
     "IterFetcher",
     "MapFetcher",
     "dataset_kind",
-    "fetch_or_exhausted",
     "make_fetcher",
     "wrapped_datasets",
 ]
@@ -252,18 +251,6 @@ class _Exhausted:
 
 
 EXHAUSTED: Any = _Exhausted()
-
-
-def fetch_or_exhausted(fetcher: MapFetcher | IterFetcher, index: Any) -> Any:
-    """``fetcher.fetch(index)``, returning :data:`EXHAUSTED` instead of raising StopIteration.
-
-    StopIteration must not cross a thread future or a coroutine frame (PEP 479
-    turns it into RuntimeError), so callers that run fetches off-thread use this.
-    """
-    try:
-        return fetcher.fetch(index)
-    except StopIteration:
-        return EXHAUSTED
 
 
 def make_fetcher(kind: DatasetKind, dataset: Any, auto_collation: bool,

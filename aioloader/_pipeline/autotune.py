@@ -155,8 +155,8 @@ class EpochTuner:
     def _rec_totals(self) -> tuple[int, int, int, int]:
         rec = self.rec
         assert rec is not None
-        busy = sum(rec.w_fetch) + sum(rec.w_collate)
-        return busy, sum(rec.w_idle), rec.occ_ready, rec.occ_n
+        busy = sum(w[1] + w[2] for w in rec.workers)
+        return busy, sum(w[3] for w in rec.workers), rec.occ[2], rec.occ[0]
 
     def delivered(self, t_ask: int, t_done: int, batch: Any = None) -> None:
         """``batch`` was handed to the consumer, who asked at ``t_ask`` (ns)."""
@@ -343,6 +343,4 @@ class EpochTuner:
 
 def grow_recorder(rec: Recorder, workers: int) -> None:
     """Per-worker counters for ``workers`` workers (a worker was added)."""
-    for counters in (rec.w_batches, rec.w_fetch, rec.w_collate, rec.w_idle):
-        counters.extend([0] * (workers - len(counters)))
-    rec.num_workers = max(rec.num_workers, workers)
+    rec.workers.extend([0, 0, 0, 0] for _ in range(workers - len(rec.workers)))

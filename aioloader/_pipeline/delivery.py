@@ -1,8 +1,9 @@
 """What happens to every batch handed to the consumer, whatever the source.
 
 :class:`Delivery` is the epoch's one boundary with the consumer: a batch is counted
-for the statistics and the failure report there (in sampler order, so ``max_failures``
-trips at the same batch on every run), and an iterable dataset that yields more than
+for the failure report there (in sampler order, so ``max_failures`` trips at the same
+batch on every run; statistics count it in a wrapper around :meth:`Delivery.absorb`, or
+an in-process source's fetch), and an iterable dataset that yields more than
 its ``len()`` said is warned about, as torch does. It is also where the resume
 position moves: :meth:`Delivery.commit` is the one call that tells the epoch's
 tracker (:class:`aioloader._resume.tracker.EpochTracker`, which wraps the sampler
@@ -17,7 +18,6 @@ from typing import Any
 
 from .._fetch.report import FailureReport
 from .._resume.tracker import EpochTracker
-from .._stats.recorder import Recorder
 
 
 class Delivery:
@@ -25,7 +25,7 @@ class Delivery:
 
     Example:
         >>> from aioloader._fetch.policy import FailurePolicy
-        >>> d = Delivery(FailureReport(FailurePolicy(), False), None, auto_collation=True,
+        >>> d = Delivery(FailureReport(FailurePolicy(), False), auto_collation=True,
         ...              dataset=[1, 2], len_called=None, iterable=False, num_workers=0,
         ...              track=None)
         >>> d.absorb([0, 1], "batch")
@@ -33,9 +33,9 @@ class Delivery:
     """
 
     __slots__ = ("auto_collation", "check_len", "dataset", "failures", "held", "len_called",
-                 "num_workers", "num_yielded", "policy_active", "rec", "track")
+                 "num_workers", "num_yielded", "policy_active", "track")
 
-    def __init__(self, failures: FailureReport, rec: Recorder | None, *, auto_collation: bool,
+    def __init__(self, failures: FailureReport, *, auto_collation: bool,
                  dataset: Any, len_called: int | None, iterable: bool,
                  num_workers: int, track: EpochTracker | None) -> None:
         self.failures = failures
@@ -43,7 +43,6 @@ class Delivery:
         # Batches taken from the reorder buffer, not yet received (the device stage
         # holds them): their commits, oldest first.
         self.held: deque[tuple[int, int | None, Any, Any]] = deque()
-        self.rec = rec
         self.auto_collation = auto_collation
         self.dataset = dataset
         self.len_called = len_called
@@ -53,15 +52,12 @@ class Delivery:
         self.policy_active = failures.policy.active
         self.check_len = iterable and len_called is not None
 
-    def absorb(self, index: Any, data: Any, timed: bool = True) -> Any:
-        """Count a delivered batch for the stats (``timed``: ``Recorder.delivered``) and
-        the failure report.
+    def absorb(self, index: Any, data: Any) -> Any:
+        """Count a delivered batch for the failure report.
 
         Returns the batch, or ``NOTHING`` when every sample of it failed (skipped).
         Raises TooManyFailuresError past ``max_failures``.
         """
-        if self.rec is not None:
-            self.rec.delivered(index, self.auto_collation, timed)
         if not self.policy_active:  # torch's behaviour: nothing to count
             return data
         self.failures.count_requested(len(index) if self.auto_collation else 1)

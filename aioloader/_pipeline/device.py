@@ -15,19 +15,15 @@ pinned memory or copies (the event loop's stall). Order is the loader's order.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
 
-from .._stats.recorder import DEVICE
 from .._threads import ThreadRunner
 from . import pin as _pin
 from .offload import _ErrorBox, _ThreadCall
-
-_ns = time.perf_counter_ns
 
 __all__ = ["DeviceStage", "consumer_stream", "current_stream_of", "finish_in_caller",
            "finish_on_device", "is_staged", "stage_to_device"]
@@ -122,17 +118,18 @@ class DeviceStage:
     ``next_host``), so sampler draws stay in the consumer's calls. A copy whose waiter
     was cancelled is kept (``staging``) for the next call, and so is a delivered batch
     whose finishing (the consumer stream's wait, in the runner's thread) was
-    (``finishing``): the next call returns it first.
+    (``finishing``): the next call returns it first. Its stage, :attr:`stage`
+    (:func:`stage_to_device`, run in ``runner``'s thread), is wrapped by statistics.
     """
 
-    __slots__ = ("depth", "device", "finishing", "host_done", "rec", "runner", "staged",
+    __slots__ = ("depth", "device", "finishing", "host_done", "runner", "stage", "staged",
                  "staging")
 
-    def __init__(self, device: Any, depth: int, runner: ThreadRunner, rec: Any) -> None:
+    def __init__(self, device: Any, depth: int, runner: ThreadRunner) -> None:
         self.device = device
         self.depth = depth
         self.runner = runner
-        self.rec = rec
+        self.stage: Callable[[Any, torch.device], _Staged] = stage_to_device
         self.staged: deque[Any] = deque()
         self.host_done = False  # the host stages delivered their last batch
         self.staging: _ThreadCall | None = None  # device copy whose waiter was cancelled
@@ -153,11 +150,8 @@ class DeviceStage:
                 except Exception as exc:
                     self.staged.append(_ErrorBox(exc))
                     break
-                call = self.staging = _ThreadCall(stage_to_device, batch, self.device)
-            t0 = _ns()
+                call = self.staging = _ThreadCall(self.stage, batch, self.device)
             await call.wait(self.runner)  # cancelled: `staging` keeps the batch
-            if self.rec is not None:
-                self.rec.observe(DEVICE, t0)
             self.staging = None
             try:
                 self.staged.append(call.result())

@@ -10,14 +10,9 @@ like any other: the caller raises it when its batch's turn comes.
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
-
-from .._stats.recorder import SAMPLING, Recorder
-
-_ns = time.perf_counter_ns
 
 #: :meth:`ReorderBuffer.pop`: nothing is outstanding (every dispatched batch was released).
 DRAINED: Any = object()
@@ -97,9 +92,11 @@ class ReorderBuffer:
                 if slot.worker == worker and not slot.has_data]
 
     def counts(self) -> tuple[int, int]:
-        """``(waiting, ready)``: batches dispatched but not arrived, and arrived."""
-        ready = sum(1 for s in self.slots.values() if s.has_data)
-        return len(self.slots) - ready, ready
+        """``(waiting, ready)``: batches dispatched but not arrived, and arrived (read from
+        any thread: the slots are copied in one step)."""
+        slots = list(self.slots.values())
+        ready = sum(1 for s in slots if s.has_data)
+        return len(slots) - ready, ready
 
     def clear(self) -> None:
         """Drop every result (a result's shared memory is freed with it); nothing is owed."""
@@ -122,21 +119,19 @@ class Dispatcher:
     continues where the saved one was).
     """
 
-    __slots__ = ("active", "buffer", "cycle", "done", "draining", "epoch", "in_order",
-                 "num_workers", "owed", "pending", "rec", "sampler", "tasks", "track",
-                 "window")
+    __slots__ = ("active", "buffer", "cycle", "done", "draining", "draw", "epoch", "in_order",
+                 "num_workers", "owed", "pending", "tasks", "track", "window")
 
     def __init__(self, sampler: Iterator[Any], buffer: ReorderBuffer, *, num_workers: int,
                  window: int, in_order: bool, epoch: int, track: _Drawn,
-                 rec: Recorder | None = None, skip: int = 0) -> None:
-        self.sampler = sampler
+                 skip: int = 0) -> None:
+        self.draw: Callable[[], Any] = sampler.__next__  # statistics wrap it
         self.buffer = buffer
         self.num_workers = num_workers
         self.window = window
         self.in_order = in_order
         self.epoch = epoch
         self.track = track
-        self.rec = rec
         self.done = False  # the sampler is exhausted
         self.active = [True] * num_workers  # False once a worker retired
         self.tasks = [0] * num_workers  # outstanding batches per worker
@@ -160,14 +155,11 @@ class Dispatcher:
         """
         if self.done:
             return False
-        t0 = _ns()
         try:
-            index = next(self.sampler)
+            index = self.draw()
         except StopIteration:
             self.done = True
             return False
-        if self.rec is not None:
-            self.rec.observe(SAMPLING, t0)
         worker = 0
         if self.num_workers > 0:
             active = self.active

@@ -10,7 +10,9 @@ Its parts (books, seeds and pool lease, window, source, tuner) are built by
 :mod:`aioloader._pipeline.epoch_setup`; its lifecycle (state, background task,
 teardown) is :class:`aioloader._pipeline.epoch_lifecycle.EpochLifecycle`'s. This module
 composes them and takes the batches out in order, through the device stage when
-``device=`` is set. What differs between modes is the choice of source
+``device=`` is set; with statistics on, its stages are wrapped once, when it is built
+(:func:`~aioloader._pipeline.epoch_setup.time_stages`), and the consumer's calls by its
+iterator. What differs between modes is the choice of source
 (:class:`~aioloader._pipeline.source_inline.InlineSource`, its probing variant,
 :class:`~aioloader._pipeline.source_async.AsyncFetchSource`,
 :class:`~aioloader._pipeline.source_pool.PoolSource`): docs/pipeline.md's table of
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -102,18 +105,17 @@ class _PipelineCore(lifecycle.EpochLifecycle):
         # to the epoch's thread (inline: its first fetch).
         self.pin = PinPolicy(config.pin_memory, config.pin_memory_device,
                              defer=on_loop)
-        self.track, self.delivery, sampler_iter = setup.books(config, resume, rec, len_called,
-                                                              carry)
+        self.track, self.delivery, sampler_iter = setup.books(config, resume, len_called, carry)
+        self.draws = sampler_iter  # what a hand-over carries on (statistics wrap a copy)
         self.failures = self.delivery.failures
         self.runner = ThreadRunner("aioloader-fetch" if self.inline else "aioloader-pipeline",
                                    keeper.park)
-        self.device_stage = (DeviceStage(config.device, config.device_prefetch, self.runner,
-                                         rec)
+        self.device_stage = (DeviceStage(config.device, config.device_prefetch, self.runner)
                              if config.device is not None and not self.inline else None)
         live, reset_seed = False, None
         if num_workers > 0:
             self.lease, live, reset_seed = setup.take_pool(config, keeper, self.track, carry)
-            self.after = setup.hold(self.lease, self, rec)
+            self.after = setup.hold(self.lease, self)
             self.epoch = self.lease.epoch
         else:
             setup.seed_alone(config, self.track)
@@ -122,18 +124,23 @@ class _PipelineCore(lifecycle.EpochLifecycle):
         self.dispatch = Dispatcher(sampler_iter, ReorderBuffer(config.in_order),
                                    num_workers=num_workers, window=self.window,
                                    in_order=config.in_order, epoch=self.epoch,
-                                   track=self.track, rec=rec,
-                                   skip=self.track.cycle_skip())
+                                   track=self.track, skip=self.track.cycle_skip())
         self.buffer = self.dispatch.buffer
         self.pending_cmds = self.dispatch.pending
         probing = tune is not None and tune.probing and resume is None
         self.source = setup.make_source(self, config, sampler_iter, probing=probing,
                                         live=live, reset_seed=reset_seed)
+        # The delivery boundary of an epoch with a window (statistics count there), and
+        # the queues the consumer's calls find (statistics sample them: wrap.waits).
+        self.absorb: Callable[[Any, Any], Any] = self.delivery.absorb
+        self.depths = None if self.inline else self._depths
+        if rec is not None:
+            setup.time_stages(self, config, rec, probing)
         if self.lease is not None:
             self._prime()  # as torch does at iter(): sampler draws happen here
         # What the consumer's iterator calls per batch, chosen once: the inline source's
         # own methods (its few attributes are read faster than the epoch's), else the
-        # epoch's (an inline source times the consumer's waits itself).
+        # epoch's.
         self.inline_source = self.source if isinstance(self.source, InlineSource) else None
         self.tuner = setup.make_tuner(self, config, tune)
 
@@ -160,6 +167,8 @@ class _PipelineCore(lifecycle.EpochLifecycle):
         tune.workers = verdict.workers
         tune.record(Decision(tune.batches + drawn, "num_workers", 0, verdict.workers,
                              verdict.reason))
+        if not verdict.workers and self.rec is not None:  # 1 batch in time_every again
+            self.rec.pace(sampled=isinstance(self.source, InlineSource) and self.source.plain)
         return verdict
 
     def hand_over(self, workers: int) -> _PipelineCore:
@@ -175,7 +184,7 @@ class _PipelineCore(lifecycle.EpochLifecycle):
         assert source is not None and tune is not None
         tune.prefetch = tune.prefetch or 2
         config = replace(self.config, num_workers=workers, prefetch_factor=tune.prefetch)
-        carry = setup.Carry(source.sampler_iter, self.track, self.delivery)
+        carry = setup.Carry(self.draws, self.track, self.delivery)
         # First (its teardown ends the recorder's /proc window): never ran on a loop, it
         # closes its fetcher and thread; what it carries over stays as it is.
         self._stop(_STOPPING)
@@ -185,6 +194,11 @@ class _PipelineCore(lifecycle.EpochLifecycle):
         return successor
 
     # -- consumer side ---------------------------------------------------------------------
+
+    def _depths(self) -> tuple[int, int, int]:
+        """Batches in flight, ready in the reorder buffer and staged on the device."""
+        staged = len(self.device_stage.staged) if self.device_stage is not None else 0
+        return (*self.buffer.counts(), staged)
 
     async def anext(self) -> Any:
         if self.inline_source is not None:  # no background task (stays NEW)
@@ -199,9 +213,6 @@ class _PipelineCore(lifecycle.EpochLifecycle):
         if self.track.discard and not self.track.replaying:
             for _ in self.track.replay():
                 await self.anext()
-        if self.rec is not None:
-            staged = len(self.device_stage.staged) if self.device_stage is not None else 0
-            self.rec.occupancy(*self.buffer.counts(), staged)
         t_ask = _ns() if self.tuner is not None else 0
         try:
             if self.device_stage is None:
@@ -295,7 +306,7 @@ class _PipelineCore(lifecycle.EpochLifecycle):
                 if isinstance(data, RemoteError):
                     data.reraise(batch_note(slot.logical, slot.index))
                 data.raise_it()
-            data = self.delivery.absorb(slot.index, data)
+            data = self.absorb(slot.index, data)
             if data is NOTHING:  # every sample of the batch failed (on_error="skip")
                 self.delivery.commit(slot.logical, worker, slot.wstate, slot.rng,
                                      yielded=False)

@@ -9,7 +9,8 @@ in torch's order (its seeds are drawn where torch draws them):
   persistent one the loader keeps (its previous epoch superseded); without workers, its
   seeds alone (:func:`seed_alone`);
 * its window of batches in flight (:func:`window`, bounded by :func:`bound_window`);
-* its source (:func:`make_source`) and its autotuner (:func:`make_tuner`).
+* its source (:func:`make_source`) and its autotuner (:func:`make_tuner`);
+* with statistics on, the timing wrappers around its stages (:func:`time_stages`).
 
 Running the epoch is :mod:`aioloader._pipeline.epoch`'s and
 :mod:`aioloader._pipeline.epoch_lifecycle`'s.
@@ -35,11 +36,13 @@ from .._datapipes import (
     share_seed,
 )
 from .._fetch.report import FailureReport
+from .._fetch.sync import EXHAUSTED
 from .._pools.factory import start_pool
 from .._pools.lease import PoolKeeper, _PoolLease
 from .._resume.tracker import EpochTracker
+from .._stats import wrap as _wrap
 from .._stats.proc import WorkerProcs, worker_ids
-from .._stats.recorder import Recorder, TimedCollate
+from .._stats.recorder import COLLATE, DEVICE, DISPATCH, LANE_CONSUMER, PIN, Recorder
 from .._tune.bounds import read_system
 from .._tune.state import TuneState
 from .autotune import EpochTuner
@@ -89,8 +92,8 @@ class Carry:
     delivery: Delivery
 
 
-def books(config: LoaderConfig, resume: dict[str, Any] | None, rec: Recorder | None,
-          len_called: int | None, carry: Carry | None) -> tuple[EpochTracker, Delivery, Any]:
+def books(config: LoaderConfig, resume: dict[str, Any] | None, len_called: int | None,
+          carry: Carry | None) -> tuple[EpochTracker, Delivery, Any]:
     """The epoch's resume tracker, delivery boundary and sampler iterator.
 
     A new epoch makes the checks torch makes at ``iter()`` and starts them afresh; an
@@ -102,7 +105,7 @@ def books(config: LoaderConfig, resume: dict[str, Any] | None, rec: Recorder | N
         check_at_iter(config)
         iterable = config.kind.iterable
         track = EpochTracker(config, resume)
-        delivery = Delivery(FailureReport(config.failure_policy, iterable), rec,
+        delivery = Delivery(FailureReport(config.failure_policy, iterable),
                             auto_collation=config.auto_collation, dataset=config.dataset,
                             len_called=len_called, iterable=iterable,
                             num_workers=num_workers, track=track)
@@ -170,7 +173,7 @@ def take_pool(config: LoaderConfig, keeper: PoolKeeper, track: EpochTracker,
     return lease, False, None
 
 
-def hold(lease: _PoolLease, epoch: Any, rec: Recorder | None) -> threading.Event | None:
+def hold(lease: _PoolLease, epoch: Any) -> threading.Event | None:
     """``epoch`` takes ``lease``'s pool; the superseded epoch's ``stopped`` event, if any.
 
     The pool's previous epoch is detached: its pipeline may still be reading the pool on
@@ -182,9 +185,6 @@ def hold(lease: _PoolLease, epoch: Any, rec: Recorder | None) -> threading.Event
         previous.detach()
         after = previous.stopped
     lease.holder = weakref.ref(epoch)
-    if rec is not None:  # the workers' CPU and memory (loader.stats().workers)
-        rec.procs = WorkerProcs(
-            lambda: worker_ids(lease.pool.processes) if lease.started else [])
     return after
 
 
@@ -229,23 +229,54 @@ def make_source(epoch: Any, config: LoaderConfig, sampler_iter: Any, *, probing:
     if epoch.lease is not None:
         return PoolSource(
             epoch.lease, epoch.dispatch, num_workers=config.num_workers, epoch=epoch.epoch,
-            fresh_epoch=live, reset_seed=reset_seed, window=epoch.window, rec=rec,
-            pin=epoch.pin, runner=epoch.runner, wake=epoch._wake,
+            fresh_epoch=live, reset_seed=reset_seed, window=epoch.window, pin=epoch.pin,
+            runner=epoch.runner, wake=epoch._wake,
             commands_ready=epoch._commands_ready,
             allow_respawn=(epoch._allow_respawn if config.failure_policy.max_respawns
                            else None))
-    collate_fn = TimedCollate(config.collate_fn, rec) if rec is not None else (
-        config.collate_fn)
+    collate_fn = (_wrap.timed(rec, COLLATE, config.collate_fn) if rec is not None
+                  else config.collate_fn)
     if epoch.inline:
         source_cls = ProbingInlineSource if probing else InlineSource
         return source_cls(config, sampler_iter, delivery=epoch.delivery, track=epoch.track,
-                          rec=rec, runner=epoch.runner, pin=epoch.pin, owner=epoch,
+                          runner=epoch.runner, pin=epoch.pin, owner=epoch,
                           collate_fn=collate_fn)
     return AsyncFetchSource(
         config.dataset, config.kind, epoch.dispatch, auto_collation=config.auto_collation,
         collate_fn=collate_fn, drop_last=config.drop_last,
         fetch_concurrency=config.fetch_concurrency, failure=config.failure_policy,
-        rec=rec, pin=epoch.pin, runner=epoch.runner, wake=epoch._wake)
+        pin=epoch.pin, runner=epoch.runner, wake=epoch._wake)
+
+
+def time_stages(epoch: Any, config: LoaderConfig, rec: Recorder, probing: bool) -> None:
+    """Statistics on: wrap each stage's per-batch call of ``epoch`` (the ``_PipelineCore``
+    being built) once; docs/pipeline.md, "Statistics", lists them. An in-process epoch of
+    plain batches times 1 batch in 16 (``Recorder.pace``; a probing one every batch)."""
+    source = epoch.source
+    if isinstance(source, InlineSource):
+        source.draw = _wrap.timed_draw(rec, source.draw, LANE_CONSUMER)
+        source.fetch = _wrap.timed_fetch(rec, source.fetcher, config.auto_collation,
+                                         split=source.plain)
+        source.pin_batch = _wrap.timed(rec, PIN, source.pin_batch)
+        if source.to_device is not None:
+            source.to_device = _wrap.timed(rec, DEVICE, source.to_device)
+        rec.pace(sampled=source.plain and not probing)
+        return
+    epoch.dispatch.draw = _wrap.timed_draw(rec, epoch.dispatch.draw)
+    epoch.absorb = _wrap.counted(rec, epoch.absorb, config.auto_collation)
+    source.pin_batch = _wrap.timed(rec, PIN, source.pin_batch)
+    if epoch.device_stage is not None:
+        epoch.device_stage.stage = _wrap.timed(rec, DEVICE, epoch.device_stage.stage)
+    if isinstance(source, AsyncFetchSource):
+        source.read = _wrap.atimed_fetch(rec, source.read, EXHAUSTED)
+        return
+    source.send = _wrap.atimed(rec, DISPATCH, source.send)
+    source.send_nowait = _wrap.timed(rec, DISPATCH, source.send_nowait)
+    source.send_now = _wrap.timed_if(rec, DISPATCH, source.send_now)
+    source.intake = _wrap.timed_intake(rec, source.intake, source.epoch, source.slots)
+    source.start = _wrap.reading(rec, source.start)
+    lease = epoch.lease  # the workers' CPU and memory (loader.stats().workers)
+    rec.procs = WorkerProcs(lambda: worker_ids(lease.pool.processes) if lease.started else [])
 
 
 def make_tuner(epoch: Any, config: LoaderConfig, tune: TuneState | None) -> EpochTuner | None:

@@ -4,14 +4,14 @@
 loop (:class:`~aioloader._fetch.amap.AsyncFetchPool` for map-style datasets, at most
 ``fetch_concurrency`` reads in flight; :class:`~aioloader._fetch.async_iterable.AsyncIterFetcher`
 for iterable ones), collates small batches on the loop and others in the epoch's thread,
-pins, and puts each batch in its slot of the reorder buffer.
+pins, and puts each batch in its slot of the reorder buffer. Its stages (:attr:`read`,
+``pin_batch``) are attributes that statistics wrap once per epoch.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -21,14 +21,12 @@ from .._fetch.amap import AsyncFetchPool
 from .._fetch.async_iterable import AsyncIterFetcher
 from .._fetch.policy import FailurePolicy
 from .._fetch.sync import EXHAUSTED, DatasetKind
-from .._stats.recorder import COLLATE, PIN, Recorder
 from .._threads import ThreadRunner
 from .dispatch import Dispatcher
 from .offload import _ErrorBox, _InlinePolicy, _timed, on_batch
 from .pin import PinPolicy
 
 _LG = logging.getLogger(__name__)
-_ns = time.perf_counter_ns
 
 
 class AsyncFetchSource:
@@ -36,8 +34,8 @@ class AsyncFetchSource:
 
     def __init__(self, dataset: Any, kind: DatasetKind, dispatch: Dispatcher, *,
                  auto_collation: bool, collate_fn: Callable[[Any], Any], drop_last: bool,
-                 fetch_concurrency: int, failure: FailurePolicy, rec: Recorder | None,
-                 pin: PinPolicy, runner: ThreadRunner, wake: Callable[[], None]) -> None:
+                 fetch_concurrency: int, failure: FailurePolicy, pin: PinPolicy,
+                 runner: ThreadRunner, wake: Callable[[], None]) -> None:
         self.dataset = dataset
         self.kind = kind
         self.buffer = dispatch.buffer
@@ -46,13 +44,15 @@ class AsyncFetchSource:
         self.drop_last = drop_last
         self.fetch_concurrency = fetch_concurrency
         self.failure = failure
-        self.rec = rec
         self.pin = pin
         self.runner = runner
         self.wake = wake
         self.collate_policy = _InlinePolicy()
         self.afetch: AsyncFetchPool | AsyncIterFetcher | None = None
         self.tg: anyio.abc.TaskGroup | None = None
+        #: The stages, one call each per batch: the fetch and pinning.
+        self.read: Callable[[Any], Awaitable[Any]] = self._read
+        self.pin_batch: Callable[[Any], Any] = pin.apply
 
     async def _collate_adaptively(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Collate small batches on the loop, others in the thread (see _InlinePolicy)."""
@@ -87,22 +87,18 @@ class AsyncFetchSource:
         assert self.tg is not None
         self.tg.start_soon(self._fetch, cmd[2], cmd[3], name="aioloader-batch")
 
+    async def _read(self, index: Any) -> Any:
+        """The batch of ``index`` (EXHAUSTED at the dataset's end), once started."""
+        assert self.afetch is not None
+        return await self.afetch.fetch(index)
+
     async def _fetch(self, seq: int, index: Any) -> None:
         if seq not in self.buffer.slots:
             return
-        rec = self.rec
         try:
-            assert self.afetch is not None
-            t0 = _ns()
-            collated = rec.ns[COLLATE] if rec is not None else 0
-            data = await self.afetch.fetch(index)
-            if rec is not None and data is not EXHAUSTED:
-                rec.fetched(t0, collated)  # overlapping fetches' collate time is not reading
+            data = await self.read(index)
             if data is not EXHAUSTED and self.pin.enabled:
-                t0 = _ns()
-                data = await self.runner.run(on_batch, self.pin.apply, data)
-                if rec is not None:
-                    rec.observe(PIN, t0)
+                data = await self.runner.run(on_batch, self.pin_batch, data)
         except Exception as exc:
             data = _ErrorBox(exc)
         self.buffer.put(seq, data)

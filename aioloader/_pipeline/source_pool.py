@@ -5,13 +5,13 @@ reply in its slot of the reorder buffer (pinned first when ``pin_memory`` is on)
 worker side of an epoch with ``num_workers > 0``. The pool hands each reply (a
 :class:`~aioloader._worker.reply.Reply`) straight to :meth:`PoolSource._intake`; with
 worker processes it was decoded and pinned in the pool's decoding thread, off the
-consumer's loop.
+consumer's loop. Its stages (a command's send, the reply intake, pinning) are attributes
+that statistics wrap once per epoch.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -20,15 +20,12 @@ import anyio.abc
 from .._errors import WorkerDiedError
 from .._fetch.sync import EXHAUSTED
 from .._pools.lease import _PoolLease
-from .._stats.recorder import DISPATCH, PIN, Recorder
 from .._threads import ThreadRunner
 from .._worker.reply import Reply
 from .._worker.segments import limit_for
 from .dispatch import Dispatcher
 from .offload import on_batch
 from .pin import PinPolicy
-
-_ns = time.perf_counter_ns
 
 
 class PoolSource:
@@ -43,7 +40,7 @@ class PoolSource:
 
     def __init__(self, lease: _PoolLease, dispatch: Dispatcher, *, num_workers: int,
                  epoch: int, fresh_epoch: bool, reset_seed: int | None, window: int,
-                 rec: Recorder | None, pin: PinPolicy, runner: ThreadRunner,
+                 pin: PinPolicy, runner: ThreadRunner,
                  wake: Callable[[], None], commands_ready: Callable[[], None],
                  allow_respawn: Callable[[WorkerDiedError], bool] | None) -> None:
         self.lease = lease
@@ -54,7 +51,6 @@ class PoolSource:
         self.fresh_epoch = fresh_epoch
         self.reset_seed = reset_seed
         self.window = window
-        self.rec = rec
         self.pin = pin
         self.runner = runner
         self.wake = wake
@@ -63,6 +59,13 @@ class PoolSource:
         # Per worker, the RNG states after its latest reply (a worker sends them only when
         # they changed, aioloader._worker.rng): each slot keeps the ones after its batch.
         self.rng: dict[int, bytes] = {}
+        #: The stages, one call each per command or reply: a command's send (waiting for
+        #: the socket, or not), the intake of a reply, pinning a batch.
+        self.send: Callable[[int, tuple[Any, ...]], Awaitable[None]] = lease.pool.send
+        self.send_nowait: Callable[[int, tuple[Any, ...]], None] = lease.pool.send_nowait
+        self.intake: Callable[[Reply], Awaitable[None]] = self._intake
+        self.pin_batch: Callable[[Any], Any] = pin.apply
+        self.pin_in_intake = False  # pinned in _intake, not where the reply was decoded
 
     # -- commands ----------------------------------------------------------------------------
 
@@ -90,7 +93,7 @@ class PoolSource:
         while pending:
             worker, cmd = pending.popleft()
             by_worker.setdefault(worker, []).append(cmd)
-        return _EarlySender(self.lease.pool, by_worker, self.rec)
+        return _EarlySender(self.send_nowait, by_worker)
 
     def start_workers(self) -> None:
         """Start the workers (if not yet) from the calling thread and send what is primed:
@@ -124,7 +127,7 @@ class PoolSource:
                                  else ("reset", self.epoch, seed))
         pending = self.dispatch.pending
         while pending:
-            _send_now(pool, *pending.popleft(), self.rec)
+            self.send_nowait(*pending.popleft())
 
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Start the workers (if not yet), send what is primed, and read their replies.
@@ -145,24 +148,13 @@ class PoolSource:
         for w in range(self.num_workers):
             await self.lease.pool.flush(w)
 
-    async def send(self, worker: int, cmd: tuple[Any, ...]) -> None:
-        t0 = _ns()
-        await self.lease.pool.send(worker, cmd)
-        if self.rec is not None:
-            self.rec.observe(DISPATCH, t0)
-
     def send_now(self, worker: int, cmd: tuple[Any, ...]) -> bool:
         """Hand ``cmd`` over from the consumer's step, without waking the sender (True), if
         that cannot wait; False: the sender sends it. Not before the epoch's first commands
         (its reset) are out."""
         if self.fresh_epoch or not self.lease.started:
             return False
-        t0 = _ns()
-        if not self.lease.pool.send_now(worker, cmd):
-            return False
-        if self.rec is not None:
-            self.rec.observe(DISPATCH, t0)
-        return True
+        return self.lease.pool.send_now(worker, cmd)
 
     async def aclose(self) -> None:
         """Nothing of its own: the epoch releases (or closes) the lease."""
@@ -174,22 +166,19 @@ class PoolSource:
 
     async def _serve(self) -> None:
         """Have the pool hand every reply straight to :meth:`_intake` (no queue between)."""
-        if self.rec is not None:
-            self.rec.reading_ns = _ns()
         pool = self.lease.pool
         if self.pin.enabled and pool.accepts_transform:
             # Pinned in the pool's decoding thread, in the same hop as the decoding.
-            await pool.serve(self._intake, self.allow_respawn, self._pin)
+            await pool.serve(self.intake, self.allow_respawn, self._pin)
         else:
-            await pool.serve(self._intake, self.allow_respawn)
+            self.pin_in_intake = self.pin.enabled
+            await pool.serve(self.intake, self.allow_respawn)
 
     def _pin(self, reply: Reply) -> None:
         """Pin a reply's batch in the pool's decoding thread (a pinning error is raised
         there, and so out of the pool's ``serve``)."""
         if reply.kind == "data" and reply.epoch == self.epoch:
-            t0 = _ns()
-            reply.batch = on_batch(self.pin.apply, reply.batch)
-            reply.pin_ns = _ns() - t0
+            reply.batch = on_batch(self.pin_batch, reply.batch)
 
     async def _intake(self, reply: Reply) -> None:
         """Put one reply in its slot of the reorder buffer (with what rode with it)."""
@@ -210,20 +199,10 @@ class PoolSource:
         slot.rng = self.rng.get(worker)
         if reply.state is not None:
             slot.wstate = reply.state
-        rec = self.rec
-        if reply.timings is not None and rec is not None:
-            rec.worker_batch(worker, reply.timings, reply.seq)
         if kind == "data":
             data = reply.batch
-            if reply.pin_ns is not None:  # pinned where it was decoded
-                if rec is not None:
-                    t1 = _ns()
-                    rec.observe(PIN, t1 - reply.pin_ns, t1)
-            elif self.pin.enabled:
-                t0 = _ns()
-                data = await self.runner.run(on_batch, self.pin.apply, data)
-                if rec is not None:
-                    rec.observe(PIN, t0)
+            if self.pin_in_intake:
+                data = await self.runner.run(on_batch, self.pin_batch, data)
         elif kind == "error":
             data = reply.error
         elif kind == "exhausted":
@@ -240,27 +219,17 @@ class _EarlySender:
     (called with its id from the thread that starts the pool); :meth:`rest` sends those
     of workers never announced, once the pool has started."""
 
-    __slots__ = ("by_worker", "pool", "rec")
+    __slots__ = ("by_worker", "send_nowait")
 
-    def __init__(self, pool: Any, by_worker: dict[int, list[tuple[Any, ...]]],
-                 rec: Recorder | None) -> None:
-        self.pool = pool
+    def __init__(self, send_nowait: Callable[[int, tuple[Any, ...]], None],
+                 by_worker: dict[int, list[tuple[Any, ...]]]) -> None:
+        self.send_nowait = send_nowait
         self.by_worker = by_worker
-        self.rec = rec
 
     def __call__(self, worker: int) -> None:
         for cmd in self.by_worker.pop(worker, ()):
-            _send_now(self.pool, worker, cmd, self.rec)
+            self.send_nowait(worker, cmd)
 
     def rest(self) -> None:
         for worker in sorted(self.by_worker):
             self(worker)
-
-
-def _send_now(pool: Any, worker: int, cmd: tuple[Any, ...], rec: Recorder | None) -> None:
-    """Hand ``cmd`` to ``worker`` without waiting (the socket takes what it can; never
-    blocks), its dispatch time observed."""
-    t0 = _ns()
-    pool.send_nowait(worker, cmd)
-    if rec is not None:
-        rec.observe(DISPATCH, t0)

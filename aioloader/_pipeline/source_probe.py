@@ -41,15 +41,14 @@ class ProbingInlineSource(InlineSource):
 
     Its epoch (``owner``) gives the verdict once :meth:`Probe.ready`
     (``decide_probe``); a verdict for workers makes the next call raise
-    :class:`HandOver`, one for none puts back the plain inline calls (instance
-    attributes over these methods: no probe cost after).
+    :class:`HandOver`, one for none ends the probe (:attr:`probing`): the calls are the
+    inline source's from then on.
     """
-
-    SAMPLED_STATS = False  # the workers that may take over time every batch
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.probe = Probe()
+        self.probing = True
         self.last_return = 0  # perf_counter_ns when the latest batch was returned
         self.verdict: Verdict | None = None
 
@@ -63,11 +62,7 @@ class ProbingInlineSource(InlineSource):
         owner = self.owner()
         verdict = self.verdict = (owner.decide_probe(self.probe) if owner is not None
                                   else Verdict(0, "the epoch is gone"))
-        if not verdict.workers:  # no more timing: an inline epoch's calls from now on
-            if self.rec is not None:  # statistics time 1 batch in time_every again
-                self.rec.sample(self.plain)
-            self.next_sync = super().next_sync  # type: ignore[method-assign]
-            self.anext = super().anext  # type: ignore[method-assign]
+        self.probing = verdict.workers > 0
 
     def _hand_over_if_due(self) -> None:
         """Raise :class:`HandOver` when the verdict asked for workers (before a draw)."""
@@ -77,16 +72,20 @@ class ProbingInlineSource(InlineSource):
 
     def next_sync(self) -> Any:
         """:meth:`InlineSource.next_sync`, timed (or :class:`HandOver`)."""
+        if not self.probing:
+            return InlineSource.next_sync(self)
         self._hand_over_if_due()
         t0, c0 = _ns(), _cpu_ns()
-        data = super().next_sync()
+        data = InlineSource.next_sync(self)
         self._observe(t0, c0)
         return data
 
     async def anext(self) -> Any:
         """:meth:`InlineSource.anext`, timed (or :class:`HandOver`)."""
+        if not self.probing:
+            return await InlineSource.anext(self)
         self._hand_over_if_due()
         t0, c0 = _ns(), _cpu_ns()
-        data = await self._anext_in_process()
+        data = await InlineSource.anext(self)
         self._observe(t0, c0)
         return data

@@ -3,7 +3,7 @@
 Three modules, one job each:
 
 * :mod:`aioloader._stats.recorder`: the per-batch counters (:class:`Recorder` in the main
-  process, :class:`WorkerClock` in workers, :class:`TimedCollate`), the hot path;
+  process, :class:`WorkerClock` in workers; :mod:`aioloader._stats.wrap` writes them);
 * this module: :class:`StatsBook`, a loader's statistics, which folds finished
   epochs' counters into totals and turns totals into results;
 * :mod:`aioloader._stats.report`: the results (:class:`LoaderStats`, its table and
@@ -85,18 +85,11 @@ class _Totals:
                 self.step_ns += left - wait
         self.wall_ns += wall
         self.startup_ns += max(r.first_wait_ns, 0)
-        self.occ[0] += r.occ_n
-        self.occ[1] += r.occ_flight
-        self.occ[2] += r.occ_ready
-        self.occ[3] += r.occ_staged
-        while len(self.workers) < r.num_workers:
+        _add(self.occ, r.occ)
+        while len(self.workers) < len(r.workers):
             self.workers.append([0, 0, 0, 0])
-        for w in range(r.num_workers):
-            acc = self.workers[w]
-            acc[0] += r.w_batches[w]
-            acc[1] += r.w_fetch[w]
-            acc[2] += r.w_collate[w]
-            acc[3] += r.w_idle[w]
+        for acc, counters in zip(self.workers, r.workers, strict=False):  # more: above
+            _add(acc, counters)
         usage = r.procs.read(pss) if r.procs is not None else []
         while len(self.usage) < len(usage):
             self.usage.append([None, 0.0, None, None, None, None, None])
@@ -110,6 +103,11 @@ class _Totals:
             acc2[2], acc2[4], acc2[5] = u.rss_bytes, u.pid, u.tid
             if u.pss_bytes is not None:  # an epoch where stats() was not called read none
                 acc2[3] = u.pss_bytes
+
+
+def _add(into: list[int], counters: list[int]) -> None:
+    for i, n in enumerate(counters):
+        into[i] += n
 
 
 def _wall_ns(r: Recorder) -> int:
@@ -142,8 +140,7 @@ class StatsBook:
         if self.current is not None:  # no PSS read here: iter() is the consumer's path
             self.done.fold(self.current, pss=False)
         workers = self.num_workers if num_workers is None else num_workers
-        rec = Recorder(workers, self.log_every_s, self, self.done.epochs + 1,
-                       trace=self.trace, hooks=self.hooks)
+        rec = Recorder(workers, self.log_every_s, self, trace=self.trace, hooks=self.hooks)
         self.current = rec
         return rec
 

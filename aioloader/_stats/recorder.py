@@ -1,15 +1,16 @@
-"""The per-batch counters behind ``loader.stats()``: what the hot path writes.
+"""The per-batch counters behind ``loader.stats()``: what the stage wrappers write.
 
-The hot path only does ``time.perf_counter_ns()`` reads and plain integer adds on
-a :class:`Recorder` (no locks, no allocation beyond the ints themselves). Each stage
-reports through one call at its boundary, :meth:`Recorder.observe` (its count and
-time, one add to a latency histogram bucket, :mod:`aioloader._stats.hist`, for the
-percentiles, and only when ``loader.record_trace()`` is on one span tuple appended
-to a bounded ring, :mod:`aioloader._stats.trace`); which batches are timed at all is
-the policy :meth:`Recorder.due` (every one, or 1 in 16 in-process). Every ratio, mean
-and the hint are computed lazily by :meth:`aioloader._stats.book.StatsBook.snapshot`
-(folding, :mod:`aioloader._stats.book`; the results and their table,
-:mod:`aioloader._stats.report`).
+Stage code never reads the clock: with statistics on, an epoch wraps each stage's
+per-batch call once (:mod:`aioloader._stats.wrap`), and those wrappers do
+``time.perf_counter_ns()`` reads and plain integer adds on a :class:`Recorder` (no locks,
+no allocation beyond the ints themselves). Each stage reports through one call,
+:meth:`Recorder.observe` (its count and time, one add to a latency histogram bucket,
+:mod:`aioloader._stats.hist`, for the percentiles, and only when ``loader.record_trace()``
+is on one span tuple appended to a bounded ring, :mod:`aioloader._stats.trace`); which
+batches are timed at all is the policy :meth:`Recorder.due` (every one, or 1 in 16
+in-process). Every ratio, mean and the hint are computed lazily by
+:meth:`aioloader._stats.book.StatsBook.snapshot` (folding, :mod:`aioloader._stats.book`;
+the results and their table, :mod:`aioloader._stats.report`).
 
 Where each stage is measured (all times are sums over batches): docs/stats.md, "The
 stages". Workers stamp each ``"data"`` reply with their timings
@@ -24,14 +25,14 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from . import hist as _hist
 from .proc import WorkerProcs
 
 __all__ = ["LANE_CONSUMER", "LANE_LOADER", "STAGES", "STEP", "Recorder", "Snapshots",
-           "StatsHook", "TimedCollate", "WorkerClock"]
+           "StatsHook", "WorkerClock"]
 
 # A child of the "aioloader" logger: configuring "aioloader" shows these lines too.
 _LOG = logging.getLogger(__name__)
@@ -83,25 +84,25 @@ class StatsHook:
 
 
 class Recorder:
-    """Raw counters of one epoch. Written from the consumer's thread, the loop and
-    (for in-process fetches) one fetch thread; integer adds only.
+    """Raw counters of one epoch. Written by the stage wrappers
+    (:mod:`aioloader._stats.wrap`) from the consumer's thread, the loop and the epoch's
+    threads; integer adds only.
 
     Every stage is observed at its boundaries through one call, :meth:`observe` (the
     consumer's calls through :meth:`waited`, which observes their waits). Which batches
-    are timed at all is a policy, :meth:`due`: every batch, or with sampling on (an
-    in-process epoch of plain batches, :meth:`sample`) 1 in :attr:`TIME_EVERY`, the
-    others only counted (:attr:`untimed`) and their times estimated by the fold
-    (:class:`aioloader._stats.book.StatsBook`): a steady loop repeats itself.
+    are timed at all is a policy, :meth:`due`, asked once per consumer call: every batch,
+    or with sampling on (an in-process epoch of plain batches, :meth:`pace`) 1 in
+    :attr:`TIME_EVERY`, the others only counted (:attr:`untimed`) and their times
+    estimated by the fold (:class:`aioloader._stats.book.StatsBook`): a steady loop
+    repeats itself. :attr:`timing` says whether the batch being made is timed.
     """
 
     # Each attribute is described where __init__ sets it.
     __slots__ = (
-        "batches", "book", "count", "countdown", "epoch", "first_done_ns", "first_wait_ns",
-        "hist", "hmax", "hooks", "last_ns", "log_every_ns", "next_log_ns", "ns",
-        "num_workers", "occ_flight", "occ_n", "occ_ready", "occ_staged", "period", "procs",
-        "reading_ns", "sampled", "samples", "start_ns", "step_from", "step_ns",
-        "time_every", "trace", "untimed", "w_batches", "w_collate", "w_fetch", "w_idle",
-        "watch",
+        "batches", "book", "count", "countdown", "first_done_ns", "first_wait_ns",
+        "hist", "hmax", "hooks", "last_ns", "log_every_ns", "next_log_ns", "ns", "occ",
+        "period", "procs", "reading_ns", "sampled", "samples", "start_ns", "step_from",
+        "step_ns", "time_every", "timing", "trace", "untimed", "watch", "workers",
     )
 
     #: With sampling on, time one batch in this many (the others are only counted, and
@@ -110,7 +111,7 @@ class Recorder:
     TIME_EVERY = 16
 
     def __init__(self, num_workers: int, log_every_s: float | None = None,
-                 book: Snapshots | None = None, epoch: int = 0,
+                 book: Snapshots | None = None,
                  trace: deque[tuple[int, int, int, int, int]] | None = None,
                  hooks: list[StatsHook] | None = None) -> None:
         # Timed items by stage: their number and nanoseconds.
@@ -127,7 +128,7 @@ class Recorder:
         self.procs: WorkerProcs | None = None
         self.batches = 0
         self.samples = 0
-        self.untimed = 0  # delivered batches the policy did not time (due() gave 0)
+        self.untimed = 0  # consumer calls the policy did not time (due() gave 0)
         self.step_ns = 0
         self.first_wait_ns = -1  # the first batch's wait (worker start-up), -1: none yet
         self.first_done_ns = 0  # when the first batch was delivered (0: not yet)
@@ -135,26 +136,21 @@ class Recorder:
         self.start_ns = 0
         self.last_ns = 0  # when the consumer's latest timed call returned (the wall's end)
         self.step_from = 0  # ... if the step from there to the next call is timed (else 0)
-        self.num_workers = num_workers
-        self.w_batches = [0] * num_workers
-        self.w_fetch = [0] * num_workers
-        self.w_collate = [0] * num_workers
-        self.w_idle = [0] * num_workers
-        self.occ_n = 0
-        self.occ_ready = 0
-        self.occ_flight = 0
-        self.occ_staged = 0
+        # Per worker: batches, fetch, collate and idle nanoseconds (wrap.timed_intake).
+        self.workers = [[0, 0, 0, 0] for _ in range(num_workers)]
+        # The queues seen at consumer calls: calls, and batches in flight, ready, staged.
+        self.occ = [0, 0, 0, 0]
         self.log_every_ns = int(log_every_s * 1e9) if log_every_s else 0
         self.next_log_ns = 0
         # Weak: the book holds its current recorder (no cycle to leave to the cyclic GC).
         self.book = weakref.ref(book) if book is not None else None
-        self.epoch = epoch
         # The policy (due): countdown, batches until the next timed one (the first one is
         # timed); period, what it was last set to; time_every, 1 unless sampling is on and
         # nothing looks at every batch (periodic logging, stats hooks, a trace).
         self.watch = bool(self.log_every_ns or self.hooks)
         self.sampled = False
         self.countdown = self.period = self.time_every = 1
+        self.timing = True  # the batch being made is timed (what due() said last)
 
     # -- the one observation, and the policy of which batches are timed ----------------
 
@@ -179,49 +175,36 @@ class Recorder:
                                self.count[WAIT] + self.untimed if seq is None else seq))
         return t1
 
-    def fetched(self, t0: int, collated: int) -> int:
-        """A fetch from ``t0`` to now whose ``collate_fn`` is timed apart
-        (:class:`TimedCollate`; ``collated``: :attr:`ns` of ``COLLATE`` at ``t0``, so
-        that no collate time, its own or an overlapping fetch's, counts as reading):
-        :meth:`observe` it; returns now."""
-        t1 = _now()
-        self.observe(FETCH, t0, t0 + max(0, t1 - t0 - (self.ns[COLLATE] - collated)), t1)
-        return t1
-
     def due(self) -> int:
-        """The timing policy, asked once per batch by an in-process source: the time now
-        if this batch is timed, else 0 (it is only counted: ``delivered(timed=False)``).
-        The epoch's first :attr:`time_every` batches are all timed (start-up, short
-        epochs), then one in :attr:`time_every`."""
+        """The timing policy, asked at each consumer call: the time now if its batch is
+        timed (:attr:`timing`), else 0 (it is only counted, :attr:`untimed`). The epoch's
+        first :attr:`time_every` batches are all timed (start-up, short epochs), then one
+        in :attr:`time_every`."""
         self.countdown -= 1
         if self.countdown > 0:
+            self.timing = False
             return 0
         if self.period > 1:  # batches since the latest timed one were not: no step to time
             self.step_from = 0
         self.period = self.countdown = (
             self.time_every if self.count[WAIT] >= self.time_every else 1)
+        self.timing = True
         return _now()
 
-    def sample(self, on: bool) -> None:
-        """Sampling on (an in-process epoch of plain batches) or off (every batch timed)."""
-        self.sampled = on
-        self.pace()
-
-    def pace(self) -> None:
-        """Set :attr:`time_every` from sampling, hooks, periodic logging and the trace."""
+    def pace(self, sampled: bool | None = None) -> None:
+        """Set :attr:`time_every` from sampling (``sampled``: on for an in-process epoch of
+        plain batches, off for every batch timed), hooks, periodic logging and the trace."""
+        if sampled is not None:
+            self.sampled = sampled
         self.time_every = (self.TIME_EVERY if self.sampled and not self.watch
                            and self.trace is None else 1)
 
     # -- consumer side -----------------------------------------------------------------
 
-    def waiting(self) -> ConsumerWait:
-        """``with rec.waiting(): batch = next_batch()``: time one call of the consumer
-        (:meth:`waited`; a call that raises delivered nothing)."""
-        return ConsumerWait(self)
-
     def waited(self, t0: int, t1: int, delivered: bool = True) -> None:
-        """The consumer's call from ``t0`` (0: not timed, :meth:`due`) returned at ``t1``
-        with a batch (``delivered``) or raised: its wait, and the step before it."""
+        """The consumer's call from ``t0`` returned at ``t1`` with a batch
+        (``delivered``) or raised: its wait, and the step before it. ``t0`` 0: the call
+        was not timed (:meth:`due`) and raised (an untimed batch reads no clock)."""
         self.last_ns = t1
         if not t0:
             self.step_from = 0
@@ -247,53 +230,6 @@ class Recorder:
         self.observe(WAIT, t0, t1, seq=self.count[WAIT] + self.untimed, spread=not first)
         if self.watch:
             self._tick(t1)
-
-    def occupancy(self, in_flight: int, ready: int, staged: int) -> None:
-        """Queue depths seen when the consumer asked for a batch (pipeline only)."""
-        self.occ_n += 1
-        self.occ_flight += in_flight
-        self.occ_ready += ready
-        self.occ_staged += staged
-
-    def delivered(self, index: Any, auto_collation: bool, timed: bool = True) -> None:
-        """A batch leaves the loader: count it and its sampled indices (``timed``: the
-        policy, :meth:`due`, timed it)."""
-        self.batches += 1
-        if not timed:
-            self.untimed += 1
-        if auto_collation:
-            try:
-                self.samples += len(index)
-            except TypeError:  # a batch sampler yielding something without len()
-                self.samples += 1
-        else:
-            self.samples += 1
-
-    def worker_batch(self, worker: int, stamp: tuple[int, int, int, int], seq: int = -1) -> None:
-        """A worker's reply arrived (just decoded) with its :class:`WorkerClock` stamp.
-
-        Start-up is left out (it is ``startup_s``): transport counts from when the main
-        process started reading replies, and idle time only after the first delivery
-        (before it, workers wait for the consumer's pipeline to come up).
-        """
-        total, collate, idle, sent = stamp
-        fetch = total - collate if total > collate else 0
-        began = sent - total  # the fetch started here, after `idle` ns of waiting
-        self.observe(FETCH, began, began + fetch, worker, seq)
-        self.observe(COLLATE, sent - collate, sent, worker, seq)
-        now = _now()
-        start = sent if sent > self.reading_ns else self.reading_ns
-        self.observe(TRANSPORT, start if start < now else now, now, worker, seq)
-        first = self.first_done_ns
-        if not first:
-            idle = 0
-        elif began - idle < first:
-            idle = began - first if began > first else 0
-        if 0 <= worker < self.num_workers:
-            self.w_batches[worker] += 1
-            self.w_fetch[worker] += fetch
-            self.w_collate[worker] += collate
-            self.w_idle[worker] += idle
 
     def _tick(self, t: int) -> None:
         """A batch was delivered at ``t`` with periodic logging or stats hooks on."""
@@ -331,95 +267,74 @@ class Recorder:
             _LOG.debug("stats logging failed", exc_info=True)
 
 
-class ConsumerWait:
-    """One timed wait of the consumer (:meth:`Recorder.waiting`), sync or async."""
-
-    __slots__ = ("rec", "t0")
-
-    def __init__(self, rec: Recorder) -> None:
-        self.rec = rec
-        self.t0 = 0
-
-    def __enter__(self) -> None:
-        self.t0 = _now()
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.rec.waited(self.t0, _now(), exc_type is None)
-
-
-class TimedCollate:
-    """``collate_fn`` wrapped to add its time to the collate counter of ``sink``.
-
-    ``sink`` is a :class:`Recorder` (main process) or a :class:`WorkerClock`; both
-    keep ``count``/``ns`` lists indexed by stage. A call that raises is not counted.
-    """
-
-    __slots__ = ("fn", "observe")
-
-    def __init__(self, fn: Callable[[Any], Any], sink: Recorder | WorkerClock) -> None:
-        self.fn = fn
-        self.observe = sink.observe
-
-    def __call__(self, data: Any) -> Any:
-        t0 = _now()
-        batch = self.fn(data)
-        self.observe(COLLATE, t0)
-        return batch
-
-
 class WorkerClock:
     """A worker process's timings, stamped onto each ``"data"`` reply.
 
-    Sync workers: ``idle`` is the time spent waiting for the next command.
-    Async workers: the time with no fetch in flight.
+    The worker's loop wraps its calls once (statistics on): its ``collate_fn``
+    (:func:`aioloader._stats.wrap.timed`, this clock its sink), the wait for a command
+    (:meth:`waits`) and the fetch that answers one (:meth:`stamped`, :meth:`astamped`),
+    whose ``"data"`` reply gets the stamp. Sync workers: ``idle`` is the time spent
+    waiting for the next command. Async workers: the time with no fetch in flight.
     """
 
-    __slots__ = ("count", "idle_ns", "idle_since", "in_flight", "ns")
+    __slots__ = ("collate_ns", "idle_ns", "idle_since", "in_flight")
+
+    timing = True  # every batch is timed (wrap.timed asks)
 
     def __init__(self) -> None:
-        self.count = [0] * len(STAGES)  # only COLLATE is used (TimedCollate's sink)
-        self.ns = [0] * len(STAGES)
-        self.idle_ns = 0
-        self.in_flight = 0
+        self.collate_ns = self.idle_ns = self.in_flight = 0
         self.idle_since = _now()
 
-    def wrap(self, collate_fn: Callable[[Any], Any]) -> TimedCollate:
-        return TimedCollate(collate_fn, self)
-
     def observe(self, stage: int, t0: int) -> None:
-        """:class:`TimedCollate`'s sink: one item of ``stage`` from ``t0`` to now."""
-        self.count[stage] += 1
-        self.ns[stage] += _now() - t0
+        """The ``collate_fn`` wrapper's sink: its call from ``t0`` to now."""
+        self.collate_ns += _now() - t0
 
     def reset(self) -> None:
         """A new epoch: idle time between epochs is not this epoch's."""
-        self.ns[COLLATE] = 0
-        self.idle_ns = 0
+        self.collate_ns = self.idle_ns = 0
         self.idle_since = _now()
 
-    def waited(self, t0: int, t1: int) -> None:
-        """Sync worker: it waited for a command from ``t0`` to ``t1``."""
-        self.idle_ns += t1 - t0
+    def waits(self, next_command: Callable[[], Any]) -> Callable[[], Any]:
+        """A sync worker's wait for its next command, added to its idle time."""
+        def call() -> Any:
+            t0 = _now()
+            cmd = next_command()
+            self.idle_ns += _now() - t0
+            return cmd
+        return call
 
-    def begin(self) -> int:
-        """Async worker: a fetch starts."""
-        t = _now()
-        if self.in_flight == 0:
-            self.idle_ns += t - self.idle_since
-        self.in_flight += 1
-        return t
+    def stamped(self, fetch: Callable[..., Any]) -> Callable[..., Any]:
+        """A sync worker's fetch (returning its reply), a ``"data"`` reply stamped."""
+        def call(*args: Any) -> Any:
+            t0 = _now()
+            reply = fetch(*args)
+            if reply.kind == "data":
+                reply.timings = self._stamp(t0)
+            return reply
+        return call
 
-    def end(self) -> None:
-        """Async worker: a fetch ended."""
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self.idle_since = _now()
+    def astamped(self, fetch: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        """An async worker's fetch (its reply), in flight while it runs (the worker is idle
+        while none is), a ``"data"`` reply stamped."""
+        async def call(*args: Any) -> Any:
+            t0 = _now()
+            if self.in_flight == 0:
+                self.idle_ns += t0 - self.idle_since
+            self.in_flight += 1
+            try:
+                reply = await fetch(*args)
+                if reply.kind == "data":
+                    reply.timings = self._stamp(t0)
+                return reply
+            finally:
+                self.in_flight -= 1
+                if self.in_flight == 0:
+                    self.idle_since = _now()
+        return call
 
-    def stamp(self, t0: int) -> tuple[int, int, int, int]:
+    def _stamp(self, t0: int) -> tuple[int, int, int, int]:
         """The 4 ints appended to a reply for a batch whose fetch started at ``t0``."""
         t = _now()
-        collate, idle = self.ns[COLLATE], self.idle_ns
-        self.ns[COLLATE] = 0
-        self.idle_ns = 0
+        collate, idle = self.collate_ns, self.idle_ns
+        self.collate_ns = self.idle_ns = 0
         return (t - t0, collate, idle, t)
-

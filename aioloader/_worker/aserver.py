@@ -20,7 +20,8 @@ from typing import Any
 
 from .._errors import RemoteError
 from .._fetch.sync import DatasetKind
-from .._stats.recorder import WorkerClock
+from .._stats.recorder import COLLATE, WorkerClock
+from .._stats.wrap import timed
 from .codec import decode
 from .config import WorkerConfig, _where
 from .fds import close_fds
@@ -41,10 +42,12 @@ class _AsyncEpoch:
                  clock: WorkerClock | None = None) -> None:
         import anyio
 
+        # One fetch's reply; the worker's timings wrap it (and collate_fn) once.
+        self.reply: Callable[[_AsyncEpoch, Any, Any, Any], Awaitable[Reply]] = _fetch_reply
         if clock is not None:  # a copy: the config may be shared (threads, respawns)
             clock.reset()
-            cfg = dataclasses.replace(cfg, collate_fn=clock.wrap(cfg.collate_fn))
-        self.clock = clock
+            cfg = dataclasses.replace(cfg, collate_fn=timed(clock, COLLATE, cfg.collate_fn))
+            self.reply = clock.astamped(_fetch_reply)
         self.cfg = cfg
         self.error = init_error
         self.fetch: Callable[[Any], Awaitable[Any]] | None = None
@@ -91,28 +94,7 @@ class _AsyncEpoch:
     async def serve_fetch(self, epoch: Any, seq: Any, index: Any,
                           out: Callable[[tuple[bytes, list[int]]], Awaitable[None]]) -> None:
         """Fetch one batch and queue its encoded reply (waiting while the queue is full)."""
-        from .._fetch.sync import EXHAUSTED
-
-        reply: Reply
-        if self.error is not None:
-            reply = Reply("error", epoch, seq, error=self.error)
-        else:
-            assert self.fetch is not None
-            clock = self.clock
-            t0 = clock.begin() if clock is not None else 0
-            try:
-                batch = await self.fetch(index)
-            except Exception:
-                reply = _error_reply(self.cfg, epoch, seq)
-            else:
-                reply = (Reply("exhausted", epoch, seq) if batch is EXHAUSTED
-                         else Reply("data", epoch, seq, batch))
-                if clock is not None and batch is not EXHAUSTED:
-                    reply.timings = clock.stamp(t0)
-                del batch
-            finally:
-                if clock is not None:
-                    clock.end()
+        reply = await self.reply(self, epoch, seq, index)
         await out(_encode_reply(self.cfg, reply))
 
     async def stop(self) -> None:
@@ -120,6 +102,21 @@ class _AsyncEpoch:
         if self.tg is not None:
             self.tg.cancel_scope.cancel()
         await self.done.wait()
+
+
+async def _fetch_reply(ep: _AsyncEpoch, epoch: Any, seq: Any, index: Any) -> Reply:
+    """The reply to one fetch command of ``ep``: its batch, its error, or the end."""
+    from .._fetch.sync import EXHAUSTED
+
+    if ep.error is not None:
+        return Reply("error", epoch, seq, error=ep.error)
+    assert ep.fetch is not None
+    try:
+        batch = await ep.fetch(index)
+    except Exception:
+        return _error_reply(ep.cfg, epoch, seq)
+    return Reply("exhausted", epoch, seq) if batch is EXHAUSTED else Reply("data", epoch, seq,
+                                                                            batch)
 
 
 async def _async_writer(sock: socket.socket, recv: Any, on_broken: Callable[[], None]) -> None:

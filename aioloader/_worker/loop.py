@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,8 @@ from .._resume.dataset_state import (
     load_fetcher_state,
     worker_state,
 )
-from .._stats.recorder import WorkerClock
+from .._stats.recorder import COLLATE, WorkerClock
+from .._stats.wrap import timed
 from .._worker_info import get_worker_info
 from .codec import encode
 from .config import WorkerConfig, _where, reseed_datapipe
@@ -146,12 +146,15 @@ def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
     when ``cfg.stats`` is on.
     """
     clock = WorkerClock() if cfg.stats else None
-    if clock is not None:  # a copy: the config may be shared (threads, respawns)
-        cfg = dataclasses.replace(cfg, collate_fn=clock.wrap(cfg.collate_fn))
+    fetch = _SyncEpoch.fetch
+    if clock is not None:  # the worker's timings: its calls wrapped once
+        # A copy of the config: it may be shared (threads, respawns).
+        cfg = dataclasses.replace(cfg, collate_fn=timed(clock, COLLATE, cfg.collate_fn))
+        next_command = clock.waits(next_command)
+        fetch = clock.stamped(fetch)
     state = _SyncEpoch(cfg, init_error)
     try:
         while True:
-            t_wait = time.perf_counter_ns() if clock is not None else 0
             cmd = next_command()
             if cmd is None or cmd[0] == "exit":
                 break
@@ -159,14 +162,7 @@ def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
             if op == "fetch":
                 _, epoch, seq, index = cmd
                 del cmd
-                if clock is None:
-                    reply = state.fetch(cfg, epoch, seq, index)
-                else:
-                    t0 = time.perf_counter_ns()
-                    clock.waited(t_wait, t0)
-                    reply = state.fetch(cfg, epoch, seq, index)
-                    if reply.kind == "data":
-                        reply.timings = clock.stamp(t0)
+                reply = fetch(state, cfg, epoch, seq, index)
                 del index
                 send_reply(reply)
                 del reply  # free the batch (and its shared memory) before waiting again

@@ -32,12 +32,9 @@ class Reply:
         timings: the worker's 4-int timings of a ``"data"`` reply (``stats=``;
             :class:`aioloader._stats.recorder.WorkerClock`).
         worker: the id of the worker that answered (set by the parent side).
-        pin_ns: nanoseconds pinning the batch took where it was decoded; ``None``: not
-            pinned there.
     """
 
-    __slots__ = ("batch", "epoch", "error", "kind", "pin_ns", "rng", "seq", "state", "timings",
-                 "worker")
+    __slots__ = ("batch", "epoch", "error", "kind", "rng", "seq", "state", "timings", "worker")
 
     def __init__(self, kind: str, epoch: Any = None, seq: Any = None, batch: Any = None,
                  error: RemoteError | None = None, state: dict[str, Any] | None = None,
@@ -52,7 +49,6 @@ class Reply:
         self.rng = rng
         self.timings = timings
         self.worker = -1
-        self.pin_ns: int | None = None
 
     def wire(self) -> tuple[Any, ...]:
         """The worker's fields as a plain tuple, in ``__init__``'s order."""
