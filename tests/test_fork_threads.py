@@ -14,6 +14,7 @@ for the loaders a test watches, the threads of the one whose fork is under way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import threading
@@ -198,11 +199,10 @@ def test_thread_using_features_before_a_fork(fork_spy: _ForkSpy) -> None:
     _assert_forked_alone(fork_spy, 6)
 
 
-def test_a_fork_after_a_worker_death_does_not_wait_for_the_old_teardown(
-        fork_spy: _ForkSpy, tmp_path: Any) -> None:
-    """Regression test for issues 18 and 37: the death is raised before the teardown ends;
-    another loader forks at once, beside that teardown's loop thread (not its own), and
-    both end cleanly."""
+@contextlib.contextmanager
+def _after_a_worker_death(tmp_path: Any) -> Iterator[tuple[Any, int]]:
+    """A loader whose epoch just raised a worker's death while its other worker waits in
+    its batch, and the fd that lets that worker go (``os.write(gate, b"x")``)."""
     os.mkfifo(tmp_path / "meet")
     os.mkfifo(tmp_path / "gate")
     gate = os.open(tmp_path / "gate", os.O_RDWR)
@@ -211,12 +211,21 @@ def test_a_fork_after_a_worker_death_does_not_wait_for_the_old_teardown(
                             **FORK)
         with pytest.raises(WorkerDiedError):
             list(loader)
+        yield loader, gate
+    finally:
+        os.close(gate)
+
+
+def test_a_fork_after_a_worker_death_does_not_wait_for_the_old_teardown(
+        fork_spy: _ForkSpy, tmp_path: Any) -> None:
+    """Regression test for issues 18 and 37: the death is raised before the teardown ends;
+    another loader forks at once, beside that teardown's loop thread (not its own), and
+    both end cleanly."""
+    with _after_a_worker_death(tmp_path) as (loader, gate):
         other = DataLoader(_data(), batch_size=4, num_workers=2, **FORK)
         fork_spy.watch(loader, other)
         assert _values(list(other)) == list(range(24))
         os.write(gate, b"x")
-    finally:
-        os.close(gate)
     _assert_each_forked_apart(fork_spy, 4)
 
 
@@ -226,19 +235,10 @@ def test_the_same_loader_forks_after_a_worker_death_beside_none_of_its_threads(
     with its loader's threads: the same loader's next fork, made while the failed epoch's
     close still waits for the worker inside its batch, waits for that close (which ends
     the worker) and forks beside none of the loader's threads."""
-    os.mkfifo(tmp_path / "meet")
-    os.mkfifo(tmp_path / "gate")
-    gate = os.open(tmp_path / "gate", os.O_RDWR)
-    try:
-        loader = DataLoader(DiesWhileTheOtherWaits(str(tmp_path)), batch_size=1, num_workers=2,
-                            **FORK)
-        with pytest.raises(WorkerDiedError):
-            list(loader)
+    with _after_a_worker_death(tmp_path) as (loader, gate):
         it = iter(loader)  # its forks: the first epoch's worker 1 is still in its batch
         os.write(gate, b"x")  # this epoch's worker 1 may finish its batch
         it.close()
-    finally:
-        os.close(gate)
     _assert_forked_alone(fork_spy, 4)
 
 
