@@ -98,12 +98,12 @@ __all__ = [
 
 
 if _typing.TYPE_CHECKING:
-    from ._facade import DataLoader
     from ._resume.elastic import gather_rank_states, merge_rank_states
+    from .dataloader import DataLoader
 
 # Imported on first use (PEP 562) where the package is loaded to start a worker (below);
 # DataLoader is otherwise loaded with the package (_load_the_loader).
-_LAZY = {"DataLoader": "._facade", "merge_rank_states": "._resume.elastic",
+_LAZY = {"DataLoader": ".dataloader", "merge_rank_states": "._resume.elastic",
          "gather_rank_states": "._resume.elastic"}
 
 #: The modules through which ``multiprocessing`` loads this package in a new interpreter

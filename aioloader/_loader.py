@@ -12,8 +12,9 @@ the loop when batches are measured to be tiny (:mod:`aioloader._pipeline.offload
 background task, nothing runs between calls.
 
 The arguments' rules are the table of :mod:`aioloader._arguments` (the signature below
-is its public face); an epoch's ``async for`` iterator is :mod:`aioloader._aiter`. The
-sync facade (``for batch in loader``) is added on top by :mod:`aioloader._facade`.
+is its public face); an epoch's ``async for`` iterator is :mod:`aioloader._async_iter`. The
+sync facade (``for batch in loader``) is added on top by :mod:`aioloader._sync_iter`;
+the public class is :mod:`aioloader.dataloader`'s.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from typing import Any, TypeVar
 import torch
 
 from . import _torch_data as _tud
-from ._aiter import AsyncLoaderIter
 from ._arguments import ARGUMENTS, DEFAULT_FETCH_CONCURRENCY
+from ._async_iter import AsyncLoaderIter
 from ._coerce import as_int
 from ._config import ASSIGNABLE, LoaderConfig, make_config
 from ._fetch.policy import DEFAULT_RETRY_DELAY

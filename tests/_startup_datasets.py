@@ -102,7 +102,7 @@ class WhatLoaded(aioloader.Dataset[Any]):
     def __getitem__(self, i: int) -> Any:
         import sys
 
-        return [name for name in ("aioloader._facade", "aioloader._pipeline.epoch", "anyio")
+        return [name for name in ("aioloader._sync_iter", "aioloader._pipeline.epoch", "anyio")
                 if name in sys.modules]
 
 

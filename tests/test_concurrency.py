@@ -13,7 +13,7 @@ from _loader_datasets import Dies
 
 import aioloader
 from aioloader import DataLoader, EpochSupersededError, WorkerDiedError
-from aioloader._aiter import _Turns
+from aioloader._async_iter import _Turns
 
 JOIN_S = 60.0  # bound on every thread join and task group (a hang fails, never blocks)
 

@@ -120,7 +120,7 @@ def test_layer_table_parses() -> None:
     assert LAYERS["_errors"] == 0
     assert "loader" not in LAYERS and "DataLoaderCore" not in LAYERS
     assert LAYERS["_worker"] < LAYERS["_pools"] < LAYERS["_pipeline"] < LAYERS["_loader"]
-    assert LAYERS["_loader"] < LAYERS["_facade"] < LAYERS["dataloader"] == LAYERS["__init__"]
+    assert LAYERS["_loader"] < LAYERS["_sync_iter"] < LAYERS["dataloader"] == LAYERS["__init__"]
 
 
 def test_every_module_has_a_layer() -> None:
@@ -172,7 +172,7 @@ def test_the_worker_folder_stays_light() -> None:
         if _unit(mod) != "_worker":
             continue
         assert not {_unit(d) for d in _imports(mod)} & {"_pipeline", "_pools", "_loader",
-                                                         "_facade", "_config", "_options"}, mod
+                                                         "_sync_iter", "_config", "_options"}, mod
         for node in ast.parse(path.read_text()).body:  # module level only
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
@@ -227,7 +227,7 @@ def test_the_worker_entry_point_imports_only_light_modules() -> None:
 
     code = ("import sys, aioloader._worker.main\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('anyio', 'sniffio',"
-            " 'trio') or m in ('aioloader._facade', 'aioloader._loader', 'aioloader._pipeline.epoch',"
+            " 'trio') or m in ('aioloader._sync_iter', 'aioloader._loader', 'aioloader._pipeline.epoch',"
             " 'aioloader._pools.process', 'aioloader._fetch.amap'))\n"
             "print(heavy)\n")
     assert _run_python(code) == "[]"
@@ -240,7 +240,7 @@ class _ReportsImports(tud.Dataset):  # type: ignore[type-arg]
     def __getitem__(self, i: int) -> int:
         import sys
 
-        return int("anyio" in sys.modules) * 10 + int("aioloader._facade" in sys.modules)
+        return int("anyio" in sys.modules) * 10 + int("aioloader._sync_iter" in sys.modules)
 
 
 def test_a_spawned_worker_does_not_load_the_loader_machinery() -> None:

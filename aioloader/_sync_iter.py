@@ -1,4 +1,4 @@
-"""The sync facade: ``for batch in loader``, and the public :class:`DataLoader`.
+"""The sync facade: ``for batch in loader``, one epoch's :class:`SyncLoaderIter`.
 
 Two ways to drive the pipeline:
 
@@ -19,8 +19,6 @@ closes iterators still open at interpreter exit.
 
 from __future__ import annotations
 
-import inspect
-import textwrap
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -28,104 +26,16 @@ from typing import Any, TypeVar
 
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
-from . import _torch_data as _tud
-from ._aiter import _EpochIter, _shutdown_persistent_pool
-from ._arguments import ARGUMENTS
+from ._async_iter import _EpochIter, _shutdown_persistent_pool
 from ._facade_loop import PortalDriver, open_drivers
-from ._loader import DataLoaderCore
 from ._pipeline.epoch import _PipelineCore
 from ._pipeline.source_probe import HandOver
 from ._stats.wrap import waits
 
-__all__ = ["DataLoader", "SyncLoaderIter"]
+__all__ = ["MultiProcessSyncLoaderIter", "SyncLoaderIter"]
 
 
 T_co = TypeVar("T_co", covariant=True)
-
-
-class DataLoader(DataLoaderCore[T_co]):
-    """Combines a dataset and a sampler, and yields batches: ``async for`` or ``for``.
-
-    Same signature and semantics as :class:`torch.utils.data.DataLoader`, plus
-    keyword-only arguments of its own (each one's row of :mod:`aioloader._arguments`;
-    docs/migration.md has more on each):
-
-    Args:
-        {own arguments}
-
-    Example:
-        >>> import torch
-        >>> from aioloader import DataLoader, TensorDataset
-        >>> ds = TensorDataset(torch.arange(6))
-        >>> [b[0].tolist() for b in DataLoader(ds, batch_size=4)]
-        [[0, 1, 2, 3], [4, 5]]
-        >>> import asyncio
-        >>> async def main():
-        ...     return [b[0].tolist() async for b in DataLoader(ds, batch_size=4)]
-        >>> asyncio.run(main())
-        [[0, 1, 2, 3], [4, 5]]
-
-        Deterministic clean-up: ``async with aiter(loader) as it`` stops the
-        epoch's threads and workers when the block ends (``break`` included);
-        ``async with loader`` also shuts down persistent workers at its end.
-
-        >>> async def first_batch():
-        ...     async with DataLoader(ds, batch_size=4) as loader:
-        ...         async with aiter(loader) as it:
-        ...             async for batch in it:
-        ...                 return batch[0].tolist()
-        >>> asyncio.run(first_batch())
-        [0, 1, 2, 3]
-    """
-
-    def __iter__(self) -> SyncLoaderIter[T_co]:
-        """Start an epoch: ``for batch in loader``.
-
-        With persistent workers the iterator is also kept in ``self._iterator``, as torch
-        does, so that frameworks can shut the workers down through it.
-        """
-        if not (self.persistent_workers and self.num_workers > 0):
-            return self._get_iterator()
-        # Persistent workers serve one epoch at a time: epochs begun by two threads at once
-        # take the pool one after the other (the later one supersedes the earlier one),
-        # never both while it starts.
-        with _iter_lock(self):
-            iterator = self._get_iterator()
-            self._iterator = iterator
-        return iterator
-
-    def _get_iterator(self) -> SyncLoaderIter[T_co]:
-        core = self._make_core()
-        if self.num_workers > 0:
-            return _MultiProcessSyncLoaderIter(core)
-        return SyncLoaderIter(core)
-
-
-def _own_arguments() -> str:
-    """The lines of :class:`DataLoader`'s docstring for the arguments torch's lacks: each
-    one's default and meaning, from the table."""
-    torch_args = inspect.signature(_tud.DataLoader).parameters
-    return "\n".join(textwrap.fill(f"{arg.name}={arg.default!r}: {arg.what}.", 84,
-                                   initial_indent=" " * 8, subsequent_indent=" " * 12)
-                     for arg in ARGUMENTS if arg.name not in torch_args).lstrip()
-
-
-DataLoader.__doc__ = (DataLoader.__doc__ or "").replace("{own arguments}", _own_arguments())
-
-
-_iter_locks: weakref.WeakKeyDictionary[DataLoader[Any], threading.Lock] = (
-    weakref.WeakKeyDictionary())
-_iter_locks_guard = threading.Lock()
-
-
-def _iter_lock(loader: DataLoader[Any]) -> threading.Lock:
-    """The lock that orders a persistent loader's ``iter()`` calls (not an attribute of the
-    loader, which stays picklable and deep-copyable)."""
-    with _iter_locks_guard:
-        lock = _iter_locks.get(loader)
-        if lock is None:
-            lock = _iter_locks[loader] = threading.Lock()
-        return lock
 
 
 class SyncLoaderIter(_EpochIter, _BaseDataLoaderIter, Iterator[T_co]):
@@ -215,7 +125,7 @@ class SyncLoaderIter(_EpochIter, _BaseDataLoaderIter, Iterator[T_co]):
 
 
 
-class _MultiProcessSyncLoaderIter(  # type: ignore[override]  # _workers: a property
+class MultiProcessSyncLoaderIter(  # type: ignore[override]  # _workers: a property
     SyncLoaderIter[T_co], _MultiProcessingDataLoaderIter
 ):
     """The iterator of a loader with workers.
