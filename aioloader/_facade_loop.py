@@ -5,8 +5,8 @@
 (:class:`_FacadeLoop`: uvloop's when installed) in a background thread, through an anyio
 blocking portal, and tears both down when the iterator is closed, collected or left at
 interpreter exit (:func:`aioloader._threads.close_at_exit`). The loop thread is parked around the
-loader's forks (:mod:`aioloader._park`). :mod:`aioloader._facade` (the public
-``DataLoader`` and its iterators) starts it.
+loader's forks (:mod:`aioloader._park`). :mod:`aioloader._sync_iter` (the iterator of
+``for``) starts it.
 """
 
 from __future__ import annotations
