@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -104,13 +105,14 @@ class Nodes(NamedTuple):
 
 
 @pytest.mark.skipif(INNER, reason="the outer run's test")
-@pytest.mark.timeout(900)
+@pytest.mark.slow  # a simulated cluster of 3 Ray nodes: minutes; Ray's own paths are covered
+@pytest.mark.timeout(1500)  # on every Python by test_ray_workers.py
 def test_the_cluster_tests_pass_in_a_process_of_their_own() -> None:
     env = dict(os.environ, **{INNER_ENV: "1"})
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-k", "not process_of_their_own", os.path.abspath(__file__)],
                          cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=840)
+                         capture_output=True, text=True, timeout=1440)
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
 
@@ -294,6 +296,7 @@ def test_node_lost_with_respawn_and_no_node_left_is_a_bounded_error(nodes: Nodes
 
 @keeps_lost_nodes_socket
 @pytest.mark.gc_off
+@pytest.mark.timeout(480)
 def test_ray_shutdown_while_replacements_wait_keeps_ray_down(nodes: Nodes) -> None:
     """Regression test for issue 40: ray.shutdown() while a consumer waits for batches
     that replacement actors (waiting for a node) owe. The loader neither respawns nor
@@ -321,12 +324,18 @@ def test_ray_shutdown_while_replacements_wait_keeps_ray_down(nodes: Nodes) -> No
     consumer = threading.Thread(target=consume, name="test-consumer")
     nodes.cluster.remove_node(node)
     consumer.start()
+    replaced = False
     try:
-        # Both actors die and their replacements wait for a node.
-        assert wait_until(lambda: all(n.endswith("-r1") for n in _actor_names(it)), 60)
-        ray.shutdown()
+        # Both actors die and their replacements wait for a node. Ray notices the lost node
+        # by its health checks, later on a loaded machine: a generous bound, and a replacement
+        # made before Ray noticed may have been placed on the dying node and replaced again
+        # (-r2). Ray is shut down whatever happened: the consumer never outlives the test.
+        replaced = wait_until(
+            lambda: all(re.search(r"-r[0-9]+$", n) for n in _actor_names(it)), 240)
     finally:
+        ray.shutdown()
         consumer.join(60)
+    assert replaced, f"the lost node's actors were not replaced within 240 s: {_actor_names(it)}"
     assert not consumer.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], WorkerDiedError), errors
     assert "ray.shutdown()" in str(errors[0])
