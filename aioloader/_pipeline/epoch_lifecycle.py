@@ -241,9 +241,10 @@ class EpochLifecycle:
         their order: the source refuses one while an earlier one is still queued."""
         if self.cmd_ready is None:
             return
-        if self.num_workers:
+        source = self.source
+        if isinstance(source, PoolSource):  # workers (an async dataset's source waits)
             pending = self.pending_cmds
-            send_now = self.source.send_now  # type: ignore[union-attr]
+            send_now = source.send_now
             while pending and send_now(*pending[0]):
                 pending.popleft()
             if not pending:
