@@ -233,20 +233,32 @@ class PoolBase(ServeLoop[W]):
     #: Whether :meth:`add_worker` and :meth:`retire_worker` work (docs/autotune.md).
     can_resize: ClassVar[bool] = False
 
-    def _next_config(self) -> WorkerConfig:
-        """The config of a worker added now: worker 0's, with the next id (so its seed is
-        ``base_seed + id``, as torch's worker ``id``) and no resume state."""
-        n = len(self._workers)
-        return dataclasses.replace(self._configs[0], worker_id=n, num_workers=n + 1,
-                                   resume_state=None)
-
     async def add_worker(self, runner: ThreadRunner) -> int:
-        """Start one more worker (id = the next id) while the pool runs; returns its id.
+        """Start one more worker (id = the next id, seeded ``base_seed + id`` as torch's
+        worker ``id``, no resume state) while the pool runs; returns its id.
 
-        A running :meth:`serve` serves it too. ``runner`` runs a slow start (a new
-        interpreter) off the loop.
+        A running :meth:`serve` serves it at once. ``runner`` runs the start (a fork, a new
+        interpreter, ``Thread.start``) in its thread, never on the loop's.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not resize")
+        if not self.can_resize:
+            raise NotImplementedError(f"{type(self).__name__} does not resize")
+        if self._closing:
+            raise IteratorClosedError("the worker pool is closed")
+        wid = len(self._workers)
+        self._configs.append(dataclasses.replace(self._configs[0], worker_id=wid,
+                                                 num_workers=wid + 1, resume_state=None))
+        try:
+            await runner.run(self._start_added, wid)
+        except BaseException:
+            self._configs.pop()
+            raise
+        self._serve_new(self._workers[wid])
+        logger.debug("added %s worker %d", type(self).__name__, wid)
+        return wid
+
+    def _start_added(self, worker_id: int) -> None:
+        """Start worker ``worker_id`` (its config is the last) and append it (blocking)."""
+        raise NotImplementedError
 
     async def retire_worker(self) -> None:
         """Stop the worker with the highest id; the caller has let its work drain first

@@ -24,7 +24,7 @@ from .._park import fd_section, let_others_run
 from .._threads import ThreadRunner, run_in_own_thread
 from .._worker.codec import decode
 from .._worker.config import WorkerConfig
-from .._worker.fdlimit import is_out_of_files, out_of_files_error
+from .._worker.fdlimit import out_of_files_named
 from .._worker.fds import close_fds, sharing_strategy
 from .._worker.main import worker_main
 from .._worker.reply import Reply
@@ -105,48 +105,39 @@ class Conn:
         if method == "fork" and zygote is None:
             let_others_run()  # the loop's thread runs now, not after the fork; not in the
             # section, where a sleep's wait for the GIL would hold up every other fork
-        with fd_section():
-            try:
-                parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            except OSError as exc:
-                if is_out_of_files(exc):
-                    raise out_of_files_error() from exc
-                raise
-            try:
-                # fd numbers mean nothing in a fresh interpreter: only a forked child closes
-                # some: this pool's parent ends and every other pool's (other loaders) here.
-                close_fds = (_identities([*inherited, parent_sock.fileno(),
-                                          *_live_parent_ends()])
-                             if method == "fork" else [])
-                cfg = dataclasses.replace(cfg, parent_pid=os.getpid(), close_fds=close_fds,
-                                          start_method=method,
-                                          sharing_strategy=sharing_strategy())
-                proc: Proc | None = None
-                if zygote is not None:
-                    zygote.request_worker(cfg, child_sock)
-                else:
-                    proc = _start_process(ctx, worker_id, cfg, method, child_sock)
-            except ZygoteError as exc:
-                parent_sock.close()
-                logger.debug("worker %d spawned, not forked by the zygote: %s", worker_id, exc)
-                return None
-            except BaseException:
-                parent_sock.close()
-                raise
-            finally:
-                child_sock.close()
-            register_parent_end(parent_sock)  # before any other fork can copy it
-        if zygote is not None:
-            try:
+        parent_sock: socket.socket | None = None
+        proc: Proc | None = None
+        try:
+            with fd_section():
+                with out_of_files_named():
+                    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX,
+                                                                socket.SOCK_STREAM)
+                try:
+                    # fd numbers mean nothing in a fresh interpreter: only a forked child
+                    # closes some: this pool's parent ends and every other pool's here.
+                    close_fds = (_identities([*inherited, parent_sock.fileno(),
+                                              *_live_parent_ends()])
+                                 if method == "fork" else [])
+                    cfg = dataclasses.replace(cfg, parent_pid=os.getpid(), close_fds=close_fds,
+                                              start_method=method,
+                                              sharing_strategy=sharing_strategy())
+                    if zygote is not None:
+                        zygote.request_worker(cfg, child_sock)
+                    else:
+                        proc = _start_process(ctx, worker_id, cfg, method, child_sock)
+                finally:
+                    child_sock.close()
+                register_parent_end(parent_sock)  # before any other fork can copy it
+            if zygote is not None:
                 proc = zygote.worker_reply(worker_id)
-            except ZygoteError as exc:
+        except BaseException as exc:
+            if parent_sock is not None:
                 parent_sock.close()  # its registry entry goes with it (closed: left out)
+            if isinstance(exc, ZygoteError):
                 logger.debug("worker %d spawned, not forked by the zygote: %s", worker_id, exc)
                 return None
-            except BaseException:
-                parent_sock.close()
-                raise
-        assert proc is not None
+            raise
+        assert proc is not None and parent_sock is not None
         parent_sock.setblocking(False)
         return cls(worker_id, proc, parent_sock)
 
@@ -334,14 +325,11 @@ def _start_process(ctx: Any, worker_id: int, cfg: WorkerConfig, method: str,
     proc = ctx.Process(target=worker_main, args=(child_sock, cfg),
                        name=f"aioloader-worker-{worker_id}", daemon=True)
     try:
-        proc.start()
+        with out_of_files_named():  # its pipes, its sentinel: descriptors too
+            proc.start()
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         if method != "fork":
             _explain_pickling_failure(exc, method)
-        raise
-    except OSError as exc:  # its pipes, its sentinel: descriptors too
-        if is_out_of_files(exc):
-            raise out_of_files_error() from exc
         raise
     return proc  # type: ignore[no-any-return]
 

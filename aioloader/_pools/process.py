@@ -36,7 +36,6 @@ from typing import Any
 
 import anyio
 
-from .._errors import IteratorClosedError
 from .._park import ParkGroup
 from .._threads import ThreadRunner, run_in_own_thread
 from .._worker.config import WorkerConfig
@@ -212,11 +211,9 @@ class WorkerPool(PoolBase[Conn]):
         Raises:
             IteratorClosedError: the pool is closed.
         """
-        conn = self._addressee(worker_id, command)
-        if conn.exited:
-            return
-        conn.write(command)  # released segments ride along
-        await self._drain(conn)
+        conn = self._write(worker_id, command)
+        if conn is not None:
+            await self._drain(conn)
 
     def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
         """Queue ``command`` and write what the socket takes right now; never blocks.
@@ -225,15 +222,9 @@ class WorkerPool(PoolBase[Conn]):
         next :meth:`send`) writes it. Used to hand the first commands of an
         epoch to the workers as soon as they are started, as torch does.
         """
-        conn = self._addressee(worker_id, command)
-        if conn.exited:
-            return
-        conn.write(command)  # released segments ride along
-        try:
-            conn.writer.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            logger.debug("worker %d is gone; command dropped", worker_id)
-            conn.writer.close()
+        conn = self._write(worker_id, command)
+        if conn is not None:
+            _flush_now(conn)
 
     def send_now(self, worker_id: int, command: tuple[Any, ...]) -> bool:
         """Write ``command`` now if nothing is queued before it for that worker (True), else
@@ -248,13 +239,18 @@ class WorkerPool(PoolBase[Conn]):
         if len(conn.writer) or self._serve_ctx is None:
             return False
         conn.write(command)  # released segments ride along
-        try:
-            if not conn.writer.flush():
-                self._serve_ctx[0].start_soon(self._drain, conn)
-        except (BrokenPipeError, ConnectionResetError):
-            logger.debug("worker %d is gone; command dropped", worker_id)
-            conn.writer.close()
+        if not _flush_now(conn):
+            self._serve_ctx[0].start_soon(self._drain, conn)
         return True
+
+    def _write(self, worker_id: int, command: tuple[Any, ...]) -> Conn | None:
+        """Queue ``command`` for worker ``worker_id`` (released segments ride along); None
+        for a worker that is gone (the command is dropped)."""
+        conn = self._addressee(worker_id, command)
+        if conn.exited:
+            return None
+        conn.write(command)
+        return conn
 
     async def flush(self, worker_id: int) -> None:
         """Wait until everything queued for worker ``worker_id`` is written."""
@@ -275,11 +271,8 @@ class WorkerPool(PoolBase[Conn]):
             conn.send_lock = anyio.Lock()
         async with conn.send_lock:
             try:
-                while not conn.writer.flush():
+                while not _flush_now(conn):
                     await anyio.wait_writable(conn.sock)
-            except (BrokenPipeError, ConnectionResetError):
-                logger.debug("worker %d is gone; command dropped", conn.worker_id)
-                conn.writer.close()
             except anyio.ClosedResourceError:
                 # Closed under us: the pool is closing, or a dead worker's socket was closed
                 # to respawn it (its unanswered commands are re-sent to the replacement).
@@ -362,23 +355,7 @@ class WorkerPool(PoolBase[Conn]):
 
     can_resize = True
 
-    async def add_worker(self, runner: ThreadRunner) -> int:
-        """Start worker ``num_workers`` (seeded ``base_seed + id``); served at once when a
-        :meth:`serve` runs. Started in ``runner``'s thread, never on the loop's (with
-        ``fork``, the loader's other threads parked, as for a respawn)."""
-        if self._closing:
-            raise IteratorClosedError("the worker pool is closed")
-        cfg = self._next_config()
-        wid = cfg.worker_id
-        self._configs.append(cfg)
-        try:
-            await runner.run(self._start_one_quietly, wid)
-        except BaseException:
-            self._configs.pop()
-            raise
-        self._serve_new(self._workers[wid])
-        logger.debug("added worker %d (pid %s)", wid, self._workers[wid].proc.pid)
-        return wid
+    _start_added = _start_one_quietly
 
     async def retire_worker(self) -> None:
         """Stop the last worker: it leaves the pool's list at once (its reading task keeps
@@ -423,3 +400,14 @@ class WorkerPool(PoolBase[Conn]):
             self._zygote.close()
         if self._image is not None:  # the workers keep what they mapped
             self._image.close()
+
+
+def _flush_now(conn: Conn) -> bool:
+    """Write what ``conn``'s socket takes now; True when nothing is left (or the worker is
+    gone: what was queued for it is dropped)."""
+    try:
+        return conn.writer.flush()
+    except (BrokenPipeError, ConnectionResetError):
+        logger.debug("worker %d is gone; command dropped", conn.worker_id)
+        conn.writer.close()
+        return True

@@ -38,9 +38,9 @@ from typing import Any
 
 import anyio
 
-from .._errors import IteratorClosedError, WorkerDiedError
+from .._errors import WorkerDiedError
 from .._park import join_all
-from .._threads import ThreadRunner, run_in_own_thread
+from .._threads import run_in_own_thread
 from .._worker.config import WorkerConfig
 from .._worker.segments import POOL_LIMIT, WorkerSegments
 from .._worker.thread import Channel, thread_worker_main, torch_thread_local
@@ -183,22 +183,10 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
 
     can_resize = True
 
-    async def add_worker(self, runner: ThreadRunner) -> int:
-        """Start worker thread ``num_workers`` (seeded ``base_seed + id``) in ``runner``'s
-        thread, never on the loop's; a running :meth:`serve` reads its replies at once."""
-        if self._closing:
-            raise IteratorClosedError("the worker pool is closed")
-        cfg = self._next_config()
-        self._configs.append(cfg)
-        worker = _Worker(cfg.worker_id, self._stop)
-        try:
-            await runner.run(self._start_thread, worker)
-        except BaseException:
-            self._configs.pop()
-            raise
+    def _start_added(self, worker_id: int) -> None:
+        worker = _Worker(worker_id, self._stop)
+        self._start_thread(worker)
         self._workers.append(worker)
-        self._serve_new(worker)
-        return cfg.worker_id
 
     async def retire_worker(self) -> None:
         """Stop the last worker thread: it leaves the list at once, its end (posted

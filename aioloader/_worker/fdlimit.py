@@ -15,9 +15,11 @@ which every start method's workers follow) both work with aioloader: docs/pipeli
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import resource
+from collections.abc import Iterator
 
 from .._errors import TransportError, exception_chain
 from .._worker_info import get_worker_info
@@ -27,6 +29,7 @@ __all__ = [
     "is_out_of_files",
     "out_of_fds",
     "out_of_files_error",
+    "out_of_files_named",
     "too_many_open_files",
 ]
 
@@ -77,6 +80,18 @@ def too_many_open_files(side: str | None = None) -> str:
 def out_of_files_error() -> TransportError:
     """The error to raise (``from`` the ``OSError`` or ``RuntimeError`` that said so)."""
     return TransportError(too_many_open_files())
+
+
+@contextlib.contextmanager
+def out_of_files_named() -> Iterator[None]:
+    """An ``OSError`` that says the process ran out of descriptors raised as
+    :func:`out_of_files_error` (``from`` it); any other exception as it is."""
+    try:
+        yield
+    except OSError as exc:
+        if is_out_of_files(exc):
+            raise out_of_files_error() from exc
+        raise
 
 
 def is_out_of_files(exc: BaseException | None) -> bool:

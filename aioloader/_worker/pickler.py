@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import segments as _segments
-from .fdlimit import is_out_of_files, out_of_files_error
+from .fdlimit import out_of_files_named
 from .fds import sharing_strategy, unlink_failed_segments
 from .unpickler import rebuild_memoryview, rebuild_ndarray, rebuild_tensor
 
@@ -122,12 +122,8 @@ class Pickler(pickle.Pickler):
             return pid
         fd_index = self._seg_fd.get(seg.id, -1)
         if fd_index < 0 and seg.fd is not None:  # the parent has not mapped it yet
-            try:
+            with out_of_files_named():
                 self.fds.append(os.dup(seg.fd))
-            except OSError as exc:
-                if is_out_of_files(exc):
-                    raise out_of_files_error() from exc
-                raise
             fd_index = len(self.fds) - 1
             self._seg_fd[seg.id] = fd_index
             self.fd_sent.append(seg)
