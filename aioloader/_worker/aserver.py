@@ -1,13 +1,8 @@
 """A worker serving an async dataset: one event loop for the worker's life.
 
-Commands follow :mod:`aioloader._worker.main`'s protocol, but several fetches are
-in flight at once (``fetch_concurrency``) and their replies may leave out of
-order (the parent reorders by ``seq``). One writer task sends the replies,
-already encoded, so frames stay whole and the loop never blocks on a slow
-parent.
-
-anyio (and uvloop, where installed) is imported only when the loop starts:
-importing this module keeps a sync dataset's worker light.
+Several fetches are in flight (``fetch_concurrency``) and their replies may leave out of
+order (the parent reorders by ``seq``); one writer task sends them, already encoded.
+anyio (and uvloop) are imported only when the loop starts.
 """
 
 from __future__ import annotations

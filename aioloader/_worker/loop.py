@@ -1,10 +1,6 @@
-"""A sync worker's command loop, whatever carries its commands and replies.
-
-:func:`serve_commands` answers the commands of :mod:`aioloader._worker.main`'s
-protocol one at a time, in order: over a socket in a worker process
-(:func:`aioloader._worker.main.worker_main`), over in-process queues in a thread
-worker (:mod:`aioloader._pools.thread`). :class:`_SyncEpoch` is one epoch's
-fetcher; Ray actors call it directly (:mod:`aioloader._pools.ray`).
+"""A sync worker's command loop (:func:`serve_commands`), whatever carries its commands
+and replies: a socket in a worker process, queues in a thread worker. :class:`_SyncEpoch`
+is one epoch's fetcher; Ray actors call it directly.
 """
 
 from __future__ import annotations
@@ -37,11 +33,8 @@ __all__ = ["serve_commands"]
 
 
 def _error_reply(cfg: WorkerConfig, epoch: Any, seq: Any) -> Reply:
-    """An ``"error"`` reply for the exception being handled.
-
-    A batch that failed to allocate its shared memory (``/dev/shm`` full) leaves no file
-    behind: torch's allocator keeps the one it created, so it is removed here.
-    """
+    """An ``"error"`` reply for the exception being handled (a ``/dev/shm`` file that
+    torch's failed allocation left behind is removed)."""
     exc = sys.exc_info()[1]
     unlink_failed_segments(exc)
     if exc is not None and is_out_of_files(exc) and TOO_MANY_FDS not in str(exc):
@@ -136,15 +129,9 @@ class _SyncEpoch:
 def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
                    next_command: Callable[[], Any],
                    send_reply: Callable[[Reply], None]) -> None:
-    """The command loop of a sync worker, whatever carries its commands and replies.
-
-    ``next_command()`` blocks until the next command and returns ``None`` when
-    the worker must leave (EOF, parent gone, pool closing); ``send_reply``
-    hands one :class:`~aioloader._worker.reply.Reply` to the parent. Used by worker
-    processes (a socket) and by thread workers (in-process queues,
-    :mod:`aioloader._pools.thread`). A ``"data"`` reply carries the worker's timings
-    when ``cfg.stats`` is on.
-    """
+    """The command loop of a sync worker: ``next_command()`` blocks until the next command
+    (``None``: leave); ``send_reply`` hands a :class:`~aioloader._worker.reply.Reply` to
+    the parent (a ``"data"`` reply with the worker's timings when ``cfg.stats`` is on)."""
     clock = WorkerClock() if cfg.stats else None
     fetch = _SyncEpoch.fetch
     if clock is not None:  # the worker's timings: its calls wrapped once

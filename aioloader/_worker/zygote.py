@@ -1,14 +1,6 @@
-"""The zygote: one spawned process that imports the worker's modules once and forks a
-``spawn`` pool's workers from itself.
-
-Under ``spawn`` every worker is a new interpreter that imports torch before it can
-serve (about 0.6 s of CPU each), so N workers took N times the CPU of one to start.
-A pool whose dataset travels as a :class:`~aioloader._worker.image.DatasetImage`
-instead starts one *zygote* with ``spawn`` (a fresh interpreter, as a spawned worker
-is: nothing of the parent's memory, threads or CUDA state), which imports this module
-(and so torch) once and forks each worker from itself on request. Each worker still
-unpickles its own copy of the dataset from the image, as a spawned worker does, so a
-file or connection a dataset opens while it is unpickled is the worker's own.
+"""The zygote: one spawned process that imports torch once and forks a ``spawn`` pool's
+workers from itself (docs/pipeline.md, "Stages"); each worker still unpickles its own
+copy of the dataset from the image, as a spawned worker does.
 
 Protocol (one ``AF_UNIX`` stream socket, frames from :mod:`aioloader._worker.wire`):
 
@@ -23,8 +15,7 @@ EOF (the pool is closed)                   the zygote leaves (a worker still run
                                            ends on its own: its socket hung up)
 =========================================  =========================================
 
-A config's ``dataset`` is :data:`IMAGE` on the wire: the zygote puts its own image
-there (the descriptors came with the zygote's start).
+A config's ``dataset`` is :data:`IMAGE` on the wire: the zygote puts its own image there.
 """
 
 from __future__ import annotations
