@@ -1,7 +1,5 @@
-"""One worker process seen from the parent: start it, read its socket, free its fds.
-
-A :class:`Conn` holds a worker's process, the parent end of its Unix socket pair and the
-framing buffers. The pool (:class:`aioloader._pools.process.WorkerPool`) decides what an
+"""One worker process seen from the parent (:class:`Conn`): start it, read its socket,
+free its fds. The pool (:class:`aioloader._pools.process.WorkerPool`) decides what an
 end means (orderly, a death to report, a worker to respawn).
 """
 
@@ -78,13 +76,9 @@ class Conn:
               inherited: list[int], zygote: Zygote | None = None) -> Conn:
         """Start worker ``worker_id``'s process (daemonic) on a new socket pair.
 
-        ``inherited``: the parent-side socket fds a forked child must close
-        (so that it sees EOF when the parent goes); this pair's own parent end
-        is added. With ``spawn``/``forkserver`` a config that does not pickle
-        raises its own exception type with a note on what to change. ``zygote``
-        (``spawn``): forks the worker, unless it cannot (then it is spawned). Several
-        threads may start workers of one pool at once (respawns): the zygote serves one
-        request at a time.
+        ``inherited``: the parent-side socket fds a forked child must close (so that it
+        sees EOF when the parent goes). ``zygote`` (``spawn``): forks the worker (one
+        request at a time), unless it cannot (then it is spawned).
         """
         if zygote is not None and not zygote.broken:
             with zygote.lock:
@@ -183,13 +177,11 @@ class Conn:
                         transform: Transform | None = None) -> None:
         """Decode complete frames and hand their replies to ``deliver``, in order.
 
-        Decoding maps the worker's segments and descriptors and rebuilds every tensor
-        (``mmap``, page-table work, allocator calls that may wait behind another thread's
-        pinned allocation): not on the loop's thread. Every frame read so far is
-        decoded (and ``transform``-ed) in one call of ``decoder``'s thread, whose result
-        comes back with one thread-safe call; it is parked on the conn first, so a
-        cancellation loses nothing. Small replies that map and unmap nothing are the
-        exception (:func:`_decodes_inline`): decoded here, a thread hop saved per batch.
+        Decoding maps segments and rebuilds tensors (``mmap``, allocator calls that may
+        wait): every frame read so far is decoded (and ``transform``-ed) in one call of
+        ``decoder``'s thread, into :attr:`pending` (a cancellation loses nothing). Small
+        replies that map nothing (:func:`_decodes_inline`) are decoded here: a thread hop
+        saved per batch.
         """
         pending = self.pending
         while True:
@@ -275,11 +267,8 @@ class Conn:
         self.sock.close()
 
     def free(self, notify: bool = True) -> None:
-        """Close the socket, the reader's received fds and, once reaped, the sentinel.
-
-        The Process object stays usable: callers holding it (torch's tests do)
-        may still ``join()`` it.
-        """
+        """Close the socket, the reader's received fds and, once reaped, the sentinel (the
+        Process object stays usable: a caller may still ``join()`` it)."""
         self.close_socket()
         self.reader.close()
         self.pending.clear()  # a reply never handed over: its batch goes now

@@ -1,26 +1,17 @@
 """Workers as Ray actors: ``DataLoader(..., worker_method="ray", ray_options={...})``.
 
-:class:`RayWorkerPool` is what the pipeline needs from a pool (the interface of
-:class:`aioloader._pools.process.WorkerPool`: ``start``, ``send``/``send_nowait``/``flush``,
-``serve(deliver)``, ``close``), with the N workers running as Ray actors
-instead of local processes. The dispatch, the reorder buffer, the timeout and the
-exactly-once bookkeeping stay in the loader: this module only moves commands to
-the actors and replies back, through Ray's object store.
+:class:`RayWorkerPool` has the process pool's interface, with the N workers as Ray
+actors (:class:`aioloader._worker.ray_actor.RayWorker`) running a worker process's own
+code; dispatch, reordering, timeout and exactly-once stay in the loader. Each reply's
+``ObjectRef.future()`` wakes the loop from Ray's thread (no thread per reply); while a
+call is in flight the loop looks once a second whether Ray is still connected
+(``ray.shutdown()`` leaves calls unanswered for ever). An actor's first reply must come
+within ``ray_options["placement_timeout"]`` unless Ray placed it by then. Semantics
+(ids, seeds, order, errors; dead actors, lost nodes, Ray shut down): docs/ray.md.
 
-Each actor (:class:`aioloader._worker.ray_actor.RayWorker`) runs a worker process's own
-code; each reply's ``ObjectRef.future()`` is completed by Ray's own thread, whose
-done-callback wakes the loop (asyncio or trio) with its thread-safe ``call_soon``: no
-thread per reply. While a call is in flight the loop also looks, once a second, whether
-Ray is still connected (``ray.shutdown()`` leaves calls in flight unanswered for ever
-and sets no event). An actor's first reply (its pid, host, IP address and node) must
-come within ``ray_options["placement_timeout"]`` unless Ray placed it on a node by
-then. The semantics this gives (a worker process's ids, seeds, order and errors; dead
-actors, lost nodes, Ray shut down): docs/ray.md.
-
-Ray is imported lazily: the package imports and runs without it. Every Ray call made
-after the start holds Ray connected (:func:`aioloader._ray_options.ray_held`): Ray's API
-would otherwise call ``ray.init()`` itself, and connect again a program that shut Ray
-down.
+Ray is imported lazily. Every Ray call made after the start holds Ray connected
+(:func:`aioloader._ray_options.ray_held`): Ray's API would otherwise ``ray.init()``
+again a program that shut Ray down.
 """
 
 from __future__ import annotations
@@ -120,19 +111,16 @@ class RayWorkerPool(PoolBase[_Actor]):
 
     Args:
         configs: one :class:`~aioloader._worker.config.WorkerConfig` per worker, in id order.
-        address: given to ``ray.init(address=...)`` if Ray is not initialised in this
-            process when the pool starts; ignored (logged) if it is. ``None`` then means
-            ``ray.init()``: ``RAY_ADDRESS``, a running local cluster, or a new local one.
-        actor_options: passed to each actor's ``.options()``, but for the loader's own
-            ``placement_timeout`` (seconds an actor may wait for Ray to place it).
+        address: ``ray.init(address=...)``'s, if Ray is not initialised when the pool
+            starts (ignored, logged, if it is).
+        actor_options: each actor's ``.options()``, but for the loader's own
+            ``placement_timeout``.
         link: the loader's :class:`RayLink` (None: a pool on its own).
 
-    The pool calls ``ray.init()`` only when it starts, only if Ray is not initialised,
-    and only if no pool of its loader started actors before; it never calls
-    ``ray.shutdown()``: Ray may be shared with the rest of the program. The actors are
-    killed (``ray.kill``) by :meth:`close`, at garbage collection and at interpreter exit
-    (before ``atexit`` handlers such as ``ray.shutdown`` run). ``grace`` is accepted for
-    the common interface: an actor has nothing to flush, so it is killed at once.
+    ``ray.init()`` runs only at the start, only if Ray is not initialised and no pool of
+    the loader started actors before; ``ray.shutdown()`` never. The actors are killed by
+    :meth:`close`, at garbage collection and at interpreter exit, at once (``grace`` is
+    accepted for the common interface).
     """
 
     DEFAULT_GRACE = 0.0
