@@ -1,17 +1,10 @@
 """What the keys of a loaded state must agree on: the cross-key checks of ``load_state_dict``.
 
-:mod:`aioloader._resume.schema` checks each key of a state on its own (type, range) and
-against the loading loader; this module checks that the keys agree with each other, so
-that a state whose keys contradict each other (edited, or pieced together from several
+A state whose keys contradict each other (edited, or pieced together from several
 states) is refused with a ValueError naming the keys, instead of resuming a silently
-wrong epoch (issue 31). A state as ``state_dict()`` returned it always passes. The
-relations (consumed batches inside the epoch, ``finished`` only at its end, ``yielded`` at
-most the consumed batches, seeds and RNG states where draws were made, per-worker entries
-only from workers that delivered, settings that need each other) are listed in
-docs/resume.md, "What `load_state_dict` checks" (checked by :func:`check_positions`).
-
-Every check is arithmetic on the state (an elastic share's length included): nothing is
-drawn or fetched.
+wrong epoch (issue 31); a state as ``state_dict()`` returned it always passes. The
+relations: docs/resume.md, "What `load_state_dict` checks". Every check is arithmetic
+on the state: nothing is drawn or fetched.
 """
 
 from __future__ import annotations

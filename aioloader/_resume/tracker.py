@@ -1,11 +1,9 @@
 """What one epoch has consumed, kept batch by batch so that it can resume exactly.
 
-One :class:`EpochTracker` per iterator: it wraps the epoch's sampler iterator,
-numbers the batches drawn, is told of each batch handed out, and turns that into
-the loader's ``state_dict()`` (:meth:`EpochTracker.state_dict`); given a loaded
-state, it fast-forwards the sampler past the consumed batches. The loader-facing
-API (``state_dict()``/``load_state_dict()``, torchdata states) is
-:mod:`aioloader._resume.state`; how a state is made exact, docs/resume.md.
+One :class:`EpochTracker` per iterator: it wraps the epoch's sampler iterator, numbers
+the batches drawn, is told of each batch handed out, and makes the loader's
+``state_dict()``; given a loaded state, it fast-forwards the sampler past the consumed
+batches (docs/resume.md).
 """
 
 from __future__ import annotations
@@ -75,14 +73,10 @@ def _stateful_sampler(config: Any) -> Any:
 class EpochTracker:
     """What one epoch has consumed, enough to resume it exactly (one per iterator).
 
-    The epoch calls :meth:`sampler_iter` (instead of ``iter(index_sampler)``): the
-    sampler iterator is wrapped once, and the wrapper numbers every batch drawn
-    (:attr:`last_drawn` right after the draw; the dispatcher keeps it in the batch's
-    slot). Then :meth:`base_seed`, and one :meth:`commit` per batch, made by the
-    epoch's delivery boundary (:class:`aioloader._pipeline.delivery.Delivery`) when the
-    consumer receives the batch (or its error is raised, or it is skipped), with the
-    batch's number and what came with it from its worker (an iterable dataset's state,
-    the worker's RNG states).
+    The epoch calls :meth:`sampler_iter` (instead of ``iter(index_sampler)``), whose
+    wrapper numbers every batch drawn (:attr:`last_drawn`), then :meth:`base_seed`, and
+    the delivery boundary one :meth:`commit` per batch the consumer receives (or whose
+    error is raised, or that is skipped).
     """
 
     def __init__(self, config: Any, resume: dict[str, Any] | None) -> None:
@@ -276,13 +270,11 @@ class EpochTracker:
 
     def commit(self, logical: int, worker: int | None = None, wstate: Any = None,
                rng: Any = None, yielded: bool = True) -> None:
-        """Batch ``logical`` was handed out (or its error raised, or its worker ended).
-
-        The one commit of a batch, called by the epoch's delivery boundary only
-        (:meth:`aioloader._pipeline.delivery.Delivery.commit`). ``worker``: the worker that
-        fetched it (None in-process); ``wstate``: the iterable dataset's state that came
-        with it; ``rng``: that worker's RNG states after it (:mod:`aioloader._worker.rng`);
-        ``yielded``: the consumer received it (False: skipped, or its worker ran out).
+        """Batch ``logical`` was handed out (or its error raised, or its worker ended):
+        the delivery boundary's one commit of it. ``worker``: who fetched it (None
+        in-process), with ``wstate`` (the iterable dataset's state) and ``rng`` (its RNG
+        states after it); ``yielded``: the consumer received it (False: skipped, or its
+        worker ran out).
         """
         if (logical == self.prefix and worker is None and yielded and not self.extra
                 and self.sampler_obj is None and not self.replaying):
@@ -317,9 +309,8 @@ class EpochTracker:
 
     def replay(self) -> Iterator[None]:
         """Iterable dataset without state: once per batch already consumed, the caller
-        fetches one and drops it (``for _ in track.replay(): fetch()``, awaited or not),
-        :attr:`replaying` until its loop ends, however it ends (the generator's ``finally``
-        runs as the loop is left)."""
+        fetches one and drops it (``for _ in track.replay(): fetch()``), :attr:`replaying`
+        until the loop ends, however it ends."""
         self.replaying = True
         try:
             while self.discard:
