@@ -1,16 +1,9 @@
-"""Running out of file descriptors: torch's RuntimeError, naming the side that ran out.
+"""Running out of file descriptors: torch's RuntimeError text, naming the side that ran out.
 
-torch's DataLoader raises a :class:`RuntimeError` ("Too many open files. Communication
-with the workers is no longer possible. ...") when its process nears its open-file limit.
-aioloader raises the same text, as a :class:`~aioloader._errors.TransportError` (a
-``RuntimeError``), wherever its own machinery cannot get a descriptor: the parent
-receiving or mapping a batch, a worker handing a batch's shared memory over, the parent
-starting a worker. The message adds which process ran out (the main process or worker
-N, its pid) at which limit, and what the ``file_system`` strategy changes in aioloader.
-
-The fixes it names (a higher ``ulimit -n``, or the ``file_system`` sharing strategy,
-which every start method's workers follow) both work with aioloader: docs/pipeline.md,
-"Running out of descriptors".
+Wherever aioloader's own machinery cannot get a descriptor it raises torch's message
+("Too many open files. Communication with the workers is no longer possible. ...") as
+a :class:`~aioloader._errors.TransportError` (a ``RuntimeError``), adding which process
+ran out at which limit: docs/pipeline.md, "Running out of descriptors".
 """
 
 from __future__ import annotations
@@ -55,11 +48,8 @@ def _side() -> str:
 
 
 def too_many_open_files(side: str | None = None) -> str:
-    """torch's message, then which process ran out at which limit and what aioloader does
-    under the ``file_system`` strategy.
-
-    Args:
-        side: the process that ran out; ``None``: this one (a worker names itself).
+    """torch's message, then which process ran out (``side``; ``None``: this one) at which
+    limit, and what the ``file_system`` strategy changes.
 
     Example:
         >>> too_many_open_files("the main process (pid 1)").startswith(TOO_MANY_FDS)

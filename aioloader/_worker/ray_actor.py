@@ -1,10 +1,6 @@
-"""The Ray side of ``worker_method="ray"``: one worker as a Ray actor.
-
-:class:`RayWorker` does what a worker process does, with the same code
-(:func:`aioloader._worker.config.seed_worker`, then the worker's own fetch logic,
-:class:`aioloader._worker.loop._SyncEpoch`). The checks on ``ray_options`` and Ray's
-import are :mod:`aioloader._ray_options`; the parent side is
-:class:`aioloader._pools.ray.RayWorkerPool`.
+"""The Ray side of ``worker_method="ray"``: :class:`RayWorker`, one worker as a Ray actor,
+running a worker process's own set-up and fetch code (the parent side:
+:class:`aioloader._pools.ray.RayWorkerPool`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The receiving half of the codec (:mod:`aioloader._worker.codec`): :class:`Unpickler`.
-
-It rebuilds what :class:`aioloader._worker.pickler.Pickler` sent: storages from their
-file descriptors (``("fd", i, nbytes)``) or inline bytes (``("b", bytes)``), and
-segment regions (``("s" | "sb" | "sB" | "sA", segment, offset, nbytes, fd index,
-pooled)``) over the sending worker's :class:`~aioloader._worker.segments.SegmentMaps`:
-a storage or raw buffer without a copy, ``bytes``/``bytearray`` with one. The module's
-``rebuild_*`` functions are what the pickles name to rebuild tensors, numpy arrays and
-memoryviews.
+"""The receiving half of the codec (:mod:`aioloader._worker.codec`, which lists the
+persistent ids): :class:`Unpickler`, and the ``rebuild_*`` functions the pickles name to
+rebuild tensors, numpy arrays and memoryviews over descriptors, inline bytes or the
+sending worker's segments.
 """
 
 from __future__ import annotations
