@@ -41,7 +41,6 @@ class Conn:
     """Parent-side state of one worker: process, socket, buffers, flags."""
 
     __slots__ = (
-        "exitcode",
         "exited",
         "pending",
         "proc",
@@ -64,7 +63,6 @@ class Conn:
         self.segments = SegmentMaps()  # the worker's recycled segments, mapped once each
         self.retiring = False  # asked to exit: its end is not a death
         self.exited = False  # sentinel fired (or reaped)
-        self.exitcode: int | None = None
         self.pending: list[Reply] = []  # decoded, not handed over yet
         self.send_lock: anyio.Lock | None = None
         self.wait_scope: anyio.CancelScope | None = None
@@ -215,7 +213,6 @@ class Conn:
         if proc.exitcode is None:  # the sentinel fires a moment before the exit status exists
             await run_in_own_thread("aioloader-reap", reap, proc, 1.0)
         code = proc.exitcode
-        self.exitcode = code
         pid = proc.pid
         detail = f"(aioloader worker {self.worker_id} of {num_workers}, start method {method!r}.)"
         if code is None:

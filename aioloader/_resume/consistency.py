@@ -9,6 +9,7 @@ on the state: nothing is drawn or fetched.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data.distributed import DistributedSampler as _TorchDistributedSampler
@@ -131,14 +132,8 @@ def _check_parts(elastic: dict[str, Any], path: str, memo: _Memo) -> None:
 # ------------------------------------------------------------------------ the checks
 
 
-class _Keys:
-    """Key paths as the loaded state spells them (a torchdata state has other names)."""
-
-    def __init__(self, names: dict[str, str] | None) -> None:
-        self.names = names or {}
-
-    def __call__(self, name: str) -> str:
-        return self.names.get(name, f"state[{name!r}]")
+#: A key's path as the loaded state spells it (a torchdata state has other names).
+_Keys = Callable[[str], str]
 
 
 def _consumed_text(k: _Keys, prefix: int, extra: list[int]) -> str:
@@ -158,7 +153,11 @@ def check_positions(st: dict[str, Any], config: Any, ours: bool,
             fewer keys: only the relations its keys carry are checked).
         names: key paths to name instead of ``state['<key>']`` (a torchdata state's).
     """
-    k = _Keys(names)
+    spelt = names or {}
+
+    def k(name: str) -> str:
+        return spelt.get(name, f"state[{name!r}]")
+
     prefix, extra, finished = st["prefix"], st["extra"], st["finished"]
     if extra and extra[0] <= prefix:
         raise ValueError(f"state['extra'][0] must be above state['prefix']={prefix} (batches "

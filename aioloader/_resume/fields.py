@@ -22,6 +22,7 @@ __all__ = [
     "Check",
     "check_torch_rng_state",
     "length",
+    "rng_tensor",
 ]
 
 MAX_SEED = (1 << 64) - 1  # torch's base seed is a non-negative int64; torchdata's too
@@ -188,6 +189,13 @@ def _rng_map(value: Any, path: str) -> None:
         _rng_shape(state, _key(path, name))
 
 
+def rng_tensor(value: Any) -> torch.Tensor:
+    """A torch RNG state (a uint8 tensor, or a list of byte values) as ``set_state`` takes it."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.frombuffer(bytearray(value), dtype=torch.uint8)  # 10x torch.tensor(list)
+
+
 def check_torch_rng_state(value: Any, path: str, like: torch.Generator | None = None) -> None:
     """``value`` is a state ``like.set_state()`` takes (default: torch's CPU generator):
     its shape, its length, then a trial ``set_state`` (CPU generators only)."""
@@ -197,10 +205,8 @@ def check_torch_rng_state(value: Any, path: str, like: torch.Generator | None = 
         raise ValueError(f"{path} must be a torch RNG state of {expected} bytes, got "
                          f"{len(value)}: {CORRUPT}")
     if like is None or like.device.type == "cpu":
-        tensor = value if isinstance(value, torch.Tensor) else torch.frombuffer(
-            bytearray(value), dtype=torch.uint8)
         try:
-            torch.Generator().set_state(tensor)
+            torch.Generator().set_state(rng_tensor(value))
         except (RuntimeError, ValueError) as exc:
             raise ValueError(f"{path} is not a valid torch RNG state ({exc}): "
                              f"{CORRUPT}") from None

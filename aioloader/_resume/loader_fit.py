@@ -96,15 +96,11 @@ def _fmt(value: Any) -> str:
 _ELASTIC_FIELDS = ("num_workers", "persistent_workers")
 
 
-def _elastic(saved: dict[str, Any]) -> bool:
-    return saved["dataset_kind"] in ("map", "async_map")
-
-
 def compare_config(saved: dict[str, Any], path: str, config: Any,
                     elastic: bool = False) -> None:
     here = loader_config(config)
-    skip: tuple[str, ...] = _ELASTIC_FIELDS if _elastic(saved) and saved[
-        "dataset_kind"] == here["dataset_kind"] else ()
+    skip: tuple[str, ...] = _ELASTIC_FIELDS if saved["dataset_kind"] in (
+        "map", "async_map") and saved["dataset_kind"] == here["dataset_kind"] else ()
     if elastic:  # another world size: another number of batches per rank
         skip = (*skip, "batches")
     diffs = [f"{name}={_fmt(saved[name])}, this loader has {name}={_fmt(here[name])} "

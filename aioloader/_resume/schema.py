@@ -98,9 +98,7 @@ def _sorted_extra(value: Any, path: str) -> None:
                              f"{path}[{i}]={a} before {path}[{i + 1}]={b}: {CORRUPT}")
 
 
-def _rng(value: Any, path: str) -> None:
-    if value is not None:
-        _record({"global": _optional(_rng_shape), "generators": _rng_map})(value, path)
+_rng = _optional(_record({"global": _optional(_rng_shape), "generators": _rng_map}))
 
 
 _WORKER_RNG_SIZES = {1: (2500, 9, 2500, 16), 2: (2500, 9, 40)}  # after torch's section
@@ -196,9 +194,7 @@ def validate(config: Any, state: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ torchdata
 
 
-def _td_sampler_iter_state(value: Any, path: str) -> None:
-    if value is not None:
-        _record({"samples_yielded": _int()}, strict=False)(value, path)
+_td_sampler_iter_state = _record({"samples_yielded": _int()}, strict=False)
 
 
 #: The keys of a torchdata state that aioloader reads (torchdata ignores the others, and

@@ -17,6 +17,7 @@ import torch
 from ..sampler import _iter_index_sampler
 from .dataset_state import _stateful
 from .elastic import distributed_info, rank_batches
+from .fields import rng_tensor
 
 __all__ = ["FORMAT_KEY", "FORMAT_VERSION", "EpochTracker", "generators"]
 
@@ -35,13 +36,6 @@ def _rng_lists(rng: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"global": glob.tolist() if isinstance(glob, torch.Tensor) else glob,
             "generators": {p: v.tolist() if isinstance(v, torch.Tensor) else v
                            for p, v in (rng.get("generators") or {}).items()}}
-
-
-def _to_tensor(v: Any) -> torch.Tensor:
-    """A validated RNG state (:mod:`aioloader._resume.fields`) as ``set_state`` takes it."""
-    if isinstance(v, torch.Tensor):
-        return v
-    return torch.frombuffer(bytearray(v), dtype=torch.uint8)  # 10x torch.tensor(list)
 
 
 def generators(config: Any) -> dict[str, torch.Generator]:
@@ -174,7 +168,7 @@ class EpochTracker:
         for path, value in states.items():
             gen = self.gens.get(path)
             if gen is not None and value is not None:
-                gen.set_state(_to_tensor(value))
+                gen.set_state(rng_tensor(value))
 
     def base_seed(self, draw: Callable[[], int]) -> int:
         """The epoch's base seed: the saved one when resuming, else ``draw()`` (as torch)."""
@@ -239,7 +233,7 @@ class EpochTracker:
         saved_global = torch.get_rng_state()
         try:
             if rng.get("global") is not None:
-                torch.set_rng_state(_to_tensor(rng["global"]))
+                torch.set_rng_state(rng_tensor(rng["global"]))
             self._set_gens(rng.get("generators") or {})
             base = _iter_index_sampler(index_sampler)
             # Draw the consumed batches again (not fetched) and the next one, all under the
