@@ -93,12 +93,6 @@ def remaining_indices(elastic: dict[str, Any],
     return out
 
 
-def _layout(state: dict[str, Any]) -> dict[str, Any]:
-    config = state["config"]
-    return {"dataset_len": config["dataset_len"], "batch_size": config["batch_size"],
-            "batch_drop_last": config["drop_last"]}
-
-
 def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """One state, from ``loader.state_dict()`` of every rank of a distributed run, that
     resumes on any number of ranks (each loader's ``DistributedSampler`` says which).
@@ -157,8 +151,10 @@ def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
               "worker_states": {}, "prefix": 0, "extra": [], "yielded": 0, "last_worker": 0,
               "sampler_state": None}
     if sources:  # else every rank had ended the epoch: the next iter() starts the next one
-        merged.update(finished=False, rng=None,
-                      elastic={"layout": _layout(first), "parts": parts})
+        config = first["config"]
+        layout = {"dataset_len": config["dataset_len"], "batch_size": config["batch_size"],
+                  "batch_drop_last": config["drop_last"]}
+        merged.update(finished=False, rng=None, elastic={"layout": layout, "parts": parts})
     return merged
 
 

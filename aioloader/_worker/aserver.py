@@ -8,19 +8,17 @@ anyio (and uvloop) are imported only when the loop starts.
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .._errors import RemoteError
 from .._fetch.sync import DatasetKind
-from .._stats.recorder import COLLATE, WorkerClock
-from .._stats.wrap import timed
+from .._stats.recorder import WorkerClock
 from .codec import decode
 from .config import WorkerConfig, _where
 from .fds import close_fds
-from .loop import _encode_reply, _error_reply
+from .loop import _encode_reply, _error_reply, timed_collate
 from .reply import Reply
 from .wire import FrameReader, FrameWriter
 
@@ -39,9 +37,9 @@ class _AsyncEpoch:
 
         # One fetch's reply; the worker's timings wrap it (and collate_fn) once.
         self.reply: Callable[[_AsyncEpoch, Any, Any, Any], Awaitable[Reply]] = _fetch_reply
-        if clock is not None:  # a copy: the config may be shared (threads, respawns)
+        if clock is not None:
             clock.reset()
-            cfg = dataclasses.replace(cfg, collate_fn=timed(clock, COLLATE, cfg.collate_fn))
+            cfg = timed_collate(cfg, clock)
             self.reply = clock.astamped(_fetch_reply)
         self.cfg = cfg
         self.error = init_error

@@ -43,6 +43,12 @@ def _error_reply(cfg: WorkerConfig, epoch: Any, seq: Any) -> Reply:
     return Reply("error", epoch, seq, error=RemoteError.from_current(_where(cfg)))
 
 
+def timed_collate(cfg: WorkerConfig, clock: WorkerClock) -> WorkerConfig:
+    """A copy of ``cfg`` (it may be shared: threads, respawns) whose ``collate_fn`` is timed
+    by ``clock``."""
+    return dataclasses.replace(cfg, collate_fn=timed(clock, COLLATE, cfg.collate_fn))
+
+
 def _encode_reply(cfg: WorkerConfig, reply: Reply) -> tuple[bytes, list[int]]:
     """Encode ``reply``'s wire tuple; if it does not pickle, an error reply that says why."""
     try:
@@ -124,6 +130,13 @@ class _SyncEpoch:
             self.fetcher.close()
             self.fetcher = None
 
+    def next_epoch(self, cfg: WorkerConfig, init_error: RemoteError | None,
+                   shared_seed: int | None) -> _SyncEpoch:
+        """A ``("reset", ...)``: this epoch's fetcher closed, a DataPipe reseeded, the next."""
+        self.close()
+        reseed_datapipe(cfg, shared_seed)
+        return _SyncEpoch(cfg, init_error)
+
 
 
 def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
@@ -135,8 +148,7 @@ def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
     clock = WorkerClock() if cfg.stats else None
     fetch = _SyncEpoch.fetch
     if clock is not None:  # the worker's timings: its calls wrapped once
-        # A copy of the config: it may be shared (threads, respawns).
-        cfg = dataclasses.replace(cfg, collate_fn=timed(clock, COLLATE, cfg.collate_fn))
+        cfg = timed_collate(cfg, clock)
         next_command = clock.waits(next_command)
         fetch = clock.stamped(fetch)
     state = _SyncEpoch(cfg, init_error)
@@ -154,9 +166,7 @@ def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
                 send_reply(reply)
                 del reply  # free the batch (and its shared memory) before waiting again
             elif op == "reset":
-                state.close()
-                reseed_datapipe(cfg, cmd[2] if len(cmd) > 2 else None)
-                state = _SyncEpoch(cfg, init_error)
+                state = state.next_epoch(cfg, init_error, cmd[2] if len(cmd) > 2 else None)
                 if clock is not None:
                     clock.reset()
                 send_reply(Reply("reset", cmd[1]))

@@ -52,7 +52,7 @@ from .reply import Reply
 from .segments import install as install_segments
 from .wire import Frame, FrameReader, send_frame
 
-__all__ = ["worker_main"]
+__all__ = ["leave", "worker_main"]
 
 logger = logging.getLogger(__name__)
 
@@ -250,22 +250,31 @@ def _run_own_exit_handlers() -> None:
     dataset made is unlinked, not reported as leaked), not ``threading``'s exit hooks: in
     a child forked from a ``concurrent.futures`` thread, that executor's inherited hook
     would join the thread the child runs on and fail the exit."""
-    try:
-        atexit._run_exitfuncs()  # clears the registry: nothing runs twice
-    except BaseException:
-        _report_exit_failure("an atexit handler")
-    try:
-        multiprocessing.util._exit_function()  # type: ignore[attr-defined]
-    except BaseException:
-        _report_exit_failure("a multiprocessing finalizer")
+    for what, run in (("an atexit handler", atexit._run_exitfuncs),  # clears the registry
+                      ("a multiprocessing finalizer",
+                       multiprocessing.util._exit_function)):  # type: ignore[attr-defined]
+        try:
+            run()
+        except BaseException:
+            _report_failure(f"aioloader worker (pid {os.getpid()}): {what} failed at exit")
 
 
-def _report_exit_failure(what: str) -> None:
+def _report_failure(head: str) -> None:
+    """``head`` and the traceback being handled, to stderr (never raises)."""
     try:
-        sys.stderr.write(f"aioloader worker (pid {os.getpid()}): {what} failed at exit:\n"
-                         + traceback.format_exc())
+        sys.stderr.write(f"{head}:\n" + traceback.format_exc())
+        sys.stderr.flush()
     except BaseException:
         pass
+
+
+def leave(code: int) -> NoReturn:
+    """Flush stdout and stderr, then ``os._exit(code)``: none of the interpreter's teardown."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
@@ -295,12 +304,7 @@ def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
         pass  # the parent closed its end: nobody is listening any more
     except BaseException:
         code = 1
-        try:
-            sys.stderr.write(f"aioloader worker {cfg.worker_id} (pid {os.getpid()}) failed:\n"
-                             + traceback.format_exc())
-            sys.stderr.flush()
-        except BaseException:
-            pass
+        _report_failure(f"aioloader worker {cfg.worker_id} (pid {os.getpid()}) failed")
     finally:
         leaving.set()
         try:
@@ -308,9 +312,4 @@ def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
         except BaseException:
             pass
         _run_own_exit_handlers()
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except BaseException:
-            pass
-        os._exit(code)
+        leave(code)

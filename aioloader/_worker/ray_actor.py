@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .config import WorkerConfig, reseed_datapipe, run_worker_init, seed_worker
+from .config import WorkerConfig, run_worker_init, seed_worker
 from .loop import _SyncEpoch
 from .reply import Reply
 
@@ -41,7 +41,5 @@ class RayWorker:
 
     def reset(self, epoch: Any, shared_seed: int | None = None) -> Reply:
         """Start a new epoch (persistent workers): a fresh fetcher (a DataPipe reseeded)."""
-        self._epoch.close()
-        reseed_datapipe(self._cfg, shared_seed)
-        self._epoch = _SyncEpoch(self._cfg, self._init_error)
+        self._epoch = self._epoch.next_epoch(self._cfg, self._init_error, shared_seed)
         return Reply("reset", epoch)

@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 from .config import WorkerConfig
 from .fds import close_fds
 from .image import DatasetImage
-from .main import worker_main
+from .main import leave, worker_main
 from .wire import FrameReader, send_frame
 
 __all__ = ["IMAGE", "STATUS", "zygote_main"]
@@ -77,18 +77,10 @@ def zygote_main(ctl: socket.socket, image: DatasetImage) -> NoReturn:
                     # The pool is closed: its workers were stopped (and their ends reported)
                     # first. One still running is left to end on its own (it sees its socket
                     # hang up), adopted by the system: the pool's close never waits for it.
-                    _leave(0)
+                    leave(0)
     except BaseException:
         traceback.print_exc()
-        _leave(1)
-
-
-def _leave(code: int) -> NoReturn:
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)  # nothing of the interpreter's teardown: the pool joins this at close
+        leave(1)
 
 
 def _report(status: int, code: int | None) -> None:
