@@ -195,11 +195,8 @@ class PoolBase(ServeLoop[W]):
     # ------------------------------------------------------------------ serve bookkeeping
 
     def _serve_begin(self) -> anyio.CancelScope:
-        """A ``serve()`` call starts: its scope, which :meth:`close` cancels.
-
-        Raises:
-            IteratorClosedError: the pool is closed.
-        """
+        """A ``serve()`` call starts: its scope, which :meth:`close` cancels
+        (IteratorClosedError once the pool is closed)."""
         if self._closing:
             raise IteratorClosedError("the worker pool is closed")
         scope = anyio.CancelScope()

@@ -62,10 +62,8 @@ RAY_DOWN = ("Ray is not connected any more: ray.shutdown() ran (or is running) a
 
 
 class RayLink:
-    """What a loader remembers about Ray from one worker pool to the next (its
-    :class:`~aioloader._pools.lease.PoolKeeper` holds one): once a pool of the loader
-    started actors, none calls ``ray.init()`` again: a program that shut Ray down keeps it
-    down, and the loader says so."""
+    """What a loader's Ray pools remember from one to the next: once one started actors,
+    none calls ``ray.init()`` again (a program that shut Ray down keeps it down)."""
 
     __slots__ = ("actors_started",)
 
@@ -160,12 +158,8 @@ class RayWorkerPool(PoolBase[_Actor]):
     # ------------------------------------------------------------------ start
 
     def _start_workers(self, configs: list[WorkerConfig]) -> None:
-        """Connect to Ray (or start it) and create the actors; blocking, call off the loop.
-
-        Creating an actor returns at once; it is scheduled by Ray (it may wait for
-        resources: :meth:`_until_up` bounds that). If anything fails, the actors already
-        created are killed.
-        """
+        """Connect to Ray (or start it) and create the actors (scheduled by Ray: it may wait
+        for resources, which :meth:`_until_up` bounds); blocking, off the loop."""
         self._ray = ray = import_ray()
         # ActorUnavailableError (Ray >= 2.30): the actor is unreachable; it is not restarted.
         self._died = tuple(getattr(ray.exceptions, name) for name in
@@ -193,14 +187,9 @@ class RayWorkerPool(PoolBase[_Actor]):
         logger.debug("started %d Ray actor workers: %s", len(self._workers), self.actor_names)
 
     def _create_actor(self, worker_id: int, closed: str) -> _Actor:
-        """Create actor ``worker_id`` (again, for a respawn: a new name, same config) and
-        put it in its slot, unless a close() from another thread came first: then it is
-        killed and ``IteratorClosedError(closed)`` raised. Blocking (Ray registers a named
-        actor before it returns): off the loop.
-
-        Raises:
-            WorkerDiedError: Ray is not connected (it is not connected again).
-        """
+        """Create actor ``worker_id`` (again, for a respawn: a new name) in its slot, unless
+        a close() came first (then it is killed: ``IteratorClosedError(closed)``); blocking,
+        off the loop. WorkerDiedError: Ray is not connected (it is not connected again)."""
         generation = (self._workers[worker_id].generation + 1
                       if worker_id < len(self._workers) else 0)
         name = f"{self._prefix}-worker-{worker_id}" + (f"-r{generation}" if generation else "")
@@ -231,11 +220,8 @@ class RayWorkerPool(PoolBase[_Actor]):
     # ------------------------------------------------------------------ talk
 
     def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
-        """Submit ``command`` to actor ``worker_id`` (a Ray call; returns at once).
-
-        Raises:
-            WorkerDiedError: Ray is not connected any more (it is not connected again).
-        """
+        """Submit ``command`` to actor ``worker_id`` (a Ray call; returns at once);
+        WorkerDiedError: Ray is not connected any more (it is not connected again)."""
         actor = self._addressee(worker_id, command)
         op = command[0]
         if op == "exit":
@@ -285,13 +271,8 @@ class RayWorkerPool(PoolBase[_Actor]):
 
     async def _settled(self, actor: _Actor, future: concurrent.futures.Future[Any],
                        place_by: float | None = None) -> None:
-        """Wait until ``future`` is done, without blocking the loop.
-
-        Raises:
-            WorkerDiedError: Ray was shut down meanwhile (nothing will answer), or
-                ``place_by`` (a ``time.monotonic()``) passed and Ray has not placed the
-                actor on a node.
-        """
+        """Wait until ``future`` is done, without blocking the loop; WorkerDiedError: Ray
+        was shut down meanwhile, or ``place_by`` (monotonic) passed with the actor unplaced."""
         if future.done():
             return
         call_soon = self._call_soon
@@ -329,10 +310,8 @@ class RayWorkerPool(PoolBase[_Actor]):
             raise self._death_error(actor, exc) from None
 
     def _placement(self, actor: _Actor) -> str:
-        """Ray's word on an actor that is not up: ``""`` if it was placed on a node (it is
-        starting), else its state (``PENDING_CREATION``: no node has the resources it asks
-        for). Blocking (a query to Ray's control store, which never starts Ray): off the
-        loop."""
+        """Ray's word on an actor that is not up: ``""`` if it was placed on a node, else its
+        state (``PENDING_CREATION``: no node has its resources). Blocking: off the loop."""
         handle = actor.handle
         if handle is None:
             return ""  # killed meanwhile: the pool is closing
@@ -444,8 +423,7 @@ class RayWorkerPool(PoolBase[_Actor]):
     # ------------------------------------------------------------------ stop
 
     def _ladder(self, grace: float) -> Iterator[tuple[list[Any], float]]:
-        """Wake a :meth:`serve` waiting on a loop (thread-safely): its calls fail once
-        their actors are killed, and it sees the pool closing. Then kill every actor
+        """Wake a waiting :meth:`serve` (it sees the pool closing), then kill every actor
         and drop every call in flight: there is nothing to wait for."""
         for actor in self._workers:
             wake = actor.wake

@@ -71,11 +71,8 @@ class ServeLoop(Generic[W]):
         where commands are handed over whole: threads, Ray)."""
 
     def _addressee(self, worker_id: int, command: tuple[Any, ...]) -> W:
-        """The worker ``command`` goes to; ``("exit",)`` retires it (its end is orderly).
-
-        Raises:
-            IteratorClosedError: the pool is closed.
-        """
+        """The worker ``command`` goes to (``("exit",)`` retires it); IteratorClosedError
+        once the pool is closed."""
         if self._closing:
             raise IteratorClosedError("the worker pool is closed")
         worker = self._workers[worker_id]
@@ -179,11 +176,8 @@ class ServeLoop(Generic[W]):
         return False
 
     async def _pump(self, worker: W, deliver: Deliver) -> None:
-        """Hand ``worker``'s replies to ``deliver`` in order until it ends (returns) or dies.
-
-        Raises:
-            WorkerDiedError: it ended unasked (its replies before the end handed over).
-        """
+        """Hand ``worker``'s replies to ``deliver`` in order until it ends (returns) or dies
+        (WorkerDiedError, after its replies before the end)."""
         raise NotImplementedError
 
     async def _replace(self, dead: W) -> W:

@@ -71,12 +71,8 @@ def rank_batches(elastic: dict[str, Any] | None, part: dict[str, Any],
 
 def remaining_indices(elastic: dict[str, Any],
                       memo: dict[int, list[int]] | None = None) -> list[int]:
-    """``R``: the samples no old rank had consumed, old rank by old rank, in their order.
-
-    ``memo`` keeps each source's ``R`` by ``id()`` during one computation: a source that
-    several parts share (one object, as a loaded checkpoint may hold it) is computed
-    once, not once per path to it.
-    """
+    """``R``: the samples no old rank had consumed, old rank by old rank, in their order
+    (``memo``: each source's ``R`` by ``id()``, so that a shared source is computed once)."""
     memo = {} if memo is None else memo
     if id(elastic) in memo:
         return memo[id(elastic)]

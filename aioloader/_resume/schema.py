@@ -168,10 +168,8 @@ def _read(state: dict[str, Any], config: Any) -> dict[str, Any]:
 
 
 def validate(config: Any, state: Any) -> dict[str, Any]:
-    """``state`` checked completely against ``loader``, in the current layout.
-
-    Raises TypeError or ValueError naming the offending key (see the module docstring).
-    """
+    """``state`` checked completely against ``loader``, in the current layout (TypeError or
+    ValueError naming the offending key)."""
     if not isinstance(state, dict):
         raise TypeError(f"load_state_dict expects a dict from state_dict(), got "
                         f"{type(state).__name__}")
@@ -264,13 +262,9 @@ def _td_check_sampler(main: dict[str, Any], path: str, config: Any, yielded: int
 
 
 def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
-    """A torchdata ``StatefulDataLoader.state_dict()``, checked, in aioloader's layout.
-
-    Loads where the two mean the same thing: a sequential or ``Stateful`` sampler,
-    ``Stateful`` iterable datasets (per worker), the base seed. torchdata's shuffling
-    ``RandomSampler`` draws a different permutation than torch's: refused. Keys that
-    aioloader does not use are ignored, as torchdata ignores keys it does not read.
-    """
+    """A torchdata ``StatefulDataLoader.state_dict()``, checked, in aioloader's layout,
+    where the two mean the same thing (docs/resume.md, "Loading a torchdata state");
+    keys aioloader does not use are ignored, as torchdata ignores them."""
     if "_snapshot" in sd:
         _record({"_snapshot": _record(_TD_SNAPSHOT, strict=False),
                  "_steps_since_snapshot": _int()}, strict=False)(sd, "state")

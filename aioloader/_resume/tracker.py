@@ -183,11 +183,8 @@ class EpochTracker:
         return self._seed is not None
 
     def shared_seed(self, draw: Callable[[], int]) -> int:
-        """An ``IterDataPipe``'s shared seed: the resumed epoch's (no draw), else ``draw()``.
-
-        A resumed epoch's generators are as they were after its draws, so it draws none
-        again: every call returns the saved seed, which orders the graph as it was.
-        """
+        """An ``IterDataPipe``'s shared seed: the resumed epoch's, every call (its generators
+        are as after its draws: nothing is drawn again), else ``draw()``."""
         if self._shared is not None:
             return self._shared
         return draw()

@@ -202,9 +202,7 @@ def _serve_async(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError
 
     import anyio
 
-    options: dict[str, Any] = {}
-    if importlib.util.find_spec("uvloop") is not None:
-        options["use_uvloop"] = True
+    options = {"use_uvloop": True} if importlib.util.find_spec("uvloop") is not None else {}
     # A worker forked from inside a running loop inherits that loop's context
     # variables (sniffio's "asyncio is running here" among them) and sniffio's
     # thread-local: start from a clean slate or anyio.run refuses to start.

@@ -86,7 +86,10 @@ def _setup_process(cfg: WorkerConfig) -> int:
         except Exception:  # cosmetic only
             pass
     torch.set_num_threads(1)
-    _follow_sharing_strategy(cfg.sharing_strategy)
+    if cfg.sharing_strategy and cfg.sharing_strategy != sharing_strategy():
+        # The parent's strategy: a spawned worker starts with torch's default.
+        torch.multiprocessing.set_sharing_strategy(  # type: ignore[no-untyped-call]
+            cfg.sharing_strategy)
     return _seed_quickly(cfg)
 
 
@@ -107,14 +110,6 @@ def _seed_quickly(cfg: WorkerConfig) -> int:
 
 def _named_stack(*_args: Any, **_kwargs: Any) -> list[str]:
     return ["  torch.manual_seed(base_seed + worker_id), in aioloader's worker set-up\n"]
-
-
-def _follow_sharing_strategy(strategy: str) -> None:
-    """Use the parent's sharing strategy (a spawned worker starts with torch's default)."""
-    if strategy and strategy != sharing_strategy():
-        import torch.multiprocessing as tmp
-
-        tmp.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]
 
 
 def _drop_inherited(known: list[tuple[int, int, int]]) -> None:

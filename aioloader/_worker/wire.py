@@ -68,12 +68,8 @@ def _ancillary(fds: list[int]) -> list[tuple[int, int, bytes]]:
 
 
 def _fd_chunks(fds: list[int], nbytes: int) -> list[list[int]]:
-    """``fds`` in chunks of at most :data:`SCM_MAX_FD`, one ``sendmsg`` each.
-
-    Raises:
-        ValueError: a frame of ``nbytes`` bytes is too short to carry them (each chunk
-            rides on a byte of its own; an encoded payload always has enough).
-    """
+    """``fds`` in chunks of at most :data:`SCM_MAX_FD`, one ``sendmsg`` each; ValueError if
+    a frame of ``nbytes`` bytes is too short to carry them (a chunk per byte)."""
     chunks = [fds[i:i + SCM_MAX_FD] for i in range(0, len(fds), SCM_MAX_FD)]
     if len(chunks) > nbytes:
         raise ValueError(f"a frame of {nbytes} bytes cannot carry {len(fds)} descriptors "
@@ -139,12 +135,8 @@ class FrameReader:
         return self._frames.popleft() if self._frames else None
 
     def read_available(self) -> bool:
-        """Read everything the socket has now; return True if it reached EOF.
-
-        Raises:
-            TransportError: descriptors were lost (ancillary data truncated)
-                or a header announces more fds than arrived.
-        """
+        """Read everything the socket has now; True if it reached EOF. TransportError:
+        descriptors were lost, or a header announces more than arrived."""
         if self._closed:
             raise TransportError("reader is closed")
         sock = self._sock
@@ -279,11 +271,8 @@ class FrameWriter:
         self._queue.append((memoryview(data), chunks))
 
     def flush(self) -> bool:
-        """Write without blocking; True when the queue is empty.
-
-        Raises:
-            BrokenPipeError, ConnectionResetError: the peer is gone.
-        """
+        """Write without blocking; True when the queue is empty (BrokenPipeError,
+        ConnectionResetError: the peer is gone)."""
         sock = self._sock
         queue = self._queue
         while queue:
