@@ -261,6 +261,12 @@ def _td_check_sampler(main: dict[str, Any], path: str, config: Any, yielded: int
                          f"epoch of {batches} batches: {WHAT_TO_DO}")
 
 
+def _holds_state(worker: dict[str, Any]) -> bool:
+    """A torchdata worker state holds its dataset's or its iterator's position."""
+    return worker[_DATASET_STATE] is not None or (
+        worker[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None
+
+
 def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
     """A torchdata ``StatefulDataLoader.state_dict()``, checked, in aioloader's layout,
     where the two mean the same thing (docs/resume.md, "Loading a torchdata state");
@@ -301,9 +307,7 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
         _int(0, max(0, config.num_workers - 1))(snap["_last_yielded_worker_id"],
                                                 "state['_snapshot']['_last_yielded_worker_id']")
         _td_check_sampler(main, mpath, config, yielded, ypath)
-        has_state = any(w is not None and (w[_DATASET_STATE] is not None or (
-            w[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None)
-            for w in workers.values())
+        has_state = any(w is not None and _holds_state(w) for w in workers.values())
         state = {"finished": finished, "base_seed": main["_base_seed"],
                  "last_worker": snap["_last_yielded_worker_id"],
                  "worker_states": workers if has_state else {},
@@ -318,8 +322,7 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
         ypath = "state['_num_yielded']"
         _td_check_sampler(sd, "state", config, yielded, ypath)
         wstate = None
-        if sd[_DATASET_STATE] is not None or (
-                (sd[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None):
+        if _holds_state(sd):
             wstate = {_WORKER_ID: 0, _FETCHER_STATE: sd[_FETCHER_STATE],
                       _DATASET_STATE: sd[_DATASET_STATE]}
         state = {"finished": sd["_iterator_finished"], "base_seed": None, "last_worker": 0,
