@@ -117,14 +117,17 @@ class Conn:
                         zygote.request_worker(cfg, child_sock)
                     else:
                         proc = _start_process(ctx, worker_id, cfg, method, child_sock)
+                except BaseException:
+                    parent_sock.close()  # in the section: no fork copies it meanwhile
+                    raise
                 finally:
                     child_sock.close()
                 register_parent_end(parent_sock)  # before any other fork can copy it
             if zygote is not None:
                 proc = zygote.worker_reply(worker_id)
         except BaseException as exc:
-            if parent_sock is not None:
-                parent_sock.close()  # its registry entry goes with it (closed: left out)
+            if parent_sock is not None:  # closed (its registry entry is left out)
+                parent_sock.close()
             if isinstance(exc, ZygoteError):
                 logger.debug("worker %d spawned, not forked by the zygote: %s", worker_id, exc)
                 return None
