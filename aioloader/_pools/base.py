@@ -1,12 +1,10 @@
-"""What every worker pool shares: its lifecycle (and, from :mod:`aioloader._pools.serve`,
-its serve loop).
+"""What every worker pool shares: its lifecycle (:class:`PoolBase`; its serve loop is
+:class:`aioloader._pools.serve.ServeLoop`).
 
-:class:`PoolBase` is the lifecycle of the process, thread and Ray pools: ``start`` once,
-any number of ``serve`` calls (one at a time) and sends, then ``close``: one blocking
-close for every caller (``__del__``, interpreter exit, any thread; an event loop runs it
-in a thread of its own, :func:`aioloader._threads.run_in_own_thread`). A subclass says
-how to start its workers, how to stop them (its :mod:`aioloader._pools.ladder` rungs and
-how to wait for one) and what to free at the end.
+``start`` once, any number of ``serve`` calls (one at a time) and sends, then ``close``:
+one blocking close for every caller (``__del__``, interpreter exit, any thread; on an
+event loop it runs in a thread of its own). A subclass says how to start its workers,
+how to stop them (its :mod:`aioloader._pools.ladder` rungs) and what to free at the end.
 """
 
 from __future__ import annotations
@@ -40,12 +38,10 @@ class PoolBase(ServeLoop[W]):
 
     Args:
         configs: one :class:`~aioloader._worker.config.WorkerConfig` per worker (in
-            worker-id order), or a zero-argument callable returning them,
-            called by :meth:`start`.
+            worker-id order), or a callable returning them, called by :meth:`start`.
 
-    A subclass is registered for closing at interpreter exit when it is
-    defined: ``class P(PoolBase[W], exit_grace=0.1)`` closes its open pools
-    with ``close(grace=0.1)`` then (default: ``close()``).
+    A subclass's open pools are closed at interpreter exit, with ``close(exit_grace)``
+    (``class P(PoolBase[W], exit_grace=0.1)``; default: ``close()``).
     """
 
     #: The grace of a close run off an event loop (nobody waits on it but the epoch's end):
@@ -128,11 +124,9 @@ class PoolBase(ServeLoop[W]):
         """Start every worker from the calling thread. Nothing leaks on failure.
 
         Args:
-            on_started: called (in the calling thread) with a worker's id as soon as that
-                worker is started, before the next one starts, by a pool that starts its
-                workers one by one (worker processes): its first commands can go out while
-                the others start. Not called for a worker of a pool that starts them
-                otherwise.
+            on_started: called with a worker's id as soon as it is started, before the
+                next one, by a pool that starts them one by one (worker processes): its
+                first commands go out while the others start.
 
         Raises:
             RuntimeError: already started or closed.
@@ -168,8 +162,8 @@ class PoolBase(ServeLoop[W]):
         type(self)._live.add(self)
 
     def bind_loop(self) -> None:
-        """An epoch (on its own event loop, of any backend) takes the pool from here on:
-        what an earlier epoch's loop made for it is dropped (made again on first use)."""
+        """An epoch on its own loop (any backend) takes the pool: drop what an earlier
+        epoch's loop made for it."""
 
     def _start_failure_note(self, exc: Exception, num_workers: int) -> str:
         """What a failed :meth:`start` adds to its exception: which worker, what to do."""
@@ -201,11 +195,8 @@ class PoolBase(ServeLoop[W]):
     # ------------------------------------------------------------------ serve bookkeeping
 
     def _serve_begin(self) -> anyio.CancelScope:
-        """A ``serve()`` call starts: its scope, which :meth:`close` cancels.
-
-        Raises:
-            IteratorClosedError: the pool is closed.
-        """
+        """A ``serve()`` call starts: its scope, which :meth:`close` cancels
+        (IteratorClosedError once the pool is closed)."""
         if self._closing:
             raise IteratorClosedError("the worker pool is closed")
         scope = anyio.CancelScope()
@@ -233,24 +224,35 @@ class PoolBase(ServeLoop[W]):
     #: Whether :meth:`add_worker` and :meth:`retire_worker` work (docs/autotune.md).
     can_resize: ClassVar[bool] = False
 
-    def _next_config(self) -> WorkerConfig:
-        """The config of a worker added now: worker 0's, with the next id (so its seed is
-        ``base_seed + id``, as torch's worker ``id``) and no resume state."""
-        n = len(self._workers)
-        return dataclasses.replace(self._configs[0], worker_id=n, num_workers=n + 1,
-                                   resume_state=None)
-
     async def add_worker(self, runner: ThreadRunner) -> int:
-        """Start one more worker (id = the next id) while the pool runs; returns its id.
+        """Start one more worker (id = the next id, seeded ``base_seed + id`` as torch's
+        worker ``id``, no resume state) while the pool runs; returns its id.
 
-        A running :meth:`serve` serves it too. ``runner`` runs a slow start (a new
-        interpreter) off the loop.
+        A running :meth:`serve` serves it at once. ``runner`` runs the start (a fork, a new
+        interpreter, ``Thread.start``) in its thread, never on the loop's.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not resize")
+        if not self.can_resize:
+            raise NotImplementedError(f"{type(self).__name__} does not resize")
+        if self._closing:
+            raise IteratorClosedError("the worker pool is closed")
+        wid = len(self._workers)
+        self._configs.append(dataclasses.replace(self._configs[0], worker_id=wid,
+                                                 num_workers=wid + 1, resume_state=None))
+        try:
+            await runner.run(self._start_added, wid)
+        except BaseException:
+            self._configs.pop()
+            raise
+        self._serve_new(self._workers[wid])
+        logger.debug("added %s worker %d", type(self).__name__, wid)
+        return wid
+
+    def _start_added(self, worker_id: int) -> None:
+        """Start worker ``worker_id`` (its config is the last) and append it (blocking)."""
+        raise NotImplementedError
 
     async def retire_worker(self) -> None:
-        """Stop the worker with the highest id; the caller has let its work drain first
-        (it has no command unanswered). Its replies so far were all handed over."""
+        """Stop the worker with the highest id (its work drained and handed over)."""
         raise NotImplementedError(f"{type(self).__name__} does not resize")
 
     # ------------------------------------------------------------------ stop
@@ -264,29 +266,23 @@ class PoolBase(ServeLoop[W]):
         """Block up to ``limit`` s until the ``live`` workers have ended."""
         raise NotImplementedError
 
-    def _begin_close(self) -> bool:
-        """Mark the pool closing; False if it already was (any thread)."""
-        with self._close_lock:
-            if self._closing:
-                return False
-            self._closing = True
-            return True
-
     def close(self, grace: float | None = None) -> None:
-        """Stop every worker and release everything; idempotent. Blocks the calling
-        thread while it climbs the ladder (workers get ``grace`` seconds, default
-        :attr:`CLOSE_GRACE`, to leave on their own before anything harsher).
+        """Stop every worker and release everything; idempotent and blocking (workers get
+        ``grace`` seconds, default :attr:`CLOSE_GRACE`, to leave on their own first).
 
-        The one close, blocking: safe from finalizers, ``atexit`` and any thread; on an
-        event loop, ``await run_in_own_thread(name, pool.close, grace)`` keeps it off the
-        loop. A running :meth:`serve` is cancelled on its loop first and, from any other
-        thread, waited for up to ``grace`` (its waits use the fds the release closes; they
-        are closed once it returns). Does nothing in a process other than the one that
-        started the pool (a forked child: its lock may have been held by a thread absent
-        there).
+        Safe from finalizers, ``atexit`` and any thread; on an event loop,
+        ``await run_in_own_thread(name, pool.close, grace)``. A running :meth:`serve` is
+        cancelled on its loop and, from another thread, waited for up to ``grace`` (its
+        fds are closed once it returns). Nothing in a forked child of the owner (its lock
+        may have been held by a thread absent there).
         """
-        if os.getpid() == self._owner_pid and self._begin_close():
-            self._close_now(self.CLOSE_GRACE if grace is None else grace)
+        if os.getpid() != self._owner_pid:
+            return
+        with self._close_lock:  # any thread
+            if self._closing:
+                return
+            self._closing = True
+        self._close_now(self.CLOSE_GRACE if grace is None else grace)
 
     def _close_now(self, grace: float) -> None:
         try:
@@ -306,8 +302,8 @@ class PoolBase(ServeLoop[W]):
             self._release()
 
     def _release(self) -> None:
-        """Reap the workers that ended; close every fd and drop every buffer, unless a
-        ``serve()`` still runs (it waits on them): then as it returns."""
+        """Reap the workers that ended; close every fd and drop every buffer (as a running
+        ``serve()`` returns, if one runs: it waits on them)."""
         with self._close_lock:
             if self._closed:
                 return

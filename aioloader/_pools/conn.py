@@ -1,7 +1,5 @@
-"""One worker process seen from the parent: start it, read its socket, free its fds.
-
-A :class:`Conn` holds a worker's process, the parent end of its Unix socket pair and the
-framing buffers. The pool (:class:`aioloader._pools.process.WorkerPool`) decides what an
+"""One worker process seen from the parent (:class:`Conn`): start it, read its socket,
+free its fds. The pool (:class:`aioloader._pools.process.WorkerPool`) decides what an
 end means (orderly, a death to report, a worker to respawn).
 """
 
@@ -24,7 +22,7 @@ from .._park import fd_section, let_others_run
 from .._threads import ThreadRunner, run_in_own_thread
 from .._worker.codec import decode
 from .._worker.config import WorkerConfig
-from .._worker.fdlimit import is_out_of_files, out_of_files_error
+from .._worker.fdlimit import out_of_files_named
 from .._worker.fds import close_fds, sharing_strategy
 from .._worker.main import worker_main
 from .._worker.reply import Reply
@@ -43,7 +41,6 @@ class Conn:
     """Parent-side state of one worker: process, socket, buffers, flags."""
 
     __slots__ = (
-        "exitcode",
         "exited",
         "pending",
         "proc",
@@ -66,7 +63,6 @@ class Conn:
         self.segments = SegmentMaps()  # the worker's recycled segments, mapped once each
         self.retiring = False  # asked to exit: its end is not a death
         self.exited = False  # sentinel fired (or reaped)
-        self.exitcode: int | None = None
         self.pending: list[Reply] = []  # decoded, not handed over yet
         self.send_lock: anyio.Lock | None = None
         self.wait_scope: anyio.CancelScope | None = None
@@ -78,13 +74,9 @@ class Conn:
               inherited: list[int], zygote: Zygote | None = None) -> Conn:
         """Start worker ``worker_id``'s process (daemonic) on a new socket pair.
 
-        ``inherited``: the parent-side socket fds a forked child must close
-        (so that it sees EOF when the parent goes); this pair's own parent end
-        is added. With ``spawn``/``forkserver`` a config that does not pickle
-        raises its own exception type with a note on what to change. ``zygote``
-        (``spawn``): forks the worker, unless it cannot (then it is spawned). Several
-        threads may start workers of one pool at once (respawns): the zygote serves one
-        request at a time.
+        ``inherited``: the parent-side socket fds a forked child must close (so that it
+        sees EOF when the parent goes). ``zygote`` (``spawn``): forks the worker (one
+        request at a time), unless it cannot (then it is spawned).
         """
         if zygote is not None and not zygote.broken:
             with zygote.lock:
@@ -105,48 +97,42 @@ class Conn:
         if method == "fork" and zygote is None:
             let_others_run()  # the loop's thread runs now, not after the fork; not in the
             # section, where a sleep's wait for the GIL would hold up every other fork
-        with fd_section():
-            try:
-                parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            except OSError as exc:
-                if is_out_of_files(exc):
-                    raise out_of_files_error() from exc
-                raise
-            try:
-                # fd numbers mean nothing in a fresh interpreter: only a forked child closes
-                # some: this pool's parent ends and every other pool's (other loaders) here.
-                close_fds = (_identities([*inherited, parent_sock.fileno(),
-                                          *_live_parent_ends()])
-                             if method == "fork" else [])
-                cfg = dataclasses.replace(cfg, parent_pid=os.getpid(), close_fds=close_fds,
-                                          start_method=method,
-                                          sharing_strategy=sharing_strategy())
-                proc: Proc | None = None
-                if zygote is not None:
-                    zygote.request_worker(cfg, child_sock)
-                else:
-                    proc = _start_process(ctx, worker_id, cfg, method, child_sock)
-            except ZygoteError as exc:
-                parent_sock.close()
-                logger.debug("worker %d spawned, not forked by the zygote: %s", worker_id, exc)
-                return None
-            except BaseException:
-                parent_sock.close()
-                raise
-            finally:
-                child_sock.close()
-            register_parent_end(parent_sock)  # before any other fork can copy it
-        if zygote is not None:
-            try:
+        parent_sock: socket.socket | None = None
+        proc: Proc | None = None
+        try:
+            with fd_section():
+                with out_of_files_named():
+                    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX,
+                                                                socket.SOCK_STREAM)
+                try:
+                    # fd numbers mean nothing in a fresh interpreter: only a forked child
+                    # closes some: this pool's parent ends and every other pool's here.
+                    close_fds = (_identities([*inherited, parent_sock.fileno(),
+                                              *_live_parent_ends()])
+                                 if method == "fork" else [])
+                    cfg = dataclasses.replace(cfg, parent_pid=os.getpid(), close_fds=close_fds,
+                                              start_method=method,
+                                              sharing_strategy=sharing_strategy())
+                    if zygote is not None:
+                        zygote.request_worker(cfg, child_sock)
+                    else:
+                        proc = _start_process(ctx, worker_id, cfg, method, child_sock)
+                except BaseException:
+                    parent_sock.close()  # in the section: no fork copies it meanwhile
+                    raise
+                finally:
+                    child_sock.close()
+                register_parent_end(parent_sock)  # before any other fork can copy it
+            if zygote is not None:
                 proc = zygote.worker_reply(worker_id)
-            except ZygoteError as exc:
-                parent_sock.close()  # its registry entry goes with it (closed: left out)
+        except BaseException as exc:
+            if parent_sock is not None:  # closed (its registry entry is left out)
+                parent_sock.close()
+            if isinstance(exc, ZygoteError):
                 logger.debug("worker %d spawned, not forked by the zygote: %s", worker_id, exc)
                 return None
-            except BaseException:
-                parent_sock.close()
-                raise
-        assert proc is not None
+            raise
+        assert proc is not None and parent_sock is not None
         parent_sock.setblocking(False)
         return cls(worker_id, proc, parent_sock)
 
@@ -192,13 +178,11 @@ class Conn:
                         transform: Transform | None = None) -> None:
         """Decode complete frames and hand their replies to ``deliver``, in order.
 
-        Decoding maps the worker's segments and descriptors and rebuilds every tensor
-        (``mmap``, page-table work, allocator calls that may wait behind another thread's
-        pinned allocation): not on the loop's thread. Every frame read so far is
-        decoded (and ``transform``-ed) in one call of ``decoder``'s thread, whose result
-        comes back with one thread-safe call; it is parked on the conn first, so a
-        cancellation loses nothing. Small replies that map and unmap nothing are the
-        exception (:func:`_decodes_inline`): decoded here, a thread hop saved per batch.
+        Decoding maps segments and rebuilds tensors (``mmap``, allocator calls that may
+        wait): every frame read so far is decoded (and ``transform``-ed) in one call of
+        ``decoder``'s thread, into :attr:`pending` (a cancellation loses nothing). Small
+        replies that map nothing (:func:`_decodes_inline`) are decoded here: a thread hop
+        saved per batch.
         """
         pending = self.pending
         while True:
@@ -232,7 +216,6 @@ class Conn:
         if proc.exitcode is None:  # the sentinel fires a moment before the exit status exists
             await run_in_own_thread("aioloader-reap", reap, proc, 1.0)
         code = proc.exitcode
-        self.exitcode = code
         pid = proc.pid
         detail = f"(aioloader worker {self.worker_id} of {num_workers}, start method {method!r}.)"
         if code is None:
@@ -284,11 +267,8 @@ class Conn:
         self.sock.close()
 
     def free(self, notify: bool = True) -> None:
-        """Close the socket, the reader's received fds and, once reaped, the sentinel.
-
-        The Process object stays usable: callers holding it (torch's tests do)
-        may still ``join()`` it.
-        """
+        """Close the socket, the reader's received fds and, once reaped, the sentinel (the
+        Process object stays usable: a caller may still ``join()`` it)."""
         self.close_socket()
         self.reader.close()
         self.pending.clear()  # a reply never handed over: its batch goes now
@@ -334,14 +314,11 @@ def _start_process(ctx: Any, worker_id: int, cfg: WorkerConfig, method: str,
     proc = ctx.Process(target=worker_main, args=(child_sock, cfg),
                        name=f"aioloader-worker-{worker_id}", daemon=True)
     try:
-        proc.start()
+        with out_of_files_named():  # its pipes, its sentinel: descriptors too
+            proc.start()
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         if method != "fork":
             _explain_pickling_failure(exc, method)
-        raise
-    except OSError as exc:  # its pipes, its sentinel: descriptors too
-        if is_out_of_files(exc):
-            raise out_of_files_error() from exc
         raise
     return proc  # type: ignore[no-any-return]
 

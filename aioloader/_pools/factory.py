@@ -18,15 +18,12 @@ def start_pool(config: LoaderConfig, base_seed: int, keeper: PoolKeeper,
                 resume_states: dict[int, Any] | None = None,
                 shared_seed: int | None = None,
                 resume_rngs: dict[int, bytes] | None = None) -> AnyPool:
-    """The pool factory: the one place that picks the kind of workers (``worker_method``).
+    """A new pool of the kind ``worker_method`` names, one config per worker.
 
-    A DataPipe's workers shard it first (torch's ``_sharding_worker_init_fn`` wraps
-    ``worker_init_fn``) and an ``IterDataPipe``'s are seeded from ``shared_seed``; thread
-    workers each get their own copy of the graph (:mod:`aioloader._datapipes`).
-    ``keeper``: the loader's :class:`~aioloader._pools.lease.PoolKeeper` (process workers'
-    forks park the loader's threads, its park group; Ray pools share its ``ray`` link).
-    ``resume_states``/``resume_rngs``: per worker, the iterable dataset's state and the RNG
-    states a resumed worker starts from (:mod:`aioloader._resume.tracker`).
+    A DataPipe's workers shard it first and an ``IterDataPipe``'s are seeded from
+    ``shared_seed``; thread workers each get their own copy of the graph
+    (:mod:`aioloader._datapipes`). ``keeper``: the loader's park group and Ray link.
+    ``resume_states``/``resume_rngs``: per worker, what a resumed worker starts from.
     """
     worker_init_fn = config.worker_init_fn
     datapipe = is_datapipe(config.dataset)

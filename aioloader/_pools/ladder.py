@@ -1,17 +1,9 @@
 """Stopping workers: one escalation ladder, climbed by a blocking waiter.
 
-A ladder is a plain sequence of steps ``(action, wait)``: do ``action`` to the
-workers still alive (``None``: nothing), then wait up to ``wait`` seconds for
-them to end. For worker processes (:func:`process_steps`), after the pool has
-asked every worker to exit and hung up its socket::
-
-    wait grace  ->  SIGTERM, wait 0.5 s  ->  SIGKILL, wait 2 s
-
-:func:`climb` walks a ladder and yields, for each step, the workers to wait
-for and for how long; it stops as soon as none is alive. The waits block
-(:func:`wait_exit`, on the process sentinels): an event loop has them run in a
-thread of their own (:func:`aioloader._threads.run_in_own_thread`), as
-:class:`aioloader._pools.base.PoolBase` does for a close made on a loop.
+A ladder is a sequence of steps ``(action, wait)``: do ``action`` to the workers still
+alive (``None``: nothing), then wait up to ``wait`` seconds for them to end. For worker
+processes (:func:`process_steps`), once asked to exit: wait grace; SIGTERM, wait 0.5 s;
+SIGKILL, wait 2 s. The waits block: on an event loop, they run in a thread of their own.
 
 Example::
 
@@ -68,12 +60,8 @@ Step = tuple[Callable[[list[T]], None] | None, float]
 
 def climb(workers: Sequence[T], steps: Sequence[Step[T]],
           alive: Callable[[T], bool]) -> Iterator[tuple[list[T], float]]:
-    """Walk ``steps``: act on the workers still alive, then yield them with the wait.
-
-    The caller waits (blocking or not) for the yielded workers up to the
-    yielded number of seconds before asking for the next step. Ends as soon as
-    no worker is alive.
-    """
+    """Walk ``steps``: act on the workers still alive, then yield them with the wait (the
+    caller waits that long for them); ends as soon as none is alive."""
     live = list(workers)
     for act, limit in steps:
         live = [w for w in live if alive(w)]
@@ -124,12 +112,8 @@ def wait_exit(procs: list[Proc], limit: float) -> None:
 
 
 def reap(proc: Proc, wait: float) -> None:
-    """Reap ``proc`` if it ended, blocking up to ``wait`` s for its exit status.
-
-    A process's sentinel becomes readable when the kernel closes its fds, a
-    moment before the process can be reaped (``exitcode`` is a
-    ``waitpid(WNOHANG)``): this bridges that gap.
-    """
+    """Reap ``proc`` if it ended, blocking up to ``wait`` s for its exit status (a
+    sentinel is readable a moment before the process can be reaped)."""
     end = time.monotonic() + wait
     while proc.exitcode is None and time.monotonic() < end:
         time.sleep(_REAP_POLL)

@@ -22,15 +22,11 @@ AnyPool = WorkerPool | ThreadWorkerPool | RayWorkerPool
 
 
 class _PoolLease:
-    """A :class:`WorkerPool` plus what torch keeps across epochs (base seed, epoch count).
+    """A pool plus what torch keeps across epochs (base seed, epoch count).
 
-    The processes start lazily: from the caller's thread for the sync facade
-    (before its loop thread exists, so ``fork`` stays safe), and for ``async
-    for`` in the epoch's own thread (its runner), whatever the start method: a
-    fork, a new interpreter or the dataset's pickling never runs on the loop's
-    thread. The loader's other threads are parked around a fork
-    (:mod:`aioloader._park`); the consumer's loop thread and other loaders' threads
-    stay alive, as a user's threads do when torch forks its workers.
+    The workers start lazily, never on the loop's thread: from the caller's thread for
+    the sync facade (before its loop thread exists), in the epoch's own thread for
+    ``async for``.
     """
 
     def __init__(self, pool: AnyPool, base_seed: int) -> None:
@@ -63,9 +59,8 @@ class _PoolLease:
         self.close()
 
     def start(self, on_started: Callable[[int], None] | None = None) -> None:
-        """Start the pool's workers now, from the calling thread (once): never the loop's
-        (a fork, a new interpreter, an actor, a thread: ``Thread.start`` waits until the
-        new thread runs); ``on_started``: :meth:`~aioloader._pools.base.PoolBase.start`'s."""
+        """Start the pool's workers now (once), from the calling thread, never the loop's
+        (``on_started``: :meth:`~aioloader._pools.base.PoolBase.start`'s)."""
         if not self.started:
             self.started = True
             self.pool.start(on_started)
@@ -78,15 +73,10 @@ class _PoolLease:
 
 
 class PoolKeeper:
-    """Where a loader keeps its persistent workers' lease between epochs.
-
-    The loader owns one (``persistent_workers=True``) and hands it to each epoch, which
-    takes the live lease from it or puts a new one there; a failed epoch forgets its
-    lease so that the next one starts fresh workers. The loader's finalizer calls
-    :meth:`owner_gone`: the workers stop with the loader (or with the epoch still using
-    them). Holds no reference to the loader. Its :attr:`park` is the loader's park group:
-    the loader's threads, parked around its forks (:mod:`aioloader._park`); its
-    :attr:`ray` what the loader's Ray pools remember from one to the next.
+    """Where a loader keeps its persistent workers' lease between epochs (no reference to
+    the loader): each epoch takes the live lease or puts a new one there; a failed epoch
+    forgets it. :attr:`park`: the loader's threads, parked around its forks; :attr:`ray`:
+    what the loader's Ray pools remember from one to the next.
     """
 
     __slots__ = ("__weakref__", "lease", "park", "ray")

@@ -1,16 +1,10 @@
 """The parent side of the worker processes: start, talk, watch, stop.
 
-:class:`WorkerPool` is a transport and process manager. It does not decide
-which worker gets which batch (the loader's dispatch does); it starts the
-processes, writes commands to them, hands every reply to the loader (decoded off
-the loop, :class:`~aioloader._pools.serve.ServeLoop`'s ``serve``), turns a worker's
-unexpected death into :class:`~aioloader._errors.WorkerDiedError` at once, and never
-leaves a process, file descriptor or shared-memory segment behind.
-
-It waits on each worker's socket and process sentinel on the loop (docs/pipeline.md).
-One worker's process, socket and reading are :class:`aioloader._pools.conn.Conn`; the
-lifecycle is :class:`aioloader._pools.base.PoolBase`'s; stopping climbs
-:mod:`aioloader._pools.ladder`.
+:class:`WorkerPool` starts the processes, writes commands to them, hands every reply to
+the loader (decoded off the loop, :class:`~aioloader._pools.serve.ServeLoop`'s
+``serve``), turns an unexpected death into :class:`~aioloader._errors.WorkerDiedError`
+at once and leaves no process, descriptor or segment behind; which worker gets which
+batch is the loader's dispatch. One worker is a :class:`aioloader._pools.conn.Conn`.
 
 Example (``fork`` start method, a sync map-style dataset)::
 
@@ -36,7 +30,6 @@ from typing import Any
 
 import anyio
 
-from .._errors import IteratorClosedError
 from .._park import ParkGroup
 from .._threads import ThreadRunner, run_in_own_thread
 from .._worker.config import WorkerConfig
@@ -55,16 +48,9 @@ _WORKER_MODULE = "aioloader._worker.main"
 
 
 def _preload_worker_in_forkserver() -> None:
-    """Have ``multiprocessing``'s fork server import the worker's modules (torch) once.
-
-    Every ``forkserver`` worker is forked from that server: with the worker module
-    (and so torch and numpy) preloaded there, a worker starts in milliseconds instead
-    of importing torch in each new process, and N workers start about as fast as one.
-    Added to the preload list the process already has (``set_forkserver_preload``;
-    ``__main__`` by default) while the server has not started yet; a server that
-    already runs is left as it is (its preload list is fixed). The fork server
-    ignores a preload it cannot import.
-    """
+    """Have ``multiprocessing``'s fork server import the worker's modules (torch) once, so
+    that a ``forkserver`` worker starts in milliseconds: added to the preload list while
+    the server has not started (a running server's list is fixed)."""
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)
@@ -76,19 +62,13 @@ def _preload_worker_in_forkserver() -> None:
 
 
 class WorkerPool(PoolBase[Conn]):
-    """Worker processes with known ids, their sockets and their lifecycle.
+    """Worker processes with known ids, their sockets and their lifecycle
+    (:class:`~aioloader._pools.base.PoolBase`'s).
 
     Args:
-        configs: one :class:`~aioloader._worker.config.WorkerConfig` per worker (in
-            worker-id order), or a zero-argument callable returning them,
-            called by :meth:`start`. ``parent_pid`` and ``close_fds`` are
-            filled in by the pool.
-        mp_context: a ``multiprocessing`` context object (``fork``,
-            ``spawn`` or ``forkserver``).
-        park: the loader's park group (its threads, parked around each ``fork``;
-            :mod:`aioloader._park`); a group of the pool's own when not given.
-
-    Its lifecycle is :class:`~aioloader._pools.base.PoolBase`'s.
+        configs: as :class:`~aioloader._pools.base.PoolBase`'s.
+        mp_context: a ``multiprocessing`` context (``fork``, ``spawn`` or ``forkserver``).
+        park: the loader's park group (its threads, parked around each ``fork``).
     """
 
     def __init__(self, configs: ConfigSource, mp_context: Any,
@@ -130,8 +110,6 @@ class WorkerPool(PoolBase[Conn]):
     # ------------------------------------------------------------------ start
 
     def _start_workers(self, configs: list[WorkerConfig]) -> None:
-        """Start every worker process (daemonic) from the calling thread, one by one
-        (:meth:`Conn.start`; on failure :meth:`start` stops those already started)."""
         method = self.start_method
         if method != "fork":
             configs = self._share_dataset(configs, method)
@@ -153,17 +131,10 @@ class WorkerPool(PoolBase[Conn]):
         logger.debug("started %d %s workers: pids %s", len(self._workers), method, self.pids)
 
     def _share_dataset(self, configs: list[WorkerConfig], method: str) -> list[WorkerConfig]:
-        """Pickle the dataset once for every worker (``spawn``/``forkserver``).
-
-        The configs given to the processes carry a :class:`DatasetImage` (a few
-        descriptors) in place of the dataset, so starting a process no longer
-        pickles the dataset again nor waits for the new interpreter to read it: the
-        workers boot in parallel. The image stays open for respawns and is closed
-        with the pool (:meth:`_free`). Configs are returned unchanged where images are
-        not supported, the workers were given different datasets, or the dataset
-        pickles only while ``multiprocessing`` starts a process (it holds a
-        ``multiprocessing`` queue, lock or connection, a socket, a CUDA tensor).
-        """
+        """The configs with the dataset pickled once into a :class:`DatasetImage`
+        (``spawn``/``forkserver``; kept for respawns), or unchanged where that cannot be
+        (unsupported, several datasets, a dataset that pickles only while
+        ``multiprocessing`` starts a process)."""
         dataset = configs[0].dataset if configs else None
         if dataset is None or any(cfg.dataset is not dataset for cfg in configs):
             return configs
@@ -202,38 +173,23 @@ class WorkerPool(PoolBase[Conn]):
             conn.segments.limit = limit
 
     async def send(self, worker_id: int, command: tuple[Any, ...]) -> None:
-        """Write ``command`` to worker ``worker_id`` without blocking the loop.
-
-        Commands are small; this waits for writability only if the socket
-        buffer is full. Sending ``("exit",)`` retires the worker: its end is
-        then orderly, not a death. A command to a worker that is gone is
-        dropped (its death is reported by :meth:`serve`).
+        """Write ``command`` to worker ``worker_id``, waiting for writability only if the
+        socket buffer is full. ``("exit",)`` retires the worker; a command to a worker
+        that is gone is dropped (:meth:`serve` reports its death).
 
         Raises:
             IteratorClosedError: the pool is closed.
         """
-        conn = self._addressee(worker_id, command)
-        if conn.exited:
-            return
-        conn.write(command)  # released segments ride along
-        await self._drain(conn)
+        conn = self._write(worker_id, command)
+        if conn is not None:
+            await self._drain(conn)
 
     def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
-        """Queue ``command`` and write what the socket takes right now; never blocks.
-
-        Whatever the socket did not take stays buffered: :meth:`flush` (or the
-        next :meth:`send`) writes it. Used to hand the first commands of an
-        epoch to the workers as soon as they are started, as torch does.
-        """
-        conn = self._addressee(worker_id, command)
-        if conn.exited:
-            return
-        conn.write(command)  # released segments ride along
-        try:
-            conn.writer.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            logger.debug("worker %d is gone; command dropped", worker_id)
-            conn.writer.close()
+        """Queue ``command`` and write what the socket takes now (the rest: :meth:`flush`
+        or the next :meth:`send`); never blocks."""
+        conn = self._write(worker_id, command)
+        if conn is not None:
+            _flush_now(conn)
 
     def send_now(self, worker_id: int, command: tuple[Any, ...]) -> bool:
         """Write ``command`` now if nothing is queued before it for that worker (True), else
@@ -248,13 +204,18 @@ class WorkerPool(PoolBase[Conn]):
         if len(conn.writer) or self._serve_ctx is None:
             return False
         conn.write(command)  # released segments ride along
-        try:
-            if not conn.writer.flush():
-                self._serve_ctx[0].start_soon(self._drain, conn)
-        except (BrokenPipeError, ConnectionResetError):
-            logger.debug("worker %d is gone; command dropped", worker_id)
-            conn.writer.close()
+        if not _flush_now(conn):
+            self._serve_ctx[0].start_soon(self._drain, conn)
         return True
+
+    def _write(self, worker_id: int, command: tuple[Any, ...]) -> Conn | None:
+        """Queue ``command`` for worker ``worker_id`` (released segments ride along); None
+        for a worker that is gone (the command is dropped)."""
+        conn = self._addressee(worker_id, command)
+        if conn.exited:
+            return None
+        conn.write(command)
+        return conn
 
     async def flush(self, worker_id: int) -> None:
         """Wait until everything queued for worker ``worker_id`` is written."""
@@ -275,11 +236,8 @@ class WorkerPool(PoolBase[Conn]):
             conn.send_lock = anyio.Lock()
         async with conn.send_lock:
             try:
-                while not conn.writer.flush():
+                while not _flush_now(conn):
                     await anyio.wait_writable(conn.sock)
-            except (BrokenPipeError, ConnectionResetError):
-                logger.debug("worker %d is gone; command dropped", conn.worker_id)
-                conn.writer.close()
             except anyio.ClosedResourceError:
                 # Closed under us: the pool is closing, or a dead worker's socket was closed
                 # to respawn it (its unanswered commands are re-sent to the replacement).
@@ -346,14 +304,12 @@ class WorkerPool(PoolBase[Conn]):
         return self._workers[dead.worker_id]
 
     def _start_one_quietly(self, worker_id: int) -> None:
-        """:meth:`_start_one` from a loader thread: with ``fork``, the loader's other
-        threads parked (this one stays alive, as does the consumer's loop thread)."""
+        """:meth:`_start_one` from a loader thread, the loader's other threads parked."""
         with self._quiet_for_fork():
             self._start_one(worker_id)
 
     def _quiet_for_fork(self) -> contextlib.AbstractContextManager[None]:
-        """With ``fork``, the loader's threads parked (:mod:`aioloader._park`); nothing
-        to park for a start method that forks in another process."""
+        """With ``fork``, the loader's threads parked (:mod:`aioloader._park`)."""
         if self.start_method == "fork":
             return self._park.quiet_for_fork()
         return contextlib.nullcontext()
@@ -362,27 +318,10 @@ class WorkerPool(PoolBase[Conn]):
 
     can_resize = True
 
-    async def add_worker(self, runner: ThreadRunner) -> int:
-        """Start worker ``num_workers`` (seeded ``base_seed + id``); served at once when a
-        :meth:`serve` runs. Started in ``runner``'s thread, never on the loop's (with
-        ``fork``, the loader's other threads parked, as for a respawn)."""
-        if self._closing:
-            raise IteratorClosedError("the worker pool is closed")
-        cfg = self._next_config()
-        wid = cfg.worker_id
-        self._configs.append(cfg)
-        try:
-            await runner.run(self._start_one_quietly, wid)
-        except BaseException:
-            self._configs.pop()
-            raise
-        self._serve_new(self._workers[wid])
-        logger.debug("added worker %d (pid %s)", wid, self._workers[wid].proc.pid)
-        return wid
+    _start_added = _start_one_quietly
 
     async def retire_worker(self) -> None:
-        """Stop the last worker: it leaves the pool's list at once (its reading task keeps
-        it until its end), is asked to exit, and is waited for (then SIGTERM, SIGKILL),
+        """Stop the last worker: out of the list at once, asked to exit, then the ladder,
         shielded: a retired process never outlives this call."""
         conn = self._workers.pop()
         self._configs.pop()
@@ -396,9 +335,8 @@ class WorkerPool(PoolBase[Conn]):
     # ------------------------------------------------------------------ stop
 
     def _ladder(self, grace: float) -> Iterator[tuple[list[Proc], float]]:
-        """Say exit to each live worker and hang up its socket (a worker blocked writing
-        to us gets EPIPE); then wait ``grace``; SIGTERM, wait; SIGKILL, wait. Every
-        process is reaped and every fd closed by the release that follows."""
+        """Say exit to each live worker and hang up its socket (unless a serve() reads
+        it), then :func:`~aioloader._pools.ladder.process_steps`."""
         close_sockets = self._serving == 0
         for c in self._workers:
             c.say_exit()
@@ -423,3 +361,14 @@ class WorkerPool(PoolBase[Conn]):
             self._zygote.close()
         if self._image is not None:  # the workers keep what they mapped
             self._image.close()
+
+
+def _flush_now(conn: Conn) -> bool:
+    """Write what ``conn``'s socket takes now; True when nothing is left (or the worker is
+    gone: what was queued for it is dropped)."""
+    try:
+        return conn.writer.flush()
+    except (BrokenPipeError, ConnectionResetError):
+        logger.debug("worker %d is gone; command dropped", conn.worker_id)
+        conn.writer.close()
+        return True

@@ -1,26 +1,17 @@
 """Workers as Ray actors: ``DataLoader(..., worker_method="ray", ray_options={...})``.
 
-:class:`RayWorkerPool` is what the pipeline needs from a pool (the interface of
-:class:`aioloader._pools.process.WorkerPool`: ``start``, ``send``/``send_nowait``/``flush``,
-``serve(deliver)``, ``close``), with the N workers running as Ray actors
-instead of local processes. The dispatch, the reorder buffer, the timeout and the
-exactly-once bookkeeping stay in the loader: this module only moves commands to
-the actors and replies back, through Ray's object store.
+:class:`RayWorkerPool` has the process pool's interface, with the N workers as Ray
+actors (:class:`aioloader._worker.ray_actor.RayWorker`) running a worker process's own
+code; dispatch, reordering, timeout and exactly-once stay in the loader. Each reply's
+``ObjectRef.future()`` wakes the loop from Ray's thread (no thread per reply); while a
+call is in flight the loop looks once a second whether Ray is still connected
+(``ray.shutdown()`` leaves calls unanswered for ever). An actor's first reply must come
+within ``ray_options["placement_timeout"]`` unless Ray placed it by then. Semantics
+(ids, seeds, order, errors; dead actors, lost nodes, Ray shut down): docs/ray.md.
 
-Each actor (:class:`aioloader._worker.ray_actor.RayWorker`) runs a worker process's own
-code; each reply's ``ObjectRef.future()`` is completed by Ray's own thread, whose
-done-callback wakes the loop (asyncio or trio) with its thread-safe ``call_soon``: no
-thread per reply. While a call is in flight the loop also looks, once a second, whether
-Ray is still connected (``ray.shutdown()`` leaves calls in flight unanswered for ever
-and sets no event). An actor's first reply (its pid, host, IP address and node) must
-come within ``ray_options["placement_timeout"]`` unless Ray placed it on a node by
-then. The semantics this gives (a worker process's ids, seeds, order and errors; dead
-actors, lost nodes, Ray shut down): docs/ray.md.
-
-Ray is imported lazily: the package imports and runs without it. Every Ray call made
-after the start holds Ray connected (:func:`aioloader._ray_options.ray_held`): Ray's API
-would otherwise call ``ray.init()`` itself, and connect again a program that shut Ray
-down.
+Ray is imported lazily. Every Ray call made after the start holds Ray connected
+(:func:`aioloader._ray_options.ray_held`): Ray's API would otherwise ``ray.init()``
+again a program that shut Ray down.
 """
 
 from __future__ import annotations
@@ -71,10 +62,8 @@ RAY_DOWN = ("Ray is not connected any more: ray.shutdown() ran (or is running) a
 
 
 class RayLink:
-    """What a loader remembers about Ray from one worker pool to the next (its
-    :class:`~aioloader._pools.lease.PoolKeeper` holds one): once a pool of the loader
-    started actors, none calls ``ray.init()`` again: a program that shut Ray down keeps it
-    down, and the loader says so."""
+    """What a loader's Ray pools remember from one to the next: once one started actors,
+    none calls ``ray.init()`` again (a program that shut Ray down keeps it down)."""
 
     __slots__ = ("actors_started",)
 
@@ -120,19 +109,16 @@ class RayWorkerPool(PoolBase[_Actor]):
 
     Args:
         configs: one :class:`~aioloader._worker.config.WorkerConfig` per worker, in id order.
-        address: given to ``ray.init(address=...)`` if Ray is not initialised in this
-            process when the pool starts; ignored (logged) if it is. ``None`` then means
-            ``ray.init()``: ``RAY_ADDRESS``, a running local cluster, or a new local one.
-        actor_options: passed to each actor's ``.options()``, but for the loader's own
-            ``placement_timeout`` (seconds an actor may wait for Ray to place it).
+        address: ``ray.init(address=...)``'s, if Ray is not initialised when the pool
+            starts (ignored, logged, if it is).
+        actor_options: each actor's ``.options()``, but for the loader's own
+            ``placement_timeout``.
         link: the loader's :class:`RayLink` (None: a pool on its own).
 
-    The pool calls ``ray.init()`` only when it starts, only if Ray is not initialised,
-    and only if no pool of its loader started actors before; it never calls
-    ``ray.shutdown()``: Ray may be shared with the rest of the program. The actors are
-    killed (``ray.kill``) by :meth:`close`, at garbage collection and at interpreter exit
-    (before ``atexit`` handlers such as ``ray.shutdown`` run). ``grace`` is accepted for
-    the common interface: an actor has nothing to flush, so it is killed at once.
+    ``ray.init()`` runs only at the start, only if Ray is not initialised and no pool of
+    the loader started actors before; ``ray.shutdown()`` never. The actors are killed by
+    :meth:`close`, at garbage collection and at interpreter exit, at once (``grace`` is
+    accepted for the common interface).
     """
 
     DEFAULT_GRACE = 0.0
@@ -172,12 +158,8 @@ class RayWorkerPool(PoolBase[_Actor]):
     # ------------------------------------------------------------------ start
 
     def _start_workers(self, configs: list[WorkerConfig]) -> None:
-        """Connect to Ray (or start it) and create the actors; blocking, call off the loop.
-
-        Creating an actor returns at once; it is scheduled by Ray (it may wait for
-        resources: :meth:`_until_up` bounds that). If anything fails, the actors already
-        created are killed.
-        """
+        """Connect to Ray (or start it) and create the actors (scheduled by Ray: it may wait
+        for resources, which :meth:`_until_up` bounds); blocking, off the loop."""
         self._ray = ray = import_ray()
         # ActorUnavailableError (Ray >= 2.30): the actor is unreachable; it is not restarted.
         self._died = tuple(getattr(ray.exceptions, name) for name in
@@ -205,14 +187,9 @@ class RayWorkerPool(PoolBase[_Actor]):
         logger.debug("started %d Ray actor workers: %s", len(self._workers), self.actor_names)
 
     def _create_actor(self, worker_id: int, closed: str) -> _Actor:
-        """Create actor ``worker_id`` (again, for a respawn: a new name, same config) and
-        put it in its slot, unless a close() from another thread came first: then it is
-        killed and ``IteratorClosedError(closed)`` raised. Blocking (Ray registers a named
-        actor before it returns): off the loop.
-
-        Raises:
-            WorkerDiedError: Ray is not connected (it is not connected again).
-        """
+        """Create actor ``worker_id`` (again, for a respawn: a new name) in its slot, unless
+        a close() came first (then it is killed: ``IteratorClosedError(closed)``); blocking,
+        off the loop. WorkerDiedError: Ray is not connected (it is not connected again)."""
         generation = (self._workers[worker_id].generation + 1
                       if worker_id < len(self._workers) else 0)
         name = f"{self._prefix}-worker-{worker_id}" + (f"-r{generation}" if generation else "")
@@ -243,11 +220,8 @@ class RayWorkerPool(PoolBase[_Actor]):
     # ------------------------------------------------------------------ talk
 
     def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
-        """Submit ``command`` to actor ``worker_id`` (a Ray call; returns at once).
-
-        Raises:
-            WorkerDiedError: Ray is not connected any more (it is not connected again).
-        """
+        """Submit ``command`` to actor ``worker_id`` (a Ray call; returns at once);
+        WorkerDiedError: Ray is not connected any more (it is not connected again)."""
         actor = self._addressee(worker_id, command)
         op = command[0]
         if op == "exit":
@@ -297,13 +271,8 @@ class RayWorkerPool(PoolBase[_Actor]):
 
     async def _settled(self, actor: _Actor, future: concurrent.futures.Future[Any],
                        place_by: float | None = None) -> None:
-        """Wait until ``future`` is done, without blocking the loop.
-
-        Raises:
-            WorkerDiedError: Ray was shut down meanwhile (nothing will answer), or
-                ``place_by`` (a ``time.monotonic()``) passed and Ray has not placed the
-                actor on a node.
-        """
+        """Wait until ``future`` is done, without blocking the loop; WorkerDiedError: Ray
+        was shut down meanwhile, or ``place_by`` (monotonic) passed with the actor unplaced."""
         if future.done():
             return
         call_soon = self._call_soon
@@ -341,10 +310,8 @@ class RayWorkerPool(PoolBase[_Actor]):
             raise self._death_error(actor, exc) from None
 
     def _placement(self, actor: _Actor) -> str:
-        """Ray's word on an actor that is not up: ``""`` if it was placed on a node (it is
-        starting), else its state (``PENDING_CREATION``: no node has the resources it asks
-        for). Blocking (a query to Ray's control store, which never starts Ray): off the
-        loop."""
+        """Ray's word on an actor that is not up: ``""`` if it was placed on a node, else its
+        state (``PENDING_CREATION``: no node has its resources). Blocking: off the loop."""
         handle = actor.handle
         if handle is None:
             return ""  # killed meanwhile: the pool is closing
@@ -456,8 +423,7 @@ class RayWorkerPool(PoolBase[_Actor]):
     # ------------------------------------------------------------------ stop
 
     def _ladder(self, grace: float) -> Iterator[tuple[list[Any], float]]:
-        """Wake a :meth:`serve` waiting on a loop (thread-safely): its calls fail once
-        their actors are killed, and it sees the pool closing. Then kill every actor
+        """Wake a waiting :meth:`serve` (it sees the pool closing), then kill every actor
         and drop every call in flight: there is nothing to wait for."""
         for actor in self._workers:
             wake = actor.wake

@@ -1,15 +1,10 @@
 """The serve loop every worker pool shares: replies handed over, deaths, respawns.
 
-:class:`ServeLoop` (a base of :class:`aioloader._pools.base.PoolBase`) is written once
-for worker processes, threads and Ray actors: :meth:`ServeLoop.serve` runs one task per
-worker that hands its replies over (to ``deliver``, the pool reader's intake) and
-reports a worker that died or, when ``respawn`` allows, replaces it (its
-``"respawned"`` notice kept until handed over). A pool says only how one worker's
-replies are received and handed over until it ends (``_pump``, which raises
-:class:`~aioloader._errors.WorkerDiedError` for an end nobody asked for), how a dead
-worker is replaced (``_replace``, where ``_can_replace`` allows it) and what a call
-needs while it runs (``_serve_open``/``_serve_close``). Thread and Ray pools wait for a
-worker with :meth:`ServeLoop._sleep`: woken from any thread, no polling.
+:class:`ServeLoop.serve` runs one task per worker that hands its replies to ``deliver``
+and reports a worker that died or, where ``respawn`` allows, replaces it. A pool says
+how one worker's replies are handed over until it ends (``_pump``), how a dead worker
+is replaced (``_replace``, where ``_can_replace``) and what a call needs while it runs
+(``_serve_open``/``_serve_close``).
 """
 
 from __future__ import annotations
@@ -76,11 +71,8 @@ class ServeLoop(Generic[W]):
         where commands are handed over whole: threads, Ray)."""
 
     def _addressee(self, worker_id: int, command: tuple[Any, ...]) -> W:
-        """The worker ``command`` goes to; ``("exit",)`` retires it (its end is orderly).
-
-        Raises:
-            IteratorClosedError: the pool is closed.
-        """
+        """The worker ``command`` goes to (``("exit",)`` retires it); IteratorClosedError
+        once the pool is closed."""
         if self._closing:
             raise IteratorClosedError("the worker pool is closed")
         worker = self._workers[worker_id]
@@ -101,18 +93,13 @@ class ServeLoop(Generic[W]):
                     transform: Transform | None = None) -> None:
         """Hand every reply of every worker to ``deliver``, one worker's in order.
 
-        ``respawn`` (``respawn_workers=``): called with the error of a worker that
-        died; when it returns True the worker is replaced by a new one with the same
-        config (id, seed, ``worker_init_fn``), and a ``"respawned"`` reply is handed
-        over after every reply the dead worker gave: the caller re-sends the commands
-        it did not answer. ``transform`` (pools whose :attr:`accepts_transform`):
-        applied to each reply off the loop, where it is decoded.
+        ``respawn`` (``respawn_workers=``): called with a dead worker's error; True
+        replaces it (same config) and hands over a ``"respawned"`` reply after the dead
+        one's replies: the caller re-sends what it did not answer. ``transform`` (pools
+        whose :attr:`accepts_transform`): applied to each reply off the loop.
 
-        Runs until cancelled (the loader cancels it when an epoch ends), until the pool
-        closes, or until every worker has ended in an orderly way. A reply (or a
-        notice) not handed over when a call is cancelled is handed over by the next
-        call (persistent workers; replies carry their epoch, so a stale one is
-        recognised).
+        Runs until cancelled, until the pool closes, or until every worker ended in an
+        orderly way; what a cancelled call did not hand over, the next call does.
 
         Raises:
             WorkerDiedError: a worker ended without being asked to (after its replies
@@ -189,11 +176,8 @@ class ServeLoop(Generic[W]):
         return False
 
     async def _pump(self, worker: W, deliver: Deliver) -> None:
-        """Hand ``worker``'s replies to ``deliver`` in order until it ends (returns) or dies.
-
-        Raises:
-            WorkerDiedError: it ended unasked (its replies before the end handed over).
-        """
+        """Hand ``worker``'s replies to ``deliver`` in order until it ends (returns) or dies
+        (WorkerDiedError, after its replies before the end)."""
         raise NotImplementedError
 
     async def _replace(self, dead: W) -> W:

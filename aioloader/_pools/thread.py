@@ -1,29 +1,15 @@
 """Thread workers (``worker_method="thread"``): the :class:`WorkerPool` interface, in-process.
 
-:class:`ThreadWorkerPool` runs ``num_workers`` threads of the main process
-with known ids ``0..N-1``. Each serves the same command protocol as a worker
-process (:func:`aioloader._worker.loop.serve_commands`: ``fetch``, ``reset``,
-``exit``), so the loader's dispatch, reordering, persistence, timeout and
-pinning are the same code for both kinds of workers. What differs:
-
-* commands go through one :class:`queue.SimpleQueue` per thread, replies
-  (:class:`~aioloader._worker.reply.Reply` records) through one deque per thread,
-  its :class:`~aioloader._worker.thread.Channel`; batches are handed
-  over as objects (no pickling, no shared memory). Each thread stacks its big
-  batches into a private pool of recycled buffers
-  (:class:`~aioloader._worker.segments.WorkerSegments`), bounded like a worker
-  process's segments (:meth:`ThreadWorkerPool.set_segment_limit`). The deques are bounded
-  by the commands in flight (one reply each), which the loader's dispatch bounds;
-* threads are started off the loop's thread (``Thread.start`` waits until the new
-  thread runs): in the epoch's thread, a respawn's or the autotuner's;
-* a ``serve()`` waiting for a thread is woken by the thread itself, with the loop's
-  thread-safe ``call_soon`` (only while it waits): no polling, no thread per message;
-* seeding, ``get_worker_info()`` per thread and a thread stuck in user code at close
-  (abandoned after the grace period, with a warning) follow torch's thread workers:
-  docs/migration.md, "Thread workers" (:mod:`aioloader._worker.thread`).
-
-The serve loop is :class:`~aioloader._pools.serve.ServeLoop`'s; this pool supplies how one
-thread's replies are read (``_pump``) and how a thread is replaced (``_replace``).
+:class:`ThreadWorkerPool` runs ``num_workers`` threads with known ids ``0..N-1``, each
+serving the worker processes' command protocol
+(:func:`aioloader._worker.loop.serve_commands`), so dispatch, reordering, persistence,
+timeout and pinning are the same code for both. What differs: commands go through one
+:class:`queue.SimpleQueue` per thread and replies through its
+:class:`~aioloader._worker.thread.Channel` (objects: no pickling, no shared memory);
+big batches are stacked into each thread's private recycled buffers; threads start
+off the loop's thread; a waiting ``serve()`` is woken by the thread itself (no
+polling). Seeding, ``get_worker_info()`` and a thread stuck in user code at close
+follow torch's thread workers: docs/migration.md, "Thread workers".
 """
 
 from __future__ import annotations
@@ -38,9 +24,9 @@ from typing import Any
 
 import anyio
 
-from .._errors import IteratorClosedError, WorkerDiedError
+from .._errors import WorkerDiedError
 from .._park import join_all
-from .._threads import ThreadRunner, run_in_own_thread
+from .._threads import run_in_own_thread
 from .._worker.config import WorkerConfig
 from .._worker.segments import POOL_LIMIT, WorkerSegments
 from .._worker.thread import Channel, thread_worker_main, torch_thread_local
@@ -69,7 +55,7 @@ class _Worker:
 
 class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
     """Worker threads with known ids: :class:`~aioloader._pools.base.PoolBase`'s
-    arguments and lifecycle, the same interface as the process pool's ``WorkerPool``."""
+    arguments, lifecycle and interface."""
 
     def __init__(self, configs: ConfigSource) -> None:
         super().__init__(configs)
@@ -120,22 +106,15 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
     # ------------------------------------------------------------------ talk
 
     def set_segment_limit(self, limit: int) -> None:
-        """Bound each worker thread's pool of recycled buffers (idle ones above it go now,
-        busy ones as they come free)."""
+        """Bound each worker thread's pool of recycled buffers."""
         self._segment_limit = limit
         for w in self._workers:
             if w.segments is not None:
                 w.segments.released([], limit)
 
     def send_nowait(self, worker_id: int, command: tuple[Any, ...]) -> None:
-        """Queue ``command`` for worker ``worker_id``; never blocks.
-
-        Sending ``("exit",)`` retires the worker: its end is then orderly.
-        Every other command is in flight until its reply is handed over.
-
-        Raises:
-            IteratorClosedError: the pool is closed.
-        """
+        """Queue ``command`` for worker ``worker_id``; never blocks (``("exit",)`` retires
+        it). Raises IteratorClosedError once the pool is closed."""
         self._addressee(worker_id, command).commands.put(command)
 
     # ------------------------------------------------------------------ serve (ServeLoop's hooks)
@@ -144,8 +123,8 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
         return worker.ended
 
     async def _pump(self, worker: _Worker, deliver: Deliver) -> None:
-        """Hand worker ``worker``'s replies over until its thread has left its command
-        loop (after its last reply); an end not asked for raises, with the reason."""
+        """Hand ``worker``'s replies over until its thread left its command loop (an end
+        not asked for raises, with the reason)."""
         channel = worker.channel
         inbox = channel.inbox
         while not self._closing:
@@ -165,9 +144,8 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
             await self._sleep(channel, lambda: bool(inbox) or channel.ended)
 
     async def _replace(self, dead: _Worker) -> _Worker:
-        """A new thread with a fresh command queue: the caller re-sends what the old
-        thread did not answer. The old thread is joined (it posted its end as its last act)
-        and the new one started in a helper thread: neither on the loop."""
+        """A new thread with a fresh command queue (the caller re-sends what the old one did
+        not answer); the old one joined and the new one started off the loop."""
         worker = _Worker(dead.worker_id, self._stop)
         with anyio.CancelScope(shield=True):  # the replacement is never left half-done
             await run_in_own_thread("aioloader-respawn", self._restart, dead, worker)
@@ -183,26 +161,13 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
 
     can_resize = True
 
-    async def add_worker(self, runner: ThreadRunner) -> int:
-        """Start worker thread ``num_workers`` (seeded ``base_seed + id``) in ``runner``'s
-        thread, never on the loop's; a running :meth:`serve` reads its replies at once."""
-        if self._closing:
-            raise IteratorClosedError("the worker pool is closed")
-        cfg = self._next_config()
-        self._configs.append(cfg)
-        worker = _Worker(cfg.worker_id, self._stop)
-        try:
-            await runner.run(self._start_thread, worker)
-        except BaseException:
-            self._configs.pop()
-            raise
+    def _start_added(self, worker_id: int) -> None:
+        worker = _Worker(worker_id, self._stop)
+        self._start_thread(worker)
         self._workers.append(worker)
-        self._serve_new(worker)
-        return cfg.worker_id
 
     async def retire_worker(self) -> None:
-        """Stop the last worker thread: it leaves the list at once, its end (posted
-        after its last reply) is orderly, and it is joined off the loop."""
+        """Stop the last worker thread: out of the list at once, joined off the loop."""
         worker = self._workers.pop()
         self._configs.pop()
         worker.retiring = True
@@ -215,10 +180,8 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
     # ------------------------------------------------------------------ stop
 
     def _ladder(self, grace: float) -> Iterator[tuple[list[threading.Thread], float]]:
-        """Threads leave before their next command; one still inside user code is
-        waited for up to ``grace`` seconds, then abandoned with a warning (threads
-        cannot be killed). A ``serve()`` waiting for a thread is woken: it sees the pool
-        closing."""
+        """Threads leave before their next command; one still in user code is waited for
+        up to ``grace`` seconds, then abandoned with a warning (threads cannot be killed)."""
         self._stop.set()
         for w in self._workers:
             w.retiring = True

@@ -1,16 +1,11 @@
-"""The parent side of a ``spawn`` pool's zygote: start it, have it fork workers, watch them.
+"""The parent side of a ``spawn`` pool's zygote (:mod:`aioloader._worker.zygote`): start
+it, have it fork workers, watch them.
 
-:class:`Zygote` starts :func:`aioloader._worker.zygote.zygote_main` with the pool's
-``spawn`` context and asks it for each worker (:meth:`Zygote.request_worker`), which
-returns a :class:`ZygoteChild`: what the pool and its ladder use of a
-``multiprocessing`` process (``pid``, ``sentinel``, ``exitcode``, ``join``...) for a
-process that is the zygote's child, not ours. Its sentinel is a ``pidfd`` (readable
-when the worker ends, whoever its parent is); its exit status is what the zygote
-reports once it has reaped it.
-
-Used only where it can be: Linux with ``pidfd_open``, a dataset pickled once into an
-image, a config that pickles on its own. Anything else (or a zygote that fails) starts
-workers with ``spawn`` one by one, as before.
+:meth:`Zygote.request_worker` and :meth:`Zygote.worker_reply` give a
+:class:`ZygoteChild`: what the pool and its ladder use of a ``multiprocessing`` process,
+for the zygote's child; its sentinel is a ``pidfd``, its exit status what the zygote
+reports. Only on Linux with ``pidfd_open`` and a dataset image; anything else (or a
+zygote that fails) starts workers with ``spawn`` one by one.
 """
 
 from __future__ import annotations
@@ -56,11 +51,8 @@ def _pidfd_supported() -> bool:
 
 
 class ZygoteChild:
-    """A worker forked by the zygote, seen as a ``multiprocessing`` process.
-
-    ``sentinel`` is readable once the process has ended; ``exitcode`` is ``None`` until
-    the zygote has reported its exit status (never blocks).
-    """
+    """A worker forked by the zygote, seen as a ``multiprocessing`` process (``exitcode``:
+    ``None`` until the zygote reported it; never blocks)."""
 
     daemon = True
 
@@ -116,16 +108,13 @@ class ZygoteChild:
                 return
             select.select(fds, [], [], 0.05 if left is None else min(left, 0.05))
 
-    def _signal(self, sig: int) -> None:
-        if self.exitcode is None:
-            try:
-                signal.pidfd_send_signal(self.sentinel, sig)
-            except (ProcessLookupError, OSError):
-                pass
-
     def kill(self) -> None:
         """SIGKILL."""
-        self._signal(signal.SIGKILL)
+        if self.exitcode is None:
+            try:
+                signal.pidfd_send_signal(self.sentinel, signal.SIGKILL)
+            except OSError:
+                pass
 
     def close(self) -> None:
         """Close the descriptors (the pool does once the process has ended)."""
@@ -188,12 +177,8 @@ class Zygote:
 
     def request_worker(self, cfg: WorkerConfig, child_sock: socket.socket) -> None:
         """Ask the zygote to fork the worker of ``cfg`` on ``child_sock`` (not closed here);
-        :meth:`worker_reply` gives it. Both with :attr:`lock` held.
-
-        Raises:
-            ZygoteError: the zygote cannot (broken, gone, or the config does not pickle
-                on its own): the caller spawns the worker instead.
-        """
+        :meth:`worker_reply` gives it. Both with :attr:`lock` held. ZygoteError: it
+        cannot (broken, gone, a config that does not pickle on its own)."""
         if self.broken:
             raise ZygoteError("the zygote is gone")
         if isinstance(cfg.dataset, DatasetImage):
@@ -210,11 +195,8 @@ class Zygote:
             raise ZygoteError(f"the zygote is gone: {exc}") from exc
 
     def worker_reply(self, worker_id: int) -> ZygoteChild:
-        """The worker asked for by :meth:`request_worker` (blocks for the zygote's reply).
-
-        Raises:
-            ZygoteError: the zygote is gone or could not fork it.
-        """
+        """The worker asked for by :meth:`request_worker` (blocks for the zygote's reply);
+        ZygoteError: the zygote is gone or could not fork it."""
         try:
             reply, fds = self._reply()
         except (OSError, ZygoteError) as exc:

@@ -1,21 +1,15 @@
 """What the keys of a loaded state must agree on: the cross-key checks of ``load_state_dict``.
 
-:mod:`aioloader._resume.schema` checks each key of a state on its own (type, range) and
-against the loading loader; this module checks that the keys agree with each other, so
-that a state whose keys contradict each other (edited, or pieced together from several
+A state whose keys contradict each other (edited, or pieced together from several
 states) is refused with a ValueError naming the keys, instead of resuming a silently
-wrong epoch (issue 31). A state as ``state_dict()`` returned it always passes. The
-relations (consumed batches inside the epoch, ``finished`` only at its end, ``yielded`` at
-most the consumed batches, seeds and RNG states where draws were made, per-worker entries
-only from workers that delivered, settings that need each other) are listed in
-docs/resume.md, "What `load_state_dict` checks" (checked by :func:`check_positions`).
-
-Every check is arithmetic on the state (an elastic share's length included): nothing is
-drawn or fetched.
+wrong epoch (issue 31); a state as ``state_dict()`` returned it always passes. The
+relations: docs/resume.md, "What `load_state_dict` checks". Every check is arithmetic
+on the state: nothing is drawn or fetched.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data.distributed import DistributedSampler as _TorchDistributedSampler
@@ -138,14 +132,8 @@ def _check_parts(elastic: dict[str, Any], path: str, memo: _Memo) -> None:
 # ------------------------------------------------------------------------ the checks
 
 
-class _Keys:
-    """Key paths as the loaded state spells them (a torchdata state has other names)."""
-
-    def __init__(self, names: dict[str, str] | None) -> None:
-        self.names = names or {}
-
-    def __call__(self, name: str) -> str:
-        return self.names.get(name, f"state[{name!r}]")
+#: A key's path as the loaded state spells it (a torchdata state has other names).
+_Keys = Callable[[str], str]
 
 
 def _consumed_text(k: _Keys, prefix: int, extra: list[int]) -> str:
@@ -165,7 +153,11 @@ def check_positions(st: dict[str, Any], config: Any, ours: bool,
             fewer keys: only the relations its keys carry are checked).
         names: key paths to name instead of ``state['<key>']`` (a torchdata state's).
     """
-    k = _Keys(names)
+    spelt = names or {}
+
+    def k(name: str) -> str:
+        return spelt.get(name, f"state[{name!r}]")
+
     prefix, extra, finished = st["prefix"], st["extra"], st["finished"]
     if extra and extra[0] <= prefix:
         raise ValueError(f"state['extra'][0] must be above state['prefix']={prefix} (batches "

@@ -1,12 +1,6 @@
-"""An iterable dataset's position, as workers take and restore it (torchdata's layout).
-
-Each worker (or the main process with ``num_workers=0``) takes the state of a
-``Stateful`` dataset (or of its iterator) with every batch it fetches, and gives a
-saved one back before its first fetch of a resumed epoch. The per-worker dict has
-torchdata's keys, so a worker state of either library loads into the other's
-dataset unchanged. Part of exact resume (:mod:`aioloader._resume.state`).
-
-This module is imported by worker processes: stdlib only.
+"""An iterable dataset's position, as workers take and restore it, in torchdata's
+per-worker layout (a worker state of either library loads into the other's dataset).
+Imported by worker processes: stdlib only.
 """
 
 from __future__ import annotations

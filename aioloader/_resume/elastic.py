@@ -1,23 +1,16 @@
 """Elastic resume across world sizes: the states of W ranks, resumed on W' ranks.
 
-A loader whose sampler is a ``DistributedSampler`` records it in its state
-(``state['distributed']``: ``num_replicas``, ``rank``, ``epoch``, ``seed``, ``shuffle``,
-``drop_last``). :func:`merge_rank_states` takes the states of *all* W ranks, taken at the
-same epoch, and returns one state that a loader of any rank at any world size W' loads:
-its epoch delivers that rank's share of the samples no rank had consumed, so that over
-the W' ranks every one of them is delivered exactly once (none repeated, none dropped).
-:func:`gather_rank_states` collects the ranks' states with ``torch.distributed``.
+:func:`merge_rank_states` takes the states of *all* W ranks (``state['distributed']``:
+the ``DistributedSampler``'s settings), taken at the same epoch, and returns one state
+that a loader of any rank at any world size W' loads: over the W' ranks, every sample no
+rank had consumed is delivered exactly once. :func:`gather_rank_states` collects the
+ranks' states with ``torch.distributed``.
 
-How the share is made (:func:`remaining_indices`, :func:`rank_batches`): each old rank's
-batches are rebuilt from its sampler's settings (the ``DistributedSampler``'s order for
-that epoch, batched as the loader batched it); its consumed batches (``prefix``,
-``extra``) are taken out; what is left, old rank by old rank, is the list of remaining
-samples ``R``. New rank ``r'`` of ``W'`` takes ``R[r'::W']`` in batches of the loader's
-``batch_size`` (the last one partial: nothing is dropped or padded), so ranks may differ
-by one batch. A state taken during such an epoch records where that epoch came from
-(``state['elastic']``) and resumes or merges again the same way.
-
-Plain data throughout; only torch's ``DistributedSampler`` order is recomputed.
+Each old rank's batches are rebuilt from its sampler's settings and its consumed ones
+taken out; the rest, old rank by old rank, is ``R`` (:func:`remaining_indices`); new
+rank ``r'`` takes ``R[r'::W']`` in batches, the last one partial (:func:`rank_batches`).
+A state taken during such an epoch records its source (``state['elastic']``).
+docs/resume.md, "Elastic resume".
 """
 
 from __future__ import annotations
@@ -78,12 +71,8 @@ def rank_batches(elastic: dict[str, Any] | None, part: dict[str, Any],
 
 def remaining_indices(elastic: dict[str, Any],
                       memo: dict[int, list[int]] | None = None) -> list[int]:
-    """``R``: the samples no old rank had consumed, old rank by old rank, in their order.
-
-    ``memo`` keeps each source's ``R`` by ``id()`` during one computation: a source that
-    several parts share (one object, as a loaded checkpoint may hold it) is computed
-    once, not once per path to it.
-    """
+    """``R``: the samples no old rank had consumed, old rank by old rank, in their order
+    (``memo``: each source's ``R`` by ``id()``, so that a shared source is computed once)."""
     memo = {} if memo is None else memo
     if id(elastic) in memo:
         return memo[id(elastic)]
@@ -98,12 +87,6 @@ def remaining_indices(elastic: dict[str, Any],
                 out.extend(batch)
     memo[id(elastic)] = out
     return out
-
-
-def _layout(state: dict[str, Any]) -> dict[str, Any]:
-    config = state["config"]
-    return {"dataset_len": config["dataset_len"], "batch_size": config["batch_size"],
-            "batch_drop_last": config["drop_last"]}
 
 
 def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
@@ -164,8 +147,10 @@ def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
               "worker_states": {}, "prefix": 0, "extra": [], "yielded": 0, "last_worker": 0,
               "sampler_state": None}
     if sources:  # else every rank had ended the epoch: the next iter() starts the next one
-        merged.update(finished=False, rng=None,
-                      elastic={"layout": _layout(first), "parts": parts})
+        config = first["config"]
+        layout = {"dataset_len": config["dataset_len"], "batch_size": config["batch_size"],
+                  "batch_drop_last": config["drop_last"]}
+        merged.update(finished=False, rng=None, elastic={"layout": layout, "parts": parts})
     return merged
 
 

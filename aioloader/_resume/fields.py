@@ -1,13 +1,9 @@
 """The key-by-key checks of a loaded state: each value's type and range, alone.
 
-The building blocks of :mod:`aioloader._resume.schema` (which composes them into each
-layout's fields): a check is ``check(value, path)`` and raises :class:`TypeError` for a
-value of the wrong type, :class:`ValueError` for one out of range, naming the key path
-(``state['config']['batch_size']``). Torch RNG states are checked here too. The
-messages' endings (what to do) are here as well, shared with
-:mod:`~aioloader._resume.loader_fit` and :mod:`~aioloader._resume.consistency`.
-Nothing is unpickled, imported or evaluated: an object of another type is named by its
-type only.
+A check is ``check(value, path)``: :class:`TypeError` for a value of the wrong type,
+:class:`ValueError` for one out of range, naming the key path
+(``state['config']['batch_size']``); also torch RNG states, and the messages' endings.
+Nothing is unpickled, imported or evaluated: another type is named by its type only.
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ __all__ = [
     "Check",
     "check_torch_rng_state",
     "length",
+    "rng_tensor",
 ]
 
 MAX_SEED = (1 << 64) - 1  # torch's base seed is a non-negative int64; torchdata's too
@@ -67,12 +64,13 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _type_error(path: str, what: str, value: Any) -> TypeError:
-    return TypeError(f"{path} must be {what}, got {_show(value)}: {CORRUPT}")
+def _value_error(path: str, what: str, value: Any, cls: type[Exception] = ValueError
+                 ) -> Exception:
+    return cls(f"{path} must be {what}, got {_show(value)}: {CORRUPT}")
 
 
-def _value_error(path: str, what: str, value: Any) -> ValueError:
-    return ValueError(f"{path} must be {what}, got {_show(value)}: {CORRUPT}")
+def _type_error(path: str, what: str, value: Any) -> Exception:
+    return _value_error(path, what, value, TypeError)
 
 
 # ------------------------------------------------------------------------------ checks
@@ -82,12 +80,9 @@ Check = Callable[[Any, str], None]
 
 
 def _int(lo: int = 0, hi: int | None = None) -> Check:
-    """An integer in ``[lo, hi]``: another type is a TypeError, a fraction a ValueError
-    (as torch's samplers treat a non-integer count).
-
-    A loaded state's value, not an argument: unlike :func:`aioloader._coerce.as_int`
-    (which asks a user's argument for its ``__index__``), it is judged by its type alone,
-    so that nothing of a hostile state runs."""
+    """An integer in ``[lo, hi]``: another type is a TypeError, a fraction a ValueError.
+    Judged by its type alone (not ``__index__``, unlike :func:`aioloader._coerce.as_int`):
+    nothing of a hostile state runs."""
     what = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
 
     def check(value: Any, path: str) -> None:
@@ -181,12 +176,9 @@ def _rng_shape(value: Any, path: str) -> None:
         except ValueError:
             pass
     for i, x in enumerate(value):
-        if type(x) is not int:
-            raise _type_error(f"{path}[{i}]", "an int in [0, 255] (a byte of a torch RNG "
-                              "state)", x)
-        if not 0 <= x <= 255:
+        if type(x) is not int or not 0 <= x <= 255:
             raise _value_error(f"{path}[{i}]", "an int in [0, 255] (a byte of a torch RNG "
-                               "state)", x)
+                               "state)", x, ValueError if type(x) is int else TypeError)
 
 
 def _rng_map(value: Any, path: str) -> None:
@@ -197,22 +189,24 @@ def _rng_map(value: Any, path: str) -> None:
         _rng_shape(state, _key(path, name))
 
 
-def check_torch_rng_state(value: Any, path: str, like: torch.Generator | None = None) -> None:
-    """``value`` is a state ``like.set_state()`` takes (default: torch's CPU generator).
+def rng_tensor(value: Any) -> torch.Tensor:
+    """A torch RNG state (a uint8 tensor, or a list of byte values) as ``set_state`` takes it."""
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.frombuffer(bytearray(value), dtype=torch.uint8)  # 10x torch.tensor(list)
 
-    Its shape, then its length, then a trial ``set_state`` on a new generator of the
-    same device (torch checks the state's own fields there): CPU generators only.
-    """
+
+def check_torch_rng_state(value: Any, path: str, like: torch.Generator | None = None) -> None:
+    """``value`` is a state ``like.set_state()`` takes (default: torch's CPU generator):
+    its shape, its length, then a trial ``set_state`` (CPU generators only)."""
     _rng_shape(value, path)
     expected = (like.get_state() if like is not None else torch.get_rng_state()).numel()
     if len(value) != expected:
         raise ValueError(f"{path} must be a torch RNG state of {expected} bytes, got "
                          f"{len(value)}: {CORRUPT}")
     if like is None or like.device.type == "cpu":
-        tensor = value if isinstance(value, torch.Tensor) else torch.frombuffer(
-            bytearray(value), dtype=torch.uint8)
         try:
-            torch.Generator().set_state(tensor)
+            torch.Generator().set_state(rng_tensor(value))
         except (RuntimeError, ValueError) as exc:
             raise ValueError(f"{path} is not a valid torch RNG state ({exc}): "
                              f"{CORRUPT}") from None

@@ -1,11 +1,7 @@
-"""What a loaded state must match of the loader that loads it.
-
-Its configuration (``state['config']``, recorded by :func:`loader_config` when the state
-was taken, compared field by field: :func:`compare_config`), its workers (ids in range,
-per-worker states only where the dataset has them), its generators (a state for each
-and only each, of the right length: :func:`check_against_loader`) and a
-``DistributedSampler``'s rank and world size (:func:`check_world`). ValueError (or
-TypeError) naming the key path. Part of :mod:`aioloader._resume.schema`'s checking.
+"""What a loaded state must match of the loader that loads it: its configuration
+(``state['config']``, :func:`compare_config`), its workers and generators
+(:func:`check_against_loader`) and a ``DistributedSampler``'s rank and world size
+(:func:`check_world`). ValueError (or TypeError) naming the key path.
 """
 
 from __future__ import annotations
@@ -100,15 +96,11 @@ def _fmt(value: Any) -> str:
 _ELASTIC_FIELDS = ("num_workers", "persistent_workers")
 
 
-def _elastic(saved: dict[str, Any]) -> bool:
-    return saved["dataset_kind"] in ("map", "async_map")
-
-
 def compare_config(saved: dict[str, Any], path: str, config: Any,
                     elastic: bool = False) -> None:
     here = loader_config(config)
-    skip: tuple[str, ...] = _ELASTIC_FIELDS if _elastic(saved) and saved[
-        "dataset_kind"] == here["dataset_kind"] else ()
+    skip: tuple[str, ...] = _ELASTIC_FIELDS if saved["dataset_kind"] in (
+        "map", "async_map") and saved["dataset_kind"] == here["dataset_kind"] else ()
     if elastic:  # another world size: another number of batches per rank
         skip = (*skip, "batches")
     diffs = [f"{name}={_fmt(saved[name])}, this loader has {name}={_fmt(here[name])} "
@@ -144,17 +136,14 @@ def check_against_loader(st: dict[str, Any], config: Any, exact_generators: bool
     saved_workers = st["config"]["num_workers"] if "config" in st else config.num_workers
     workers = max(1, int(saved_workers))
     _int(0, workers - 1)(st["last_worker"], "state['last_worker']")
-    rpath = "state['worker_rng']"
-    for name in st.get("worker_rng", {}):
-        if int(name) >= workers:
-            raise ValueError(f"{_key(rpath, name)}: "
-                             f"worker {int(name)} does not exist in a loader with "
-                             f"num_workers={saved_workers}: {CORRUPT}")
+    for key in ("worker_rng", "worker_states"):
+        for name in st.get(key, {}):
+            if int(name) >= workers:
+                raise ValueError(f"{_key(f'state[{key!r}]', name)}: worker {int(name)} does "
+                                 f"not exist in a loader with num_workers={saved_workers}: "
+                                 f"{CORRUPT}")
     for name, wstate in st["worker_states"].items():
         path = _key("state['worker_states']", name)
-        if int(name) >= workers:
-            raise ValueError(f"{path}: worker {int(name)} does not exist in a loader with "
-                             f"num_workers={saved_workers}: {CORRUPT}")
         if wstate is not None and not iterable:
             raise ValueError(f"{path}: a map-style dataset has no per-worker state: "
                              f"{WHAT_TO_DO}")

@@ -1,33 +1,20 @@
 """What ``load_state_dict`` accepts: the one place that knows the state layouts.
 
-A loaded state is checked completely before anything of it is used: its version,
-every key (missing and unknown ones), every value's type and range, nested states
-included (per-worker dataset states, RNG states), then against the loader that loads
-it (the configuration recorded in the state, positions within the epoch, generator
-states of the right length). The result is a state in the current layout
-(:data:`FORMAT_VERSION`), which :class:`aioloader._resume.tracker.EpochTracker` then
-trusts. Two layouts are read: aioloader's, version 3 (:data:`_FIELDS`; versions 1 and
-2, made and replaced before any release, are refused), and torchdata's
-``StatefulDataLoader`` states (:func:`read_torchdata`).
-
-This module knows the layouts and reads them; the checks it composes live below it:
-each value alone in :mod:`aioloader._resume.fields`, what must match the loading loader
-in :mod:`aioloader._resume.loader_fit`, and last, the keys against each other in
-:mod:`aioloader._resume.consistency` (a state whose keys contradict each other describes
-no epoch).
-
-The errors (key paths, ``TypeError`` or ``ValueError``) and why nothing in a state is
-ever unpickled, imported or evaluated: docs/resume.md, "What ``load_state_dict`` checks".
-
-A new version after a release gets its own reader here (and an upgrade into the
-current layout); a check that a later feature relaxes (``num_workers``, for a resume
-onto another number of workers) is one entry of
-:data:`~aioloader._resume.loader_fit.CONFIG_FIELDS`.
+A loaded state is checked completely before anything of it is used, and read into the
+current layout (:data:`FORMAT_VERSION`), which :class:`aioloader._resume.tracker.EpochTracker`
+then trusts. Two layouts are read: aioloader's, version 3 (:data:`_FIELDS`; the
+pre-release versions 1 and 2 are refused), and torchdata's ``StatefulDataLoader``'s
+(:func:`read_torchdata`). The checks it composes: each value alone
+(:mod:`aioloader._resume.fields`), against the loading loader
+(:mod:`aioloader._resume.loader_fit`), the keys against each other
+(:mod:`aioloader._resume.consistency`). The errors, and why nothing in a state is ever
+unpickled, imported or evaluated: docs/resume.md, "What ``load_state_dict`` checks".
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,20 +76,18 @@ def _worker_state(value: Any, path: str, worker_id: int) -> None:
                          f"{CORRUPT}")
 
 
-def _by_worker(value: Any, path: str) -> dict[str, Any]:
-    """A dict keyed by worker ids written as strings of digits (``"0"``, ``"1"``, ...)."""
-    _dict(value, path)
-    for name in value:
-        if not isinstance(name, str) or not name.isdigit():
-            raise _value_error(f"{path} key {_show(name)}", "a worker id as a str of digits",
-                               name)
-    checked: dict[str, Any] = value
-    return checked
-
-
-def _worker_states(value: Any, path: str) -> None:
-    for name, state in _by_worker(value, path).items():
-        _worker_state(state, _key(path, name), int(name))
+def _by_worker(item: Callable[[Any, str, int], None]) -> Check:
+    """A dict keyed by worker ids written as strings of digits (``"0"``, ``"1"``, ...),
+    each value checked by ``item(value, path, worker_id)``."""
+    def check(value: Any, path: str) -> None:
+        _dict(value, path)
+        for name in value:
+            if not isinstance(name, str) or not name.isdigit():
+                raise _value_error(f"{path} key {_show(name)}",
+                                   "a worker id as a str of digits", name)
+        for name, state in value.items():
+            item(state, _key(path, name), int(name))
+    return check
 
 
 def _sorted_extra(value: Any, path: str) -> None:
@@ -113,15 +98,13 @@ def _sorted_extra(value: Any, path: str) -> None:
                              f"{path}[{i}]={a} before {path}[{i + 1}]={b}: {CORRUPT}")
 
 
-def _rng(value: Any, path: str) -> None:
-    if value is not None:
-        _record({"global": _optional(_rng_shape), "generators": _rng_map})(value, path)
+_rng = _optional(_record({"global": _optional(_rng_shape), "generators": _rng_map}))
 
 
 _WORKER_RNG_SIZES = {1: (2500, 9, 2500, 16), 2: (2500, 9, 40)}  # after torch's section
 
 
-def _worker_rng_blob(value: Any, path: str) -> None:
+def _worker_rng_blob(value: Any, path: str, _worker_id: int = 0) -> None:
     """One worker's RNG states (:mod:`aioloader._worker.rng`): a list of byte values,
     a kind byte then length-prefixed sections of the sizes that kind has."""
     _rng_shape(value, path)
@@ -147,11 +130,6 @@ def _worker_rng_blob(value: Any, path: str) -> None:
                          f"{CORRUPT}")
 
 
-def _worker_rngs(value: Any, path: str) -> None:
-    for name, blob in _by_worker(value, path).items():
-        _worker_rng_blob(blob, _key(path, name))
-
-
 #: aioloader's layout (version :data:`FORMAT_VERSION`): every key and its check.
 _FIELDS: dict[str, Check] = {
     "finished": _bool,
@@ -160,12 +138,12 @@ _FIELDS: dict[str, Check] = {
     "prefix": _int(),
     "extra": _sorted_extra,
     "last_worker": _int(),
-    "worker_states": _worker_states,
+    "worker_states": _by_worker(_worker_state),
     "sampler_state": _user_state,
     "rng": _rng,
     "generators": _rng_map,
     "shared_seed": _optional(_int(0, MAX_SEED)),  # an IterDataPipe epoch's shared seed
-    "worker_rng": _worker_rngs,
+    "worker_rng": _by_worker(_worker_rng_blob),
     "distributed": check_distributed,
     "elastic": check_elastic,
 }
@@ -190,10 +168,8 @@ def _read(state: dict[str, Any], config: Any) -> dict[str, Any]:
 
 
 def validate(config: Any, state: Any) -> dict[str, Any]:
-    """``state`` checked completely against ``loader``, in the current layout.
-
-    Raises TypeError or ValueError naming the offending key (see the module docstring).
-    """
+    """``state`` checked completely against ``loader``, in the current layout (TypeError or
+    ValueError naming the offending key)."""
     if not isinstance(state, dict):
         raise TypeError(f"load_state_dict expects a dict from state_dict(), got "
                         f"{type(state).__name__}")
@@ -216,9 +192,7 @@ def validate(config: Any, state: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ torchdata
 
 
-def _td_sampler_iter_state(value: Any, path: str) -> None:
-    if value is not None:
-        _record({"samples_yielded": _int()}, strict=False)(value, path)
+_td_sampler_iter_state = _record({"samples_yielded": _int()}, strict=False)
 
 
 #: The keys of a torchdata state that aioloader reads (torchdata ignores the others, and
@@ -287,14 +261,16 @@ def _td_check_sampler(main: dict[str, Any], path: str, config: Any, yielded: int
                          f"epoch of {batches} batches: {WHAT_TO_DO}")
 
 
-def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
-    """A torchdata ``StatefulDataLoader.state_dict()``, checked, in aioloader's layout.
+def _holds_state(worker: dict[str, Any]) -> bool:
+    """A torchdata worker state holds its dataset's or its iterator's position."""
+    return worker[_DATASET_STATE] is not None or (
+        worker[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None
 
-    Loads where the two mean the same thing: a sequential or ``Stateful`` sampler,
-    ``Stateful`` iterable datasets (per worker), the base seed. torchdata's shuffling
-    ``RandomSampler`` draws a different permutation than torch's: refused. Keys that
-    aioloader does not use are ignored, as torchdata ignores keys it does not read.
-    """
+
+def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
+    """A torchdata ``StatefulDataLoader.state_dict()``, checked, in aioloader's layout,
+    where the two mean the same thing (docs/resume.md, "Loading a torchdata state");
+    keys aioloader does not use are ignored, as torchdata ignores them."""
     if "_snapshot" in sd:
         _record({"_snapshot": _record(_TD_SNAPSHOT, strict=False),
                  "_steps_since_snapshot": _int()}, strict=False)(sd, "state")
@@ -331,9 +307,7 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
         _int(0, max(0, config.num_workers - 1))(snap["_last_yielded_worker_id"],
                                                 "state['_snapshot']['_last_yielded_worker_id']")
         _td_check_sampler(main, mpath, config, yielded, ypath)
-        has_state = any(w is not None and (w[_DATASET_STATE] is not None or (
-            w[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None)
-            for w in workers.values())
+        has_state = any(w is not None and _holds_state(w) for w in workers.values())
         state = {"finished": finished, "base_seed": main["_base_seed"],
                  "last_worker": snap["_last_yielded_worker_id"],
                  "worker_states": workers if has_state else {},
@@ -348,8 +322,7 @@ def read_torchdata(config: Any, sd: dict[str, Any]) -> dict[str, Any]:
         ypath = "state['_num_yielded']"
         _td_check_sampler(sd, "state", config, yielded, ypath)
         wstate = None
-        if sd[_DATASET_STATE] is not None or (
-                (sd[_FETCHER_STATE] or {}).get(_DATASET_ITER_STATE) is not None):
+        if _holds_state(sd):
             wstate = {_WORKER_ID: 0, _FETCHER_STATE: sd[_FETCHER_STATE],
                       _DATASET_STATE: sd[_DATASET_STATE]}
         state = {"finished": sd["_iterator_finished"], "base_seed": None, "last_worker": 0,

@@ -1,22 +1,7 @@
-"""Exact mid-epoch resume: the machinery behind ``loader.state_dict()``/``load_state_dict()``.
-
-Same method names and call semantics as torchdata's ``StatefulDataLoader``
-(see docs/resume.md): ``state_dict()`` describes the loader after the batches
-*yielded so far* (batches dispatched to workers or prefetched but not yet
-yielded are not part of it and are fetched again after a resume);
-``load_state_dict(sd)`` affects the *next* ``iter()``/``aiter()`` of the loader.
-
-How a state is made exact without fetching the skipped samples, and what it
-guarantees: docs/resume.md.
-
-The per-epoch bookkeeping is :mod:`aioloader._resume.tracker`; a worker's dataset
-state, :mod:`aioloader._resume.dataset_state`. This module is the loader's API:
-``state_dict()`` (:func:`loader_state_dict`) and ``load_state_dict()``
-(:func:`checked_state`); what a loaded state must be (the current layout,
-torchdata states), :mod:`aioloader._resume.schema`; what a state records of its loader,
-:mod:`aioloader._resume.loader_fit`. Each name is imported from the
-module that defines it: worker processes import only
-:mod:`~aioloader._resume.dataset_state` (stdlib only).
+"""``loader.state_dict()`` (:func:`loader_state_dict`) and ``load_state_dict()``
+(:func:`checked_state`), with torchdata's ``StatefulDataLoader`` semantics: a state
+describes the loader after the batches *yielded so far*, and a loaded one affects the
+*next* ``iter()``. How it is exact, and what it guarantees: docs/resume.md.
 """
 
 from __future__ import annotations
@@ -50,12 +35,9 @@ def loader_state_dict(config: Any, pending: dict[str, Any] | None,
 
 
 def checked_state(config: Any, state: dict[str, Any]) -> dict[str, Any] | None:
-    """``loader.load_state_dict(state)``: the state validated and converted for the next
-    ``iter()``; ``None`` for ``{}`` (nothing to resume).
-
-    All of the checking is :func:`aioloader._resume.schema.validate`; a refused state
-    raises before the loader changes anything.
-    """
+    """``loader.load_state_dict(state)``: the state checked completely
+    (:func:`aioloader._resume.schema.validate`) and converted for the next ``iter()``;
+    ``None`` for ``{}`` (nothing to resume)."""
     if isinstance(state, dict) and state == {}:
         return None
     return validate(config, state)

@@ -1,11 +1,9 @@
 """What one epoch has consumed, kept batch by batch so that it can resume exactly.
 
-One :class:`EpochTracker` per iterator: it wraps the epoch's sampler iterator,
-numbers the batches drawn, is told of each batch handed out, and turns that into
-the loader's ``state_dict()`` (:meth:`EpochTracker.state_dict`); given a loaded
-state, it fast-forwards the sampler past the consumed batches. The loader-facing
-API (``state_dict()``/``load_state_dict()``, torchdata states) is
-:mod:`aioloader._resume.state`; how a state is made exact, docs/resume.md.
+One :class:`EpochTracker` per iterator: it wraps the epoch's sampler iterator, numbers
+the batches drawn, is told of each batch handed out, and makes the loader's
+``state_dict()``; given a loaded state, it fast-forwards the sampler past the consumed
+batches (docs/resume.md).
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ import torch
 from ..sampler import _iter_index_sampler
 from .dataset_state import _stateful
 from .elastic import distributed_info, rank_batches
+from .fields import rng_tensor
 
 __all__ = ["FORMAT_KEY", "FORMAT_VERSION", "EpochTracker", "generators"]
 
@@ -37,13 +36,6 @@ def _rng_lists(rng: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"global": glob.tolist() if isinstance(glob, torch.Tensor) else glob,
             "generators": {p: v.tolist() if isinstance(v, torch.Tensor) else v
                            for p, v in (rng.get("generators") or {}).items()}}
-
-
-def _to_tensor(v: Any) -> torch.Tensor:
-    """A validated RNG state (:mod:`aioloader._resume.fields`) as ``set_state`` takes it."""
-    if isinstance(v, torch.Tensor):
-        return v
-    return torch.frombuffer(bytearray(v), dtype=torch.uint8)  # 10x torch.tensor(list)
 
 
 def generators(config: Any) -> dict[str, torch.Generator]:
@@ -75,14 +67,10 @@ def _stateful_sampler(config: Any) -> Any:
 class EpochTracker:
     """What one epoch has consumed, enough to resume it exactly (one per iterator).
 
-    The epoch calls :meth:`sampler_iter` (instead of ``iter(index_sampler)``): the
-    sampler iterator is wrapped once, and the wrapper numbers every batch drawn
-    (:attr:`last_drawn` right after the draw; the dispatcher keeps it in the batch's
-    slot). Then :meth:`base_seed`, and one :meth:`commit` per batch, made by the
-    epoch's delivery boundary (:class:`aioloader._pipeline.delivery.Delivery`) when the
-    consumer receives the batch (or its error is raised, or it is skipped), with the
-    batch's number and what came with it from its worker (an iterable dataset's state,
-    the worker's RNG states).
+    The epoch calls :meth:`sampler_iter` (instead of ``iter(index_sampler)``), whose
+    wrapper numbers every batch drawn (:attr:`last_drawn`), then :meth:`base_seed`, and
+    the delivery boundary one :meth:`commit` per batch the consumer receives (or whose
+    error is raised, or that is skipped).
     """
 
     def __init__(self, config: Any, resume: dict[str, Any] | None) -> None:
@@ -180,7 +168,7 @@ class EpochTracker:
         for path, value in states.items():
             gen = self.gens.get(path)
             if gen is not None and value is not None:
-                gen.set_state(_to_tensor(value))
+                gen.set_state(rng_tensor(value))
 
     def base_seed(self, draw: Callable[[], int]) -> int:
         """The epoch's base seed: the saved one when resuming, else ``draw()`` (as torch)."""
@@ -195,11 +183,8 @@ class EpochTracker:
         return self._seed is not None
 
     def shared_seed(self, draw: Callable[[], int]) -> int:
-        """An ``IterDataPipe``'s shared seed: the resumed epoch's (no draw), else ``draw()``.
-
-        A resumed epoch's generators are as they were after its draws, so it draws none
-        again: every call returns the saved seed, which orders the graph as it was.
-        """
+        """An ``IterDataPipe``'s shared seed: the resumed epoch's, every call (its generators
+        are as after its draws: nothing is drawn again), else ``draw()``."""
         if self._shared is not None:
             return self._shared
         return draw()
@@ -245,7 +230,7 @@ class EpochTracker:
         saved_global = torch.get_rng_state()
         try:
             if rng.get("global") is not None:
-                torch.set_rng_state(_to_tensor(rng["global"]))
+                torch.set_rng_state(rng_tensor(rng["global"]))
             self._set_gens(rng.get("generators") or {})
             base = _iter_index_sampler(index_sampler)
             # Draw the consumed batches again (not fetched) and the next one, all under the
@@ -276,13 +261,11 @@ class EpochTracker:
 
     def commit(self, logical: int, worker: int | None = None, wstate: Any = None,
                rng: Any = None, yielded: bool = True) -> None:
-        """Batch ``logical`` was handed out (or its error raised, or its worker ended).
-
-        The one commit of a batch, called by the epoch's delivery boundary only
-        (:meth:`aioloader._pipeline.delivery.Delivery.commit`). ``worker``: the worker that
-        fetched it (None in-process); ``wstate``: the iterable dataset's state that came
-        with it; ``rng``: that worker's RNG states after it (:mod:`aioloader._worker.rng`);
-        ``yielded``: the consumer received it (False: skipped, or its worker ran out).
+        """Batch ``logical`` was handed out (or its error raised, or its worker ended):
+        the delivery boundary's one commit of it. ``worker``: who fetched it (None
+        in-process), with ``wstate`` (the iterable dataset's state) and ``rng`` (its RNG
+        states after it); ``yielded``: the consumer received it (False: skipped, or its
+        worker ran out).
         """
         if (logical == self.prefix and worker is None and yielded and not self.extra
                 and self.sampler_obj is None and not self.replaying):
@@ -317,9 +300,8 @@ class EpochTracker:
 
     def replay(self) -> Iterator[None]:
         """Iterable dataset without state: once per batch already consumed, the caller
-        fetches one and drops it (``for _ in track.replay(): fetch()``, awaited or not),
-        :attr:`replaying` until its loop ends, however it ends (the generator's ``finally``
-        runs as the loop is left)."""
+        fetches one and drops it (``for _ in track.replay(): fetch()``), :attr:`replaying`
+        until the loop ends, however it ends."""
         self.replaying = True
         try:
             while self.discard:

@@ -1,31 +1,24 @@
 """A worker serving an async dataset: one event loop for the worker's life.
 
-Commands follow :mod:`aioloader._worker.main`'s protocol, but several fetches are
-in flight at once (``fetch_concurrency``) and their replies may leave out of
-order (the parent reorders by ``seq``). One writer task sends the replies,
-already encoded, so frames stay whole and the loop never blocks on a slow
-parent.
-
-anyio (and uvloop, where installed) is imported only when the loop starts:
-importing this module keeps a sync dataset's worker light.
+Several fetches are in flight (``fetch_concurrency``) and their replies may leave out of
+order (the parent reorders by ``seq``); one writer task sends them, already encoded.
+anyio (and uvloop) are imported only when the loop starts.
 """
 
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .._errors import RemoteError
 from .._fetch.sync import DatasetKind
-from .._stats.recorder import COLLATE, WorkerClock
-from .._stats.wrap import timed
+from .._stats.recorder import WorkerClock
 from .codec import decode
 from .config import WorkerConfig, _where
 from .fds import close_fds
-from .loop import _encode_reply, _error_reply
+from .loop import _encode_reply, _error_reply, timed_collate
 from .reply import Reply
 from .wire import FrameReader, FrameWriter
 
@@ -44,9 +37,9 @@ class _AsyncEpoch:
 
         # One fetch's reply; the worker's timings wrap it (and collate_fn) once.
         self.reply: Callable[[_AsyncEpoch, Any, Any, Any], Awaitable[Reply]] = _fetch_reply
-        if clock is not None:  # a copy: the config may be shared (threads, respawns)
+        if clock is not None:
             clock.reset()
-            cfg = dataclasses.replace(cfg, collate_fn=timed(clock, COLLATE, cfg.collate_fn))
+            cfg = timed_collate(cfg, clock)
             self.reply = clock.astamped(_fetch_reply)
         self.cfg = cfg
         self.error = init_error
@@ -209,9 +202,7 @@ def _serve_async(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError
 
     import anyio
 
-    options: dict[str, Any] = {}
-    if importlib.util.find_spec("uvloop") is not None:
-        options["use_uvloop"] = True
+    options = {"use_uvloop": True} if importlib.util.find_spec("uvloop") is not None else {}
     # A worker forked from inside a running loop inherits that loop's context
     # variables (sniffio's "asyncio is running here" among them) and sniffio's
     # thread-local: start from a clean slate or anyio.run refuses to start.

@@ -1,50 +1,24 @@
-"""Pickles in which CPU tensor storages travel as file descriptors.
+"""Pickles in which CPU tensor storages travel as file descriptors or through segments.
 
-The encoding half of :mod:`aioloader._worker.wire` (which frames these payloads
-on a socket and passes their descriptors as ``SCM_RIGHTS``): :func:`encode` and
-:func:`decode`, and the format below. The pickler is :mod:`aioloader._worker.pickler`'s,
-the unpickler :mod:`aioloader._worker.unpickler`'s, closing descriptors
-:mod:`aioloader._worker.fds`'s.
+:func:`encode` and :func:`decode`; :mod:`aioloader._worker.wire` frames the payloads and
+passes their descriptors as ``SCM_RIGHTS``. The sending half is
+:mod:`aioloader._worker.pickler`, the receiving half :mod:`aioloader._worker.unpickler`.
+A CPU tensor is reduced to its storage plus geometry (views share one storage); its
+storage becomes a persistent id:
 
-Tensor pickling:
+* ``("b", bytes)``: inline (small, past :data:`MAX_FDS_PER_MESSAGE`, or a sharing
+  strategy other than ``file_descriptor``);
+* ``("fd", i, nbytes)``: torch's shared memory, by descriptor ``i`` of the message;
+* ``("s" | "sb" | "sB" | "sA", segment, offset, nbytes, fd index or -1, pooled)``: a
+  region of the sending worker's recycled segments (:mod:`aioloader._worker.segments`):
+  a storage, a numpy array's or memoryview's bytes, ``bytes``, a ``bytearray`` of at
+  least :data:`SHARE_THRESHOLD` bytes; the segment's fd rides along only the first time.
 
-* a plain CPU strided :class:`torch.Tensor` (or ``Parameter``) is reduced to
-  :func:`~aioloader._worker.unpickler.rebuild_tensor` plus its storage and geometry
-  (views keep sharing one storage; non-contiguous tensors keep their strides);
-* its :class:`torch.UntypedStorage` becomes a persistent id: ``("fd", i,
-  nbytes)`` when it is (or is worth being) in shared memory, or ``("b",
-  bytes)`` inline when it is small (below :data:`SHARE_THRESHOLD`), when the
-  message already carries :data:`MAX_FDS_PER_MESSAGE` descriptors (in a worker with
-  segments: copied into one), or when torch's sharing strategy is not
-  ``file_descriptor``. A storage shared by several tensors is sent once.
+What travels how, and why: docs/pipeline.md, "Transport: recycled segments".
 
-In a worker process with a segment pool (:mod:`aioloader._worker.segments`), storages,
-numpy arrays and byte buffers travel out of band through recycled segments instead:
-
-* a storage collate allocated in a segment becomes ``("s", segment, offset, nbytes,
-  fd index or -1, pooled)``: no copy at all; the segment's fd rides along only the first
-  time the parent sees it;
-* a storage of at least :data:`SHARE_THRESHOLD` bytes elsewhere (not already in torch's
-  shared memory) is copied into a segment (warm pages) rather than moved to fresh
-  shared memory;
-* a numpy array (exact ``ndarray``, no Python objects in it), ``bytes``, ``bytearray``
-  or ``memoryview`` of at least :data:`SHARE_THRESHOLD` bytes (numpy arrays: C or
-  Fortran contiguous ones in native byte order; others are pickled in band as torch's
-  workers pickle them, protocol 4) is copied into a segment
-  (or referenced where it already lies in one) and rebuilt in the parent over the
-  mapping: numpy arrays and memoryviews without a copy (same dtype, shape, C or Fortran
-  order, writable as torch's unpickled arrays are), ``bytes``/``bytearray`` with one
-  copy out. Smaller ones stay inline in the pickle. A ``memoryview``, which torch cannot
-  pickle at all, arrives as a memoryview of the same format, shape and read-only flag.
-
-The parent decodes those with the worker's :class:`~aioloader._worker.segments.SegmentMaps`.
-
-File descriptor ownership: :func:`encode` returns descriptors that the caller
-owns (duplicates; the storages keep their own). Whoever sends them closes
-them (:func:`aioloader._worker.wire.send_frame` and
-:class:`aioloader._worker.wire.FrameWriter` do). :func:`decode` takes
-ownership of the descriptors it is given and closes each exactly once, even
-when unpickling fails; rebuilt storages hold their own duplicates.
+Descriptor ownership: :func:`encode` returns duplicates the caller owns (the sender
+closes them once sent); :func:`decode` takes ownership of those it is given and closes
+each exactly once, even when unpickling fails.
 
 Example:
     >>> import torch
@@ -86,12 +60,6 @@ def encode(obj: Any, *, buffer_callback: Any = None,
            dispatch_table: Any = None) -> tuple[bytes, list[int]]:
     """Pickle ``obj``; large or shared CPU tensor storages become attached fds.
 
-    Storages of at least :data:`SHARE_THRESHOLD` bytes are moved to shared memory
-    (``share_memory_()``) and sent by fd; smaller ones travel inline unless they are
-    already shared. At most :data:`MAX_FDS_PER_MESSAGE` storages go by their own
-    descriptor (already in torch's shared memory, or where there is no segment pool);
-    further ones are copied into a segment, or inline.
-
     Args:
         obj: any picklable object.
         buffer_callback: pickle's protocol-5 out-of-band hook (the caller then hands
@@ -99,9 +67,8 @@ def encode(obj: Any, *, buffer_callback: Any = None,
         dispatch_table: the pickler's ``dispatch_table`` (``None``: ``copyreg``'s).
 
     Returns:
-        ``(payload, fds)``. The caller owns ``fds`` (duplicates) and must close
-        them once sent, or hand them to :func:`decode`. Storages sent by fd are
-        left in shared memory (the sender's tensors now use it).
+        ``(payload, fds)``: the caller closes ``fds`` once sent, or hands them to
+        :func:`decode`. Storages sent by fd stay in shared memory.
 
     Raises:
         Whatever pickling ``obj`` raises; no fd is left open then.
@@ -164,14 +131,9 @@ def _plain(obj: Any) -> bool:
 
 def decode(payload: bytes | bytearray | memoryview, fds: list[int],
            maps: _segments.SegmentMaps | None = None, buffers: Any = None) -> Any:
-    """Unpickle a payload made by :func:`encode`, mapping storages from ``fds``
-    (and taking out-of-band ``buffers``, if it was made with a ``buffer_callback``).
-
-    Takes ownership of ``fds``: every one is closed exactly once before this
-    returns or raises. Rebuilt storages keep their own duplicate descriptor.
-    ``maps``: the sending worker's segments (a reply from a worker with a segment
-    pool). In a worker, a command that carries released segment ids hands them
-    to the worker's pool.
+    """Unpickle a payload made by :func:`encode`, mapping storages from ``fds`` (closed
+    here, always), regions from ``maps`` (the sending worker's segments) and taking
+    out-of-band ``buffers``. In a worker, a command's released segment ids go to its pool.
 
     Example:
         >>> decode(*encode(("data", 0, 1, [1.5, "x"])))

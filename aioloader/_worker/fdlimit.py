@@ -1,23 +1,18 @@
-"""Running out of file descriptors: torch's RuntimeError, naming the side that ran out.
+"""Running out of file descriptors: torch's RuntimeError text, naming the side that ran out.
 
-torch's DataLoader raises a :class:`RuntimeError` ("Too many open files. Communication
-with the workers is no longer possible. ...") when its process nears its open-file limit.
-aioloader raises the same text, as a :class:`~aioloader._errors.TransportError` (a
-``RuntimeError``), wherever its own machinery cannot get a descriptor: the parent
-receiving or mapping a batch, a worker handing a batch's shared memory over, the parent
-starting a worker. The message adds which process ran out (the main process or worker
-N, its pid) at which limit, and what the ``file_system`` strategy changes in aioloader.
-
-The fixes it names (a higher ``ulimit -n``, or the ``file_system`` sharing strategy,
-which every start method's workers follow) both work with aioloader: docs/pipeline.md,
-"Running out of descriptors".
+Wherever aioloader's own machinery cannot get a descriptor it raises torch's message
+("Too many open files. Communication with the workers is no longer possible. ...") as
+a :class:`~aioloader._errors.TransportError` (a ``RuntimeError``), adding which process
+ran out at which limit: docs/pipeline.md, "Running out of descriptors".
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import resource
+from collections.abc import Iterator
 
 from .._errors import TransportError, exception_chain
 from .._worker_info import get_worker_info
@@ -27,6 +22,7 @@ __all__ = [
     "is_out_of_files",
     "out_of_fds",
     "out_of_files_error",
+    "out_of_files_named",
     "too_many_open_files",
 ]
 
@@ -52,11 +48,8 @@ def _side() -> str:
 
 
 def too_many_open_files(side: str | None = None) -> str:
-    """torch's message, then which process ran out at which limit and what aioloader does
-    under the ``file_system`` strategy.
-
-    Args:
-        side: the process that ran out; ``None``: this one (a worker names itself).
+    """torch's message, then which process ran out (``side``; ``None``: this one) at which
+    limit, and what the ``file_system`` strategy changes.
 
     Example:
         >>> too_many_open_files("the main process (pid 1)").startswith(TOO_MANY_FDS)
@@ -77,6 +70,18 @@ def too_many_open_files(side: str | None = None) -> str:
 def out_of_files_error() -> TransportError:
     """The error to raise (``from`` the ``OSError`` or ``RuntimeError`` that said so)."""
     return TransportError(too_many_open_files())
+
+
+@contextlib.contextmanager
+def out_of_files_named() -> Iterator[None]:
+    """An ``OSError`` that says the process ran out of descriptors raised as
+    :func:`out_of_files_error` (``from`` it); any other exception as it is."""
+    try:
+        yield
+    except OSError as exc:
+        if is_out_of_files(exc):
+            raise out_of_files_error() from exc
+        raise
 
 
 def is_out_of_files(exc: BaseException | None) -> bool:

@@ -1,10 +1,6 @@
-"""Descriptors a message owns, shared-memory files a failed allocation left behind, and
-whether storages are shared by descriptor here (torch's sharing strategy).
-
-:func:`close_fds` closes every descriptor of a message that was not (or will not be)
-sent; :func:`unlink_failed_segments` removes the ``/dev/shm`` file torch's allocator
-made and left when sizing or mapping it failed (``/dev/shm`` full), for the codec
-(:mod:`aioloader._worker.codec`) and for every failed batch of a worker.
+"""Descriptors a message owns (:func:`close_fds`), the ``/dev/shm`` files a failed torch
+allocation left behind (:func:`unlink_failed_segments`), and whether storages are shared
+by descriptor here (torch's sharing strategy).
 """
 
 from __future__ import annotations
@@ -33,12 +29,8 @@ _FAILED_SEGMENT = re.compile(
 
 
 def unlink_failed_segments(exc: BaseException | None) -> list[str]:
-    """Remove the shared-memory files a failed torch allocation in this process left behind.
-
-    Looks through ``exc``, its cause and context for torch's allocation errors (the
-    file was created, then sizing or mapping it failed) and unlinks the file they name
-    when it is this process's (torch names it after the pid). Returns the names removed.
-    """
+    """Remove the shared-memory files that the torch allocation errors in ``exc`` (or its
+    cause and context) name, where this process made them; returns the names removed."""
     removed: list[str] = []
     me = str(os.getpid())
     for link in exception_chain(exc):

@@ -1,15 +1,10 @@
 """A dataset pickled once for every spawned worker: one memory segment all of them read.
 
-``multiprocessing`` pickles a process's arguments for each process it starts and writes
-them into a pipe that only drains once the new interpreter has booted (``import torch``
-included): a dataset of 128 MiB was pickled N times and the N starts ran one after the
-other. Instead the pool pickles the dataset once (:meth:`DatasetImage.pack`) into an
-anonymous memory file (``memfd_create``), and every worker is given only the
-:class:`DatasetImage`, a few descriptors: the processes start at once and boot in
-parallel. A worker maps it copy-on-write and unpickles from the mapping (numpy arrays
-become views of it); CPU tensor storages travel as descriptors, as torch shares them.
-What travels how, and when the dataset is pickled per worker instead
-(:meth:`DatasetImage.pack` returns ``None``): docs/pipeline.md, "Stages".
+``multiprocessing`` pickles a process's arguments once per process and the starts run
+one after the other; instead the pool pickles the dataset once into an anonymous memory
+file and gives each worker a :class:`DatasetImage` (a few descriptors), which it maps
+copy-on-write and unpickles from. When the dataset is pickled per worker instead:
+docs/pipeline.md, "Stages".
 """
 
 from __future__ import annotations
@@ -36,10 +31,8 @@ def _aligned(n: int) -> int:
 class DatasetImage:
     """A dataset pickled once into a memory segment, given to each spawned worker.
 
-    In the parent it owns its descriptors (:meth:`close` them once no worker
-    will be started from it any more). Pickled for a worker being started (only
-    by ``multiprocessing`` while it starts a process: the descriptors are
-    duplicated into the child), it unpickles there to the dataset itself.
+    The parent owns its descriptors (:meth:`close`). Pickled by ``multiprocessing`` for
+    a process it starts, it unpickles there to the dataset itself.
 
     Example:
         >>> import numpy as np

@@ -1,10 +1,6 @@
-"""A sync worker's command loop, whatever carries its commands and replies.
-
-:func:`serve_commands` answers the commands of :mod:`aioloader._worker.main`'s
-protocol one at a time, in order: over a socket in a worker process
-(:func:`aioloader._worker.main.worker_main`), over in-process queues in a thread
-worker (:mod:`aioloader._pools.thread`). :class:`_SyncEpoch` is one epoch's
-fetcher; Ray actors call it directly (:mod:`aioloader._pools.ray`).
+"""A sync worker's command loop (:func:`serve_commands`), whatever carries its commands
+and replies: a socket in a worker process, queues in a thread worker. :class:`_SyncEpoch`
+is one epoch's fetcher; Ray actors call it directly.
 """
 
 from __future__ import annotations
@@ -37,17 +33,20 @@ __all__ = ["serve_commands"]
 
 
 def _error_reply(cfg: WorkerConfig, epoch: Any, seq: Any) -> Reply:
-    """An ``"error"`` reply for the exception being handled.
-
-    A batch that failed to allocate its shared memory (``/dev/shm`` full) leaves no file
-    behind: torch's allocator keeps the one it created, so it is removed here.
-    """
+    """An ``"error"`` reply for the exception being handled (a ``/dev/shm`` file that
+    torch's failed allocation left behind is removed)."""
     exc = sys.exc_info()[1]
     unlink_failed_segments(exc)
     if exc is not None and is_out_of_files(exc) and TOO_MANY_FDS not in str(exc):
         # The dataset's or torch's own error: its type stays (as torch's), the advice comes.
         add_note(exc, too_many_open_files())
     return Reply("error", epoch, seq, error=RemoteError.from_current(_where(cfg)))
+
+
+def timed_collate(cfg: WorkerConfig, clock: WorkerClock) -> WorkerConfig:
+    """A copy of ``cfg`` (it may be shared: threads, respawns) whose ``collate_fn`` is timed
+    by ``clock``."""
+    return dataclasses.replace(cfg, collate_fn=timed(clock, COLLATE, cfg.collate_fn))
 
 
 def _encode_reply(cfg: WorkerConfig, reply: Reply) -> tuple[bytes, list[int]]:
@@ -131,25 +130,25 @@ class _SyncEpoch:
             self.fetcher.close()
             self.fetcher = None
 
+    def next_epoch(self, cfg: WorkerConfig, init_error: RemoteError | None,
+                   shared_seed: int | None) -> _SyncEpoch:
+        """A ``("reset", ...)``: this epoch's fetcher closed, a DataPipe reseeded, the next."""
+        self.close()
+        reseed_datapipe(cfg, shared_seed)
+        return _SyncEpoch(cfg, init_error)
+
 
 
 def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
                    next_command: Callable[[], Any],
                    send_reply: Callable[[Reply], None]) -> None:
-    """The command loop of a sync worker, whatever carries its commands and replies.
-
-    ``next_command()`` blocks until the next command and returns ``None`` when
-    the worker must leave (EOF, parent gone, pool closing); ``send_reply``
-    hands one :class:`~aioloader._worker.reply.Reply` to the parent. Used by worker
-    processes (a socket) and by thread workers (in-process queues,
-    :mod:`aioloader._pools.thread`). A ``"data"`` reply carries the worker's timings
-    when ``cfg.stats`` is on.
-    """
+    """The command loop of a sync worker: ``next_command()`` blocks until the next command
+    (``None``: leave); ``send_reply`` hands a :class:`~aioloader._worker.reply.Reply` to
+    the parent (a ``"data"`` reply with the worker's timings when ``cfg.stats`` is on)."""
     clock = WorkerClock() if cfg.stats else None
     fetch = _SyncEpoch.fetch
     if clock is not None:  # the worker's timings: its calls wrapped once
-        # A copy of the config: it may be shared (threads, respawns).
-        cfg = dataclasses.replace(cfg, collate_fn=timed(clock, COLLATE, cfg.collate_fn))
+        cfg = timed_collate(cfg, clock)
         next_command = clock.waits(next_command)
         fetch = clock.stamped(fetch)
     state = _SyncEpoch(cfg, init_error)
@@ -167,9 +166,7 @@ def serve_commands(cfg: WorkerConfig, init_error: RemoteError | None,
                 send_reply(reply)
                 del reply  # free the batch (and its shared memory) before waiting again
             elif op == "reset":
-                state.close()
-                reseed_datapipe(cfg, cmd[2] if len(cmd) > 2 else None)
-                state = _SyncEpoch(cfg, init_error)
+                state = state.next_epoch(cfg, init_error, cmd[2] if len(cmd) > 2 else None)
                 if clock is not None:
                     clock.reset()
                 send_reply(Reply("reset", cmd[1]))

@@ -1,8 +1,7 @@
-"""The worker process: seed, install worker info, serve fetch commands.
+"""The worker process: seed, install worker info, serve fetch commands, leave.
 
-Imported in a freshly spawned interpreter, so it stays light: stdlib, torch,
-numpy and the package's sync fetchers at import time; anyio and the async
-fetchers only inside the async-dataset path.
+Imported in a freshly spawned interpreter, so it stays light (anyio and the async
+fetchers only on the async-dataset path).
 
 Protocol (one socket per worker, frames from :mod:`aioloader._worker.wire`):
 
@@ -18,15 +17,10 @@ command (parent -> worker)            reply (worker -> parent), by its ``kind``
 ``("exit",)`` (or EOF)                none: the process leaves with code 0
 ====================================  ========================================
 
-A reply is a :class:`aioloader._worker.reply.Reply` (its fields say what rides with a
-batch), sent as its wire tuple. With the failure policy's skip or retries, a ``"data"``
-reply's batch may be an :class:`aioloader._fetch.records.Outcome` (the batch, or
-``NOTHING``, plus the samples skipped).
-
-Commands are served by :func:`aioloader._worker.loop.serve_commands` (sync datasets) or
-:mod:`aioloader._worker.aserver` (async); what a worker is given and how it seeds itself
-are :mod:`aioloader._worker.config`'s. This module is the process: its set-up, the watch
-on its parent, and how it leaves.
+A reply is a :class:`aioloader._worker.reply.Reply`, sent as its wire tuple. Commands
+are served by :func:`aioloader._worker.loop.serve_commands` (sync datasets) or
+:mod:`aioloader._worker.aserver` (async); this module is the process: its set-up, the
+watch on its parent, and how it leaves.
 """
 
 from __future__ import annotations
@@ -58,7 +52,7 @@ from .reply import Reply
 from .segments import install as install_segments
 from .wire import Frame, FrameReader, send_frame
 
-__all__ = ["worker_main"]
+__all__ = ["leave", "worker_main"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,19 +86,19 @@ def _setup_process(cfg: WorkerConfig) -> int:
         except Exception:  # cosmetic only
             pass
     torch.set_num_threads(1)
-    _follow_sharing_strategy(cfg.sharing_strategy)
+    if cfg.sharing_strategy and cfg.sharing_strategy != sharing_strategy():
+        # The parent's strategy: a spawned worker starts with torch's default.
+        torch.multiprocessing.set_sharing_strategy(  # type: ignore[no-untyped-call]
+            cfg.sharing_strategy)
     return _seed_quickly(cfg)
 
 
 def _seed_quickly(cfg: WorkerConfig) -> int:
     """:func:`seed_worker`, with ``traceback.format_stack`` answering at once meanwhile.
 
-    ``torch.manual_seed`` queues CUDA's seeding for a CUDA start that may never come
-    and records where it was called with ``traceback.format_stack()``, which reads the
-    source of every frame on the stack through ``linecache``: 5-10 ms of a fresh
-    worker's set-up (torch's workers pay it too). That record is shown only
-    if the queued seeding fails at a later CUDA start; it names this call instead. Safe
-    to swap: the worker runs one thread at this point (its watchdog starts later).
+    ``torch.manual_seed`` records where it was called for a queued CUDA seeding by
+    reading the source of every frame (5-10 ms of a fresh worker's set-up); the record
+    names this call instead. Safe: the worker runs one thread at this point.
     """
     capture = traceback.format_stack
     traceback.format_stack = _named_stack
@@ -118,24 +112,12 @@ def _named_stack(*_args: Any, **_kwargs: Any) -> list[str]:
     return ["  torch.manual_seed(base_seed + worker_id), in aioloader's worker set-up\n"]
 
 
-def _follow_sharing_strategy(strategy: str) -> None:
-    """Use the parent's sharing strategy (a spawned worker starts with torch's default)."""
-    if strategy and strategy != sharing_strategy():
-        import torch.multiprocessing as tmp
-
-        tmp.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]
-
-
 def _drop_inherited(known: list[tuple[int, int, int]]) -> None:
-    """Let go of what a forked worker must not hold: the parent-side worker sockets of
-    every pool (``known``: this loader's and other loaders'), and every listening socket
-    (a port the parent closes must close, not stay open in its workers).
+    """Let go of what a forked worker must not hold: every pool's parent-side worker
+    sockets (``known``) and every listening socket; other files are kept, as with torch.
 
-    Files, pipes and connected sockets a dataset may use (open files, a
-    ``multiprocessing.Queue``, a logging handler) are kept, as with torch. Each fd let
-    go of is pointed at ``/dev/null`` rather than closed: its number stays taken, so a
-    copy of the parent's object that still names it (and may close it when collected)
-    can never reach a file this worker opens later.
+    Each is pointed at ``/dev/null`` rather than closed: its number stays taken, so the
+    parent's object that still names it can never close a file this worker opens later.
     """
     targets = [fd for fd, dev, ino in known if _is_file(fd, dev, ino)]
     targets.extend(fd for fd in _listening_sockets() if fd not in targets)
@@ -199,14 +181,10 @@ def _start_watchdog(sock: socket.socket, cfg: WorkerConfig, watch_ppid: bool,
                     leaving: threading.Event) -> None:
     """Exit the process when the parent dies, even while user code hangs.
 
-    A thread (ended with the process, as a daemon thread is) waits for the
-    parent's end of the socket to hang up (``POLLHUP``) and, where the parent
-    is our parent process (fork/spawn), also checks ``os.getppid()`` at least
-    once per second. A parent that
-    closes the pool hangs up right after its ``("exit",)`` command: when the
-    main thread is ``leaving`` (or starts to within a check interval), it is
-    given up to :data:`_EXIT_HANDLERS_LIMIT` seconds to run the worker's
-    exit handlers before the process is ended anyway.
+    A thread waits for the parent's end of the socket to hang up and, where the parent
+    is our parent process, checks ``os.getppid()`` once a second. A worker already
+    ``leaving`` (an ``("exit",)`` came first) gets :data:`_EXIT_HANDLERS_LIMIT` seconds
+    to run its exit handlers before the process is ended anyway.
     """
     fd = sock.fileno()
 
@@ -263,40 +241,41 @@ def _serve_sync(sock: socket.socket, cfg: WorkerConfig, init_error: RemoteError 
 
 
 def _run_own_exit_handlers() -> None:
-    """Run what an interpreter runs at exit, except the thread-exit hooks.
-
-    The ``atexit`` handlers (for ``fork``, only those registered in the
-    worker; for ``spawn``/``forkserver``, those of the worker's interpreter)
-    and multiprocessing's finalizers: a semaphore a dataset created here (as
-    tqdm does) is unlinked and unregistered from the resource tracker, so it
-    is not reported as leaked. ``threading``'s exit hooks and the join of
-    non-daemon threads are skipped on purpose: in a child forked from a
-    ``concurrent.futures`` thread, that executor's inherited hook would join
-    the thread the child runs on and fail the exit (code 1).
-    """
-    try:
-        atexit._run_exitfuncs()  # clears the registry: nothing runs twice
-    except BaseException:
-        _report_exit_failure("an atexit handler")
-    try:
-        multiprocessing.util._exit_function()  # type: ignore[attr-defined]
-    except BaseException:
-        _report_exit_failure("a multiprocessing finalizer")
+    """Run the worker's ``atexit`` handlers and multiprocessing's finalizers (a semaphore a
+    dataset made is unlinked, not reported as leaked), not ``threading``'s exit hooks: in
+    a child forked from a ``concurrent.futures`` thread, that executor's inherited hook
+    would join the thread the child runs on and fail the exit."""
+    for what, run in (("an atexit handler", atexit._run_exitfuncs),  # clears the registry
+                      ("a multiprocessing finalizer",
+                       multiprocessing.util._exit_function)):  # type: ignore[attr-defined]
+        try:
+            run()
+        except BaseException:
+            _report_failure(f"aioloader worker (pid {os.getpid()}): {what} failed at exit")
 
 
-def _report_exit_failure(what: str) -> None:
+def _report_failure(head: str) -> None:
+    """``head`` and the traceback being handled, to stderr (never raises)."""
     try:
-        sys.stderr.write(f"aioloader worker (pid {os.getpid()}): {what} failed at exit:\n"
-                         + traceback.format_exc())
+        sys.stderr.write(f"{head}:\n" + traceback.format_exc())
+        sys.stderr.flush()
     except BaseException:
         pass
 
 
+def leave(code: int) -> NoReturn:
+    """Flush stdout and stderr, then ``os._exit(code)``: none of the interpreter's teardown."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
 def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
-    """Body of a worker process: set up, serve commands, run its own exit handlers
-    (:func:`_run_own_exit_handlers`), leave with ``os._exit``: 0 on a normal exit
-    (``("exit",)``, EOF or parent death); 1 if the worker machinery itself failed (the
-    traceback goes to stderr)."""
+    """Body of a worker process: set up, serve commands, run its own exit handlers, leave
+    with ``os._exit``: 0 on a normal exit (``("exit",)``, EOF or parent death), 1 if the
+    worker machinery itself failed (the traceback goes to stderr)."""
     code = 0
     leaving = threading.Event()
     try:
@@ -320,12 +299,7 @@ def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
         pass  # the parent closed its end: nobody is listening any more
     except BaseException:
         code = 1
-        try:
-            sys.stderr.write(f"aioloader worker {cfg.worker_id} (pid {os.getpid()}) failed:\n"
-                             + traceback.format_exc())
-            sys.stderr.flush()
-        except BaseException:
-            pass
+        _report_failure(f"aioloader worker {cfg.worker_id} (pid {os.getpid()}) failed")
     finally:
         leaving.set()
         try:
@@ -333,9 +307,4 @@ def worker_main(sock: socket.socket, cfg: WorkerConfig) -> NoReturn:
         except BaseException:
             pass
         _run_own_exit_handlers()
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except BaseException:
-            pass
-        os._exit(code)
+        leave(code)

@@ -1,11 +1,6 @@
-"""The sending half of the codec (:mod:`aioloader._worker.codec`): :class:`Pickler`.
-
-A protocol-5 pickler in which CPU tensor storages travel as file descriptors or inline,
-and, in a worker with a segment pool (:mod:`aioloader._worker.segments`), storages,
-numpy arrays and byte buffers through the pool's recycled segments (the formats are in
-:mod:`aioloader._worker.codec`'s docstring). It collects the descriptors it attaches
-(:attr:`Pickler.fds`, owned by the caller) and the segments it referenced
-(:attr:`Pickler.refs`, :attr:`Pickler.fd_sent`) for the pool to commit.
+"""The sending half of the codec (:mod:`aioloader._worker.codec`, which lists the
+formats): :class:`Pickler`, collecting the descriptors it attaches (:attr:`Pickler.fds`,
+owned by the caller) and the segments it referenced (for the worker's pool to commit).
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ import numpy as np
 import torch
 
 from . import segments as _segments
-from .fdlimit import is_out_of_files, out_of_files_error
+from .fdlimit import out_of_files_named
 from .fds import sharing_strategy, unlink_failed_segments
 from .unpickler import rebuild_memoryview, rebuild_ndarray, rebuild_tensor
 
@@ -44,10 +39,9 @@ def _reduce_tensor(t: torch.Tensor) -> Any:
                               type(t) is torch.nn.Parameter))
 
 
-def _storage_buffer(storage: torch.UntypedStorage) -> pickle.PickleBuffer:
-    """A zero-copy buffer over a CPU storage's bytes (pickled in-band as a bytearray)."""
-    u8 = torch.empty((0,), dtype=torch.uint8).set_(storage)
-    return pickle.PickleBuffer(u8.numpy())  # type: ignore[arg-type]
+def _storage_bytes(storage: torch.UntypedStorage) -> np.ndarray[Any, Any]:
+    """A zero-copy uint8 array over a CPU storage's bytes."""
+    return torch.empty((0,), dtype=torch.uint8).set_(storage).numpy()
 
 
 
@@ -122,12 +116,8 @@ class Pickler(pickle.Pickler):
             return pid
         fd_index = self._seg_fd.get(seg.id, -1)
         if fd_index < 0 and seg.fd is not None:  # the parent has not mapped it yet
-            try:
+            with out_of_files_named():
                 self.fds.append(os.dup(seg.fd))
-            except OSError as exc:
-                if is_out_of_files(exc):
-                    raise out_of_files_error() from exc
-                raise
             fd_index = len(self.fds) - 1
             self._seg_fd[seg.id] = fd_index
             self.fd_sent.append(seg)
@@ -147,15 +137,11 @@ class Pickler(pickle.Pickler):
         seg.mm[offset:offset + nbytes] = data  # one memcpy
         return _SegRef(self._seg_pid(tag, seg, offset, nbytes))
 
-    def _in_segment(self, ptr: int, nbytes: int) -> _SegRef | None:
-        assert self.pool is not None
-        found = self.pool.find(ptr)
-        if found is None:
+    def _ref_at(self, found: tuple[Any, int] | None, nbytes: int, tag: str) -> _SegRef | None:
+        """A reference to ``nbytes`` at ``found`` (a segment, an offset) if they fit there."""
+        if found is None or found[1] + nbytes > found[0].size:
             return None
-        seg, offset = found
-        if offset + nbytes > seg.size:
-            return None
-        return _SegRef(self._seg_pid("sb", seg, offset, nbytes))
+        return _SegRef(self._seg_pid(tag, found[0], found[1], nbytes))
 
     def _reduce_ndarray(self, arr: np.ndarray[Any, Any]) -> Any:
         nbytes = arr.nbytes
@@ -168,7 +154,7 @@ class Pickler(pickle.Pickler):
             # In band, as torch's workers pickle it (protocol 4: a byte-swapped array
             # arrives in native order, a non-contiguous one C-contiguous).
             return arr.__reduce_ex__(4)
-        ref = self._in_segment(arr.ctypes.data, nbytes)
+        ref = self._ref_at(self.pool.find(arr.ctypes.data), nbytes, "sb")
         if ref is None:
             ref = self._copy_in(arr.reshape(-1, order="F" if fortran else "C").view(np.uint8),
                                 nbytes)
@@ -218,7 +204,7 @@ class Pickler(pickle.Pickler):
                 pid = ("fd", len(self.fds) - 1, int(size))
                 self._ids[storage.data_ptr()] = pid
         if pid is None:
-            pid = ("b", _storage_buffer(storage))
+            pid = ("b", pickle.PickleBuffer(_storage_bytes(storage)))  # type: ignore[arg-type]
         self._ids[ptr] = pid
         return pid
 
@@ -229,14 +215,11 @@ class Pickler(pickle.Pickler):
         assert self.pool is not None
         found = self.pool.find(ptr)
         if found is not None:
-            seg, offset = found
-            if offset + nbytes <= seg.size:
-                return self._seg_pid("s", seg, offset, nbytes)
-            return None
-        if nbytes < self._threshold or (storage.is_shared() and self._fd_ok
-                                        and len(self.fds) < self._max_fds):
+            ref = self._ref_at(found, nbytes, "s")
+        elif nbytes < self._threshold or (storage.is_shared() and self._fd_ok
+                                          and len(self.fds) < self._max_fds):
             return None  # small: inline; in torch's shared memory: its own fd, while allowed
-        ref = self._copy_in(torch.empty((0,), dtype=torch.uint8).set_(storage).numpy(), nbytes,
-                            "s")
+        else:
+            ref = self._copy_in(_storage_bytes(storage), nbytes, "s")
         return None if ref is None else ref.pid
 

@@ -1,10 +1,6 @@
-"""The Ray side of ``worker_method="ray"``: one worker as a Ray actor.
-
-:class:`RayWorker` does what a worker process does, with the same code
-(:func:`aioloader._worker.config.seed_worker`, then the worker's own fetch logic,
-:class:`aioloader._worker.loop._SyncEpoch`). The checks on ``ray_options`` and Ray's
-import are :mod:`aioloader._ray_options`; the parent side is
-:class:`aioloader._pools.ray.RayWorkerPool`.
+"""The Ray side of ``worker_method="ray"``: :class:`RayWorker`, one worker as a Ray actor,
+running a worker process's own set-up and fetch code (the parent side:
+:class:`aioloader._pools.ray.RayWorkerPool`).
 """
 
 from __future__ import annotations
@@ -14,7 +10,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .config import WorkerConfig, reseed_datapipe, run_worker_init, seed_worker
+from .config import WorkerConfig, run_worker_init, seed_worker
 from .loop import _SyncEpoch
 from .reply import Reply
 
@@ -45,7 +41,5 @@ class RayWorker:
 
     def reset(self, epoch: Any, shared_seed: int | None = None) -> Reply:
         """Start a new epoch (persistent workers): a fresh fetcher (a DataPipe reseeded)."""
-        self._epoch.close()
-        reseed_datapipe(self._cfg, shared_seed)
-        self._epoch = _SyncEpoch(self._cfg, self._init_error)
+        self._epoch = self._epoch.next_epoch(self._cfg, self._init_error, shared_seed)
         return Reply("reset", epoch)

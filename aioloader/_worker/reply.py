@@ -1,9 +1,6 @@
-"""A worker's answer to one command, with named fields, from its fetch to the reorder slot.
-
-A worker builds a :class:`Reply`; a worker thread hands it over as it is, a worker process
-sends :meth:`Reply.wire` (a plain tuple: no class to name per batch) and the pool's
-decoding thread builds the record again (``Reply(*wire)``) for the pool reader
-(:class:`aioloader._pipeline.source_pool.PoolSource`), which reads it by name.
+"""A worker's answer to one command, with named fields, from its fetch to the reorder slot:
+a worker process sends :meth:`Reply.wire` (a plain tuple: no class to name per batch), the
+parent builds the record again (``Reply(*wire)``); a worker thread hands it over as it is.
 """
 
 from __future__ import annotations
@@ -26,11 +23,9 @@ class Reply:
         seq: the batch's sequence number (``None`` for a reset).
         batch: a ``"data"`` reply's batch.
         error: an ``"error"`` reply's :class:`~aioloader._errors.RemoteError`.
-        state: an iterable dataset's state after this batch (:mod:`aioloader._resume`).
-        rng: the worker's RNG states after this batch, when they changed
-            (:mod:`aioloader._worker.rng`).
-        timings: the worker's 4-int timings of a ``"data"`` reply (``stats=``;
-            :class:`aioloader._stats.recorder.WorkerClock`).
+        state: an iterable dataset's state after this batch.
+        rng: the worker's RNG states after this batch, when they changed.
+        timings: the worker's 4-int timings of a ``"data"`` reply (``stats=``).
         worker: the id of the worker that answered (set by the parent side).
     """
 

@@ -1,29 +1,17 @@
 """A worker's RNG states: captured after each batch it fetches, restored at a resume.
 
-A worker captures its states after every fetch (:func:`capture`) and sends them with
-the reply only when they changed (:class:`RngTracker`); the parent keeps each worker's
-after its last consumed batch (``state['worker_rng']``) and a resumed worker starts from
-them (:func:`restore`, after its seeding and ``worker_init_fn``). Why: docs/resume.md,
+A worker sends its states with a reply only when they changed (:class:`RngTracker`); a
+resumed worker starts from those after its last consumed batch (:func:`restore`, after
+its seeding and ``worker_init_fn``). Why, and which generators are a worker's own (a
+process's globals; a thread worker's ``get_worker_info().rng``): docs/resume.md,
 "Randomness inside workers".
 
-Which generators are a worker's own:
-
-* a worker process (or Ray actor): the process's global RNGs: torch's default CPU
-  generator, Python's ``random``, numpy's legacy global ``RandomState``;
-* a thread worker: its own generators (``get_worker_info().rng``: ``torch_generator``,
-  which ``torch.thread_safe_generator()`` returns, ``random_generator``,
-  ``numpy_generator``). The global RNGs are shared by every thread and the consumer, so
-  what a thread draws from them is not a worker's state (and not reproducible even
-  without a resume): they are not captured.
-
-A state is one ``bytes`` value (cheap to compare and to send): a kind byte (1: a
-process's globals, 2: a thread worker's generators), then sections each prefixed by
-its length (a little-endian uint32): torch's state, Python's 624 words and position
-(uint32s), its ``gauss_next`` (a bool and a double), then numpy's (process: the
-twister's 624 words and position, and ``has_gauss``/``gauss``; thread: PCG64's 128-bit
-state and increment, ``has_uint32``, ``uinteger``). ``state['worker_rng']`` holds it as a
-list of byte values; :mod:`aioloader._resume.schema` checks a loaded one. Light imports
-only (stdlib, torch; numpy when the worker already imported it).
+A state is one ``bytes`` value: a kind byte (1: a process's globals, 2: a thread
+worker's generators), then sections each prefixed by its length (uint32): torch's
+state, Python's 624 words and position and ``gauss_next``, then numpy's (process: the
+twister's words and position, and ``has_gauss``/``gauss``; thread: PCG64's state,
+increment, ``has_uint32``, ``uinteger``). :mod:`aioloader._resume.schema` checks a
+loaded one.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Recycled shared-memory segments: a worker collates into warm pages, the parent maps each once.
 
-Writing a batch into fresh shared memory costs a page fault per 4 KiB page, in the worker
-while writing and in the parent while reading: about 13x slower than writing into pages
-that are already mapped. So each worker process keeps a small pool of segments
-(anonymous ``memfd`` files, never named in ``/dev/shm``: nothing is left there, whatever
-way a worker ends) and the parent keeps each one mapped for as long as the worker keeps it.
-
-Worker side: :class:`WorkerSegments` (one per worker process, installed by
-:func:`install`; a thread worker's is private, ``WorkerSegments(private=True)``:
-anonymous private mappings, its batches never leave the process). Parent side:
-:class:`SegmentMaps` (one per worker connection), whose leases send freed segment ids
-back with the next command (:class:`Freed`) and drop the mappings of segments the
-worker destroyed (:class:`Retired`). Arenas, when a segment is reused, the pool's bound
-(:func:`limit_for`, :data:`POOL_LIMIT`) and orphan segments: docs/pipeline.md,
-"Transport: recycled segments".
+Fresh shared memory costs a page fault per page on both sides (about 13x slower than
+warm pages), so each worker process keeps a small pool of anonymous ``memfd`` segments
+(:class:`WorkerSegments`, installed by :func:`install`; a thread worker's is private
+memory) and the parent keeps each one mapped (:class:`SegmentMaps`, one per worker
+connection), sending freed ids back with the next command (:class:`Freed`) and dropping
+the mappings of segments the worker destroyed (:class:`Retired`). Arenas, reuse, the
+bound (:func:`limit_for`) and orphans: docs/pipeline.md, "Transport: recycled segments".
 """
 
 from __future__ import annotations
@@ -41,9 +34,8 @@ __all__ = [
 ]
 
 POOL_LIMIT = 4
-"""Most pooled segments one worker keeps, until the parent says otherwise: the default
-prefetch window of 2 batches per worker, plus 2 (the batch the consumer holds, and one
-whose release has not reached the worker yet). See :func:`limit_for`."""
+"""Most pooled segments one worker keeps until the parent says otherwise: the default
+prefetch window of 2 batches, plus the batch the consumer holds and one being released."""
 
 MAX_POOL_LIMIT = 16
 """The bound never exceeds this, whatever the prefetch window."""
@@ -81,11 +73,8 @@ class Retired(NamedTuple):
 
 
 def _lease(mm: mmap.mmap, offset: int, nbytes: int) -> Any:
-    """A ctypes array over ``mm[offset:offset + nbytes]``: the object every view keeps alive.
-
-    Not a memoryview: slices of a memoryview and numpy arrays made from one reference
-    the underlying buffer, not the memoryview object, so its finalizer would fire early.
-    """
+    """A ctypes array over ``mm[offset:offset + nbytes]``: the object every view keeps alive
+    (not a memoryview: its slices reference the buffer, so its finalizer would fire early)."""
     return (ctypes.c_char * nbytes).from_buffer(mm, offset)
 
 
@@ -141,12 +130,8 @@ class _Segment:
 
 
 class WorkerSegments:
-    """One worker's segment pool (see the module docstring).
-
-    Args:
-        limit: most pooled segments kept (:data:`POOL_LIMIT`; the parent may change it).
-        private: a thread worker's pool: anonymous private memory (nothing is sent to
-            another process, so no segment is announced as retired).
+    """One worker's segment pool, of at most ``limit`` pooled segments; ``private``: a
+    thread worker's (anonymous private memory; no segment is announced as retired).
 
     Example:
         >>> pool = WorkerSegments(limit=2, private=True)
@@ -343,11 +328,8 @@ def current() -> WorkerSegments | None:
 
 
 def install(limit: int = POOL_LIMIT) -> WorkerSegments | None:
-    """Give this worker process a segment pool and route collate's allocations to it.
-
-    Does nothing where ``memfd_create`` is missing or torch's sharing strategy is not
-    ``file_descriptor`` (batches then travel as before: torch's shared memory, or inline).
-    """
+    """Give this worker process a segment pool and route collate's allocations to it
+    (not where ``memfd_create`` is missing or torch's strategy is not ``file_descriptor``)."""
     global _current
     from .._collate import fns
 
@@ -375,12 +357,8 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 class SegmentMaps:
-    """The parent's view of one worker's segments: a mapping per pooled segment, kept.
-
-    :meth:`lease` is called by the decoder for each reference; :meth:`attach` wraps a
-    command with the ids released since the last one; :meth:`retire` drops mappings the
-    worker destroyed; :meth:`close` drops them all (views alive keep their memory).
-    """
+    """The parent's view of one worker's segments: a mapping per pooled segment, kept
+    (views alive keep their memory after :meth:`close`)."""
 
     def __init__(self) -> None:
         self._maps: dict[int, mmap.mmap] = {}

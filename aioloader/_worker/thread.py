@@ -1,12 +1,9 @@
 """The thread side of thread workers: a worker thread's body, its generators, its info.
 
 A worker thread (:func:`thread_worker_main`) seeds its own generators, sets its
-``get_worker_info()`` (aioloader's and torch's, per thread), routes its big collate
-outputs to its pool of recycled buffers (:mod:`aioloader._worker.segments`), runs
-``worker_init_fn`` and then the worker's own command loop
-(:func:`aioloader._worker.loop.serve_commands`), reading commands from its queue and
-posting replies to its :class:`Channel` with its pool
-(:class:`aioloader._pools.thread.ThreadWorkerPool`).
+``get_worker_info()`` (aioloader's and torch's, per thread), routes big collate outputs
+to its private segments, runs ``worker_init_fn`` and then the command loop
+(:func:`aioloader._worker.loop.serve_commands`), posting replies to its :class:`Channel`.
 """
 
 from __future__ import annotations
@@ -21,10 +18,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.data._utils import worker as _torch_worker
 
 from .._collate.fns import set_thread_allocator
 from .._worker_info import WorkerInfo, _set_thread_worker_info
-from .config import WorkerConfig, generate_numpy_seed, reseed_datapipe, run_worker_init
+from .config import (
+    WorkerConfig,
+    generate_numpy_seed,
+    reseed_datapipe,
+    run_worker_init,
+    torch_worker_info,
+)
 from .loop import serve_commands
 from .reply import Reply
 from .segments import WorkerSegments
@@ -44,17 +48,12 @@ class _ThreadRNG:
 
 
 class Channel:
-    """What a worker thread shares with its pool: no reference to the pool itself.
+    """What a worker thread shares with its pool (not the pool itself: a thread holding
+    it would keep it from being collected and closed).
 
-    (Threads holding the pool would keep it alive, so it could never be
-    collected and closed.)
-
-    ``inbox`` holds the thread's replies in the order they were posted; ``ended`` is
-    set after the last one (``reason``: why its machinery failed, if it did). ``wake``
-    is set by the pool's ``serve()`` while it waits for this thread: posting calls it
-    (from the thread; it wakes the loop thread-safely). ``stop`` is the pool's: set
-    when it closes. The inbox never holds more replies than the commands the thread
-    was sent and did not answer yet (one reply per command).
+    ``inbox``: the replies, in order (at most one per command in flight); ``ended``: set
+    after the last one (``reason``: why its machinery failed, if it did); ``wake``: set
+    by a waiting ``serve()``, called on each post; ``stop``: set when the pool closes.
     """
 
     __slots__ = ("ended", "inbox", "reason", "stop", "wake")
@@ -88,13 +87,9 @@ class Channel:
 def thread_worker_main(cfg: WorkerConfig, commands: queue.SimpleQueue[tuple[Any, ...]],
                        channel: Channel, torch_local: threading.local | None,
                        segments: WorkerSegments | None = None) -> None:
-    """Body of a worker thread: own generators and worker info, then the command loop.
-
-    ``segments``: the thread's pool of recycled buffers for big collate outputs (a
-    private :class:`~aioloader._worker.segments.WorkerSegments`; its arena is sealed with
-    every reply, and it is closed when the thread leaves). Its last act is
-    :meth:`Channel.post_end` (with the reason if its machinery failed).
-    """
+    """Body of a worker thread: own generators and worker info, then the command loop;
+    its last act is :meth:`Channel.post_end`. ``segments``: its private recycled buffers
+    (sealed with every reply, closed when it leaves)."""
     worker_id = cfg.worker_id
     reason: str | None = None
     try:
@@ -108,7 +103,8 @@ def thread_worker_main(cfg: WorkerConfig, commands: queue.SimpleQueue[tuple[Any,
             id=worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset,
             rng=rng, worker_method="thread"))
         if torch_local is not None:
-            torch_local.worker_info = _torch_worker_info(cfg, seed, rng)
+            torch_local.worker_info = torch_worker_info(cfg, seed, rng=rng,
+                                                        worker_method="thread")
         init_error = run_worker_init(cfg)
 
         def next_command() -> Any:
@@ -143,18 +139,10 @@ _OMP_SET_NUM_THREADS: Any = None  # libgomp's omp_set_num_threads, looked up onc
 def one_intraop_thread() -> None:
     """Make torch run this thread's ops on one intra-op thread, as a worker process does.
 
-    A worker process calls ``torch.set_num_threads(1)`` (torch's ``_worker_loop``);
-    in a thread that would change the whole process's setting (the user's main
-    thread included; torchdata's thread mappers do it). With torch's OpenMP
-    backend the number of threads of a parallel region is a per-thread OpenMP
-    setting, so it is set for the calling thread only: torch's lazy per-thread
-    initialisation runs first (``torch.get_num_threads()``), then
-    ``omp_set_num_threads(1)`` for this thread. Without it every worker thread's
-    larger tensor ops (a permute + ``contiguous()``, collate's stack) wake an
-    OpenMP team of their own: with N worker threads on N cores that is 2N busy
-    threads and thousands of extra context switches per second. Where OpenMP is
-    not found (another backend), nothing changes. ``worker_init_fn`` runs after
-    this and may call ``torch.set_num_threads`` itself.
+    ``torch.set_num_threads(1)`` would change the whole process's setting; OpenMP's is
+    per thread, so ``omp_set_num_threads(1)`` is called for this thread (after torch's
+    lazy per-thread initialisation). Otherwise every worker thread's larger ops wake an
+    OpenMP team of their own: 2N busy threads on N cores. Without OpenMP, nothing changes.
     """
     global _OMP_SET_NUM_THREADS
     if _OMP_SET_NUM_THREADS is None:
@@ -184,26 +172,9 @@ def _seed_thread(cfg: WorkerConfig) -> Any:
         pass
     else:
         numpy_generator = np.random.default_rng(generate_numpy_seed(cfg.base_seed, cfg.worker_id))
-    rng_type: Any = getattr(_torch_worker(), "_RNG", None) or _ThreadRNG
+    rng_type: Any = getattr(_torch_worker, "_RNG", None) or _ThreadRNG
     return rng_type(random_generator=random.Random(seed), torch_generator=torch_generator,
                     numpy_generator=numpy_generator)
-
-
-def _torch_worker() -> Any:
-    from torch.utils.data._utils import worker
-
-    return worker
-
-
-def _torch_worker_info(cfg: WorkerConfig, seed: int, rng: Any) -> Any:
-    """torch's ``WorkerInfo`` for this thread (``worker_method="thread"`` where torch has it)."""
-    info_type = _torch_worker().WorkerInfo
-    try:
-        return info_type(id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed,
-                         dataset=cfg.dataset, rng=rng, worker_method="thread")
-    except TypeError:  # an older torch: no rng / worker_method fields
-        return info_type(id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed,
-                         dataset=cfg.dataset)
 
 
 # ------------------------------------------------------------------ torch's get_worker_info
@@ -222,17 +193,12 @@ def _thread_aware_get_worker_info() -> Any:  # pragma: no cover - only its code 
 def torch_thread_local() -> threading.local | None:
     """torch's per-thread worker-info slot, made to exist if this torch lacks it.
 
-    torch's thread workers (upstream) keep a thread's ``WorkerInfo`` in
-    ``torch.utils.data._utils.worker._thread_local_worker_info`` and make
-    ``get_worker_info()`` read it before the process-wide global. On a torch
-    without that (2.13 and older), the same slot is added and the code of
-    torch's ``get_worker_info`` function is swapped for that two-step lookup,
-    in place, so every reference to it (``torch.utils.data.get_worker_info``,
-    one imported by a dataset module, ``torch.thread_safe_generator``) answers
-    per thread. Process workers and the main thread see no change. Returns
-    ``None`` if torch's worker module is not shaped as expected.
+    Upstream torch's ``get_worker_info()`` reads ``_thread_local_worker_info`` before the
+    process-wide global; on a torch without it (2.13 and older) the slot is added and
+    the code of torch's ``get_worker_info`` is swapped in place for that lookup, so every
+    reference to it answers per thread. ``None`` if torch's module is not as expected.
     """
-    mod = _torch_worker()
+    mod: Any = _torch_worker
     with _TORCH_PATCH_LOCK:
         local = getattr(mod, "_thread_local_worker_info", None)
         if local is None:

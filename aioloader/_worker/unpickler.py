@@ -1,12 +1,7 @@
-"""The receiving half of the codec (:mod:`aioloader._worker.codec`): :class:`Unpickler`.
-
-It rebuilds what :class:`aioloader._worker.pickler.Pickler` sent: storages from their
-file descriptors (``("fd", i, nbytes)``) or inline bytes (``("b", bytes)``), and
-segment regions (``("s" | "sb" | "sB" | "sA", segment, offset, nbytes, fd index,
-pooled)``) over the sending worker's :class:`~aioloader._worker.segments.SegmentMaps`:
-a storage or raw buffer without a copy, ``bytes``/``bytearray`` with one. The module's
-``rebuild_*`` functions are what the pickles name to rebuild tensors, numpy arrays and
-memoryviews.
+"""The receiving half of the codec (:mod:`aioloader._worker.codec`, which lists the
+persistent ids): :class:`Unpickler`, and the ``rebuild_*`` functions the pickles name to
+rebuild tensors, numpy arrays and memoryviews over descriptors, inline bytes or the
+sending worker's segments.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ import numpy as np
 import torch
 
 from . import segments as _segments
-from .fdlimit import is_out_of_files, out_of_fds, out_of_files_error
+from .fdlimit import out_of_fds, out_of_files_error, out_of_files_named
 
 __all__ = ["Unpickler", "rebuild_memoryview", "rebuild_ndarray", "rebuild_tensor"]
 
@@ -88,17 +83,13 @@ class Unpickler(pickle.Unpickler):
             if self._maps is None:
                 raise pickle.UnpicklingError("a segment reference needs the worker's SegmentMaps")
             fd = self._fds[fd_index] if fd_index >= 0 else None
-            try:
+            with out_of_files_named():  # each mapping holds an fd, as torch's storages do
                 if tag == "sB" or tag == "sA":  # bytes own their memory: one copy out
                     out = self._maps.copy_out(seg_id, offset, nbytes, fd, pooled,
                                               bytes if tag == "sB" else bytearray)
                 else:
                     lease = self._maps.lease(seg_id, offset, nbytes, fd, pooled)
                     out = _segments._storage_over(lease) if tag == "s" else lease
-            except OSError as exc:  # each mapping holds an fd, as torch's storages do
-                if is_out_of_files(exc):
-                    raise out_of_files_error() from exc
-                raise
             self._leased[key] = out
         return out
 

@@ -1,31 +1,17 @@
-"""Framed messages between the parent and its workers, tensors by file descriptor.
+"""Framed messages between the parent and its workers, with any number of descriptors.
 
-One ``AF_UNIX`` ``SOCK_STREAM`` socket pair per worker carries pickled Python
-objects. CPU tensors do not travel through the socket: their storage is put
-in shared memory and its file descriptor rides along in the *same* message as
-``SCM_RIGHTS`` ancillary data. The receiver maps the storage directly. There
-is no resource-sharer thread and no connection per tensor (torch's
-``multiprocessing`` queue pays for both). The pickles themselves (which
-storages go by fd, who owns which descriptor) are :mod:`aioloader._worker.codec`'s;
-this module frames them and moves them and their descriptors over the socket.
-
-Frame layout (native byte order is not assumed: little-endian)::
+One ``AF_UNIX`` ``SOCK_STREAM`` socket pair per worker carries the payloads of
+:mod:`aioloader._worker.codec`; their descriptors ride in the same message as
+``SCM_RIGHTS`` ancillary data. Frame layout (little-endian)::
 
     +----------------------+----------------------+---------------------+
     | payload length (u64) | fd count (u32)       | pickle payload ...  |
     +----------------------+----------------------+---------------------+
       fds attached (SCM_RIGHTS) to the first byte of the header
 
-One ``sendmsg`` carries at most :data:`SCM_MAX_FD` (253) descriptors, Linux's limit. A
-frame with more sends them in chunks of that size: chunk ``k`` rides on byte ``k`` of
-the frame (one ``sendmsg`` of one byte each), the last one on the rest of the frame, so
-a frame of up to 253 descriptors is still one ``sendmsg``. The kernel never hands one
-``recvmsg`` the descriptors of two such chunks, and every chunk arrives with a byte of
-its own frame: :class:`FrameReader` keeps received descriptors in arrival order and
-gives a frame its count of them once the frame's last byte is in.
-
-Senders close the descriptors they were given once sent (:func:`send_frame`,
-:class:`FrameWriter`); a :class:`Frame` read by
+More than :data:`SCM_MAX_FD` descriptors go in chunks, chunk ``k`` alone on byte ``k``
+of the frame, the last on the rest (docs/pipeline.md, "Any number of descriptors").
+Senders close the descriptors they were given once sent; a :class:`Frame` read by
 :class:`FrameReader` owns its descriptors until :func:`decode` closes them.
 """
 
@@ -69,11 +55,7 @@ _FD_SIZE = array.array("i").itemsize
 
 
 class Frame(NamedTuple):
-    """One received message: its pickle payload and the fds attached to it.
-
-    The fds are owned by whoever holds the frame: pass them to :func:`decode`
-    (which closes them) or close them with :func:`close_fds`.
-    """
+    """One received message: its payload and its fds (owned by whoever holds it)."""
 
     payload: bytes | bytearray
     fds: list[int]
@@ -86,12 +68,8 @@ def _ancillary(fds: list[int]) -> list[tuple[int, int, bytes]]:
 
 
 def _fd_chunks(fds: list[int], nbytes: int) -> list[list[int]]:
-    """``fds`` in chunks of at most :data:`SCM_MAX_FD`, one ``sendmsg`` each.
-
-    Raises:
-        ValueError: a frame of ``nbytes`` bytes is too short to carry them (each chunk
-            rides on a byte of its own; an encoded payload always has enough).
-    """
+    """``fds`` in chunks of at most :data:`SCM_MAX_FD`, one ``sendmsg`` each; ValueError if
+    a frame of ``nbytes`` bytes is too short to carry them (a chunk per byte)."""
     chunks = [fds[i:i + SCM_MAX_FD] for i in range(0, len(fds), SCM_MAX_FD)]
     if len(chunks) > nbytes:
         raise ValueError(f"a frame of {nbytes} bytes cannot carry {len(fds)} descriptors "
@@ -100,11 +78,7 @@ def _fd_chunks(fds: list[int], nbytes: int) -> list[list[int]]:
 
 
 def send_frame(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
-    """Write one encoded frame on a blocking socket, then close ``fds`` (always).
-
-    Up to :data:`SCM_MAX_FD` descriptors: one ``sendmsg``. More: one ``sendmsg`` of one
-    byte per further chunk of them first (see the module docstring).
-    """
+    """Write one encoded frame on a blocking socket, then close ``fds`` (always)."""
     try:
         header = HEADER.pack(len(payload), len(fds))
         chunks = _fd_chunks(fds, len(header) + len(payload))
@@ -131,18 +105,11 @@ def send_frame(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
 
 
 class FrameReader:
-    """Incremental frame parser fed from a socket without blocking.
+    """Incremental frame parser of a connected ``AF_UNIX`` stream socket.
 
-    Call :meth:`read_available` whenever the socket is readable (it reads
-    until the kernel has nothing more, with ``MSG_DONTWAIT``, so the socket
-    may be blocking or not), then :meth:`pop` complete frames. Received fds
-    are kept in arrival order and handed to their frame when its last byte is
-    in (a frame's fds may arrive over several reads). Large payloads are
-    received straight into one buffer of the final size (no quadratic
-    re-copying).
-
-    Args:
-        sock: a connected ``AF_UNIX`` stream socket.
+    Call :meth:`read_available` whenever the socket is readable (it never blocks),
+    then :meth:`pop` complete frames. Received fds are handed to their frame once its
+    last byte is in; large payloads are received straight into a buffer of their size.
     """
 
     def __init__(self, sock: socket.socket) -> None:
@@ -168,12 +135,8 @@ class FrameReader:
         return self._frames.popleft() if self._frames else None
 
     def read_available(self) -> bool:
-        """Read everything the socket has now; return True if it reached EOF.
-
-        Raises:
-            TransportError: descriptors were lost (ancillary data truncated)
-                or a header announces more fds than arrived.
-        """
+        """Read everything the socket has now; True if it reached EOF. TransportError:
+        descriptors were lost, or a header announces more than arrived."""
         if self._closed:
             raise TransportError("reader is closed")
         sock = self._sock
@@ -262,13 +225,9 @@ class FrameReader:
 class FrameWriter:
     """Buffered frame writer for a socket that must not block (event-loop side).
 
-    :meth:`write` queues a frame; :meth:`flush` writes as much as the kernel
-    takes now and returns True when nothing is left. Await writability and
-    flush again while it returns False. Attached fds are closed once the
-    byte they ride on has been sent (the kernel holds its own references from
-    then on), or by :meth:`close`. More than :data:`SCM_MAX_FD` of them go in
-    chunks, each on a byte of the frame (see the module docstring); a frame
-    written partly keeps the chunks not yet sent for its remaining bytes.
+    :meth:`write` queues a frame; :meth:`flush` writes what the kernel takes now and
+    returns True when nothing is left (else await writability and flush again).
+    Attached fds are closed once the byte they ride on is sent, or by :meth:`close`.
 
     Example:
         >>> import socket
@@ -301,11 +260,8 @@ class FrameWriter:
         self.write_frame(payload, fds)
 
     def write_frame(self, payload: bytes, fds: list[int]) -> None:
-        """Queue an already encoded payload and its owned fds as one frame.
-
-        Raises:
-            ValueError: the frame is too short to carry that many fds (closed then).
-        """
+        """Queue an encoded payload and its owned fds as one frame (ValueError, fds closed:
+        too short to carry them)."""
         data = HEADER.pack(len(payload), len(fds)) + payload
         try:
             chunks = _fd_chunks(fds, len(data))
@@ -315,11 +271,8 @@ class FrameWriter:
         self._queue.append((memoryview(data), chunks))
 
     def flush(self) -> bool:
-        """Write without blocking; True when the queue is empty.
-
-        Raises:
-            BrokenPipeError, ConnectionResetError: the peer is gone.
-        """
+        """Write without blocking; True when the queue is empty (BrokenPipeError,
+        ConnectionResetError: the peer is gone)."""
         sock = self._sock
         queue = self._queue
         while queue:

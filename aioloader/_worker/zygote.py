@@ -1,14 +1,6 @@
-"""The zygote: one spawned process that imports the worker's modules once and forks a
-``spawn`` pool's workers from itself.
-
-Under ``spawn`` every worker is a new interpreter that imports torch before it can
-serve (about 0.6 s of CPU each), so N workers took N times the CPU of one to start.
-A pool whose dataset travels as a :class:`~aioloader._worker.image.DatasetImage`
-instead starts one *zygote* with ``spawn`` (a fresh interpreter, as a spawned worker
-is: nothing of the parent's memory, threads or CUDA state), which imports this module
-(and so torch) once and forks each worker from itself on request. Each worker still
-unpickles its own copy of the dataset from the image, as a spawned worker does, so a
-file or connection a dataset opens while it is unpickled is the worker's own.
+"""The zygote: one spawned process that imports torch once and forks a ``spawn`` pool's
+workers from itself (docs/pipeline.md, "Stages"); each worker still unpickles its own
+copy of the dataset from the image, as a spawned worker does.
 
 Protocol (one ``AF_UNIX`` stream socket, frames from :mod:`aioloader._worker.wire`):
 
@@ -23,8 +15,7 @@ EOF (the pool is closed)                   the zygote leaves (a worker still run
                                            ends on its own: its socket hung up)
 =========================================  =========================================
 
-A config's ``dataset`` is :data:`IMAGE` on the wire: the zygote puts its own image
-there (the descriptors came with the zygote's start).
+A config's ``dataset`` is :data:`IMAGE` on the wire: the zygote puts its own image there.
 """
 
 from __future__ import annotations
@@ -45,7 +36,7 @@ from typing import Any, NoReturn
 from .config import WorkerConfig
 from .fds import close_fds
 from .image import DatasetImage
-from .main import worker_main
+from .main import leave, worker_main
 from .wire import FrameReader, send_frame
 
 __all__ = ["IMAGE", "STATUS", "zygote_main"]
@@ -86,18 +77,10 @@ def zygote_main(ctl: socket.socket, image: DatasetImage) -> NoReturn:
                     # The pool is closed: its workers were stopped (and their ends reported)
                     # first. One still running is left to end on its own (it sees its socket
                     # hang up), adopted by the system: the pool's close never waits for it.
-                    _leave(0)
+                    leave(0)
     except BaseException:
         traceback.print_exc()
-        _leave(1)
-
-
-def _leave(code: int) -> NoReturn:
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)  # nothing of the interpreter's teardown: the pool joins this at close
+        leave(1)
 
 
 def _report(status: int, code: int | None) -> None:
