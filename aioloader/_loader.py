@@ -148,6 +148,8 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         super().__setattr__(name, value)  # torch's: refuses batch_size, sampler, ... once set up
         if config is not None:
             object.__setattr__(self, "_config", config)
+        if (config is not None or name == "_config") and "_stats_book" in self.__dict__:
+            self._stats_book.headroom = None  # a headroom measured under other arguments
 
     # -- torch-compatible attributes ------------------------------------------------------
 
