@@ -9,7 +9,11 @@ rates themselves are measured by benchmarks/bench_headroom.py, not asserted here
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -267,3 +271,20 @@ def test_loader_stats_consult_the_latest_headroom(use_async: bool) -> None:
     assert loader.stats().hint.startswith("the training step is the bottleneck: headroom")
     loader.timeout = 5.0
     assert "use num_workers > 0" in loader.stats().hint
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["for", "async_for"])
+def test_the_example_reports_both_loaders(use_async: bool) -> None:
+    """examples/headroom.py: a small model's headroom with and without workers."""
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-W", "error", str(root / "examples" / "headroom.py"), "--n", "64",
+         "--batch-size", "8", "--workers", "1", *(["--async"] if use_async else [])],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+        text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    inline, workers = run.stdout.split("== num_workers=1")
+    for part in (inline, workers):
+        assert "7 steps with the loader at" in part and "(free loading)" in part, run.stdout
+        assert "of the step time" in part and "for timing only" in part, run.stdout
+        assert "\nhint: " in part, run.stdout

@@ -335,11 +335,13 @@ def _busy_workers_hint(s: LoaderStats, wait: float, idle_frac: float, is_async: 
     wanted = cpu + runq  # on a core, or runnable and waiting for one
     threads = any(w.tid is not None for w in workers)
     together = wanted * len(workers)
+    if runq >= RUNQ_BUSY and wanted >= CPU_IDLE:
+        fix = (f"make {fn} cheaper" if wanted >= CPU_BOUND else
+               f"free CPUs for them (other processes hold the cores) or make {fn} cheaper")
+        return (f"{head}; workers at {_pct(cpu)} CPU and waiting {_pct(runq)} of the "
+                f"time for a core: the machine's CPUs are all busy, more workers will "
+                f"not help: {fix}")
     if wanted >= CPU_BOUND:
-        if runq >= RUNQ_BUSY:
-            return (f"{head}; workers at {_pct(cpu)} CPU and waiting {_pct(runq)} of the "
-                    f"time for a core: the machine's CPUs are all busy, more workers will "
-                    f"not help: make {fn} cheaper")
         if len(workers) >= cpus:
             return (f"{head}; workers at {_pct(cpu)} CPU: {len(workers)} workers already "
                     f"fill the {cpus} CPUs, more workers will not help: make {fn} cheaper")
