@@ -348,8 +348,8 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         stages = stats.stages
         summary = EpochSummary(
             workers=tune.workers, batches=stats.batches,
-            seconds=stats.wall_s - stats.startup_s,
-            wait_s=max(stages["consumer_wait"].seconds - stats.startup_s, 0.0),
+            seconds=stats.wall_s - stats.startup_s - stats.ending_s,
+            wait_s=stats.steady_wait_s,
             step_s=stats.step_s,
             work_s=stages["fetch"].seconds + stages["collate"].seconds)
         tune.switch_inline(summary)

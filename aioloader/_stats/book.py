@@ -39,6 +39,7 @@ class _Totals:
         self.step_ns = 0
         self.wall_ns = 0
         self.startup_ns = 0
+        self.end_ns = 0
         self.occ = [0, 0, 0, 0]
         self.workers: list[list[int]] = []
         self.hist = _hist.new_set(len(STAGES))
@@ -86,6 +87,7 @@ class _Totals:
                 self.step_ns += left - wait
         self.wall_ns += wall
         self.startup_ns += max(r.first_wait_ns, 0)
+        self.end_ns += r.end_wait_ns
         _add(self.occ, r.occ)
         while len(self.workers) < len(r.workers):
             self.workers.append([0, 0, 0, 0])
@@ -214,7 +216,8 @@ class StatsBook:
                 runq_fraction=(runq / window  # type: ignore[operator]
                                if runq is not None and window else None)))
         stats = LoaderStats(t.epochs, t.batches, t.samples, t.wall_ns / 1e9, t.step_ns / 1e9,
-                            t.startup_ns / 1e9, stages, workers, trace=self._trace())
+                            t.startup_ns / 1e9, stages, workers, trace=self._trace(),
+                            ending_s=t.end_ns / 1e9)
         headroom = self.headroom.report() if self.headroom is not None else None
         hint = bottleneck_hint(stats, self.is_async, headroom)
         return LoaderStats(**{**stats.__dict__, "hint": hint})

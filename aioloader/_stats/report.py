@@ -137,6 +137,9 @@ class LoaderStats:
         step_s: the consumer's time between batches (its training step).
         startup_s: the wait for each epoch's first batch (worker start-up, priming),
             summed; left out of the hint's ratios.
+        ending_s: the waits of the calls that ended each epoch (``StopIteration`` or an
+            error: the epoch's teardown, its workers stopping), summed; left out of the
+            hint's ratios too.
         stages: :class:`StageStats` by name, in pipeline order.
         workers: :class:`WorkerStats` per worker (empty with ``num_workers=0``).
         hint: one line naming the bottleneck (with ``stats(all_ranks=True)``: the rank
@@ -166,6 +169,7 @@ class LoaderStats:
     slow_rank: int | None = None
     slow_stage: str | None = None
     trace: Trace | None = field(default=None, repr=False, compare=False)
+    ending_s: float = 0.0
 
     def export_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         """Write the kept spans as a Chrome trace-event JSON file (the format of
@@ -191,11 +195,18 @@ class LoaderStats:
         return self.samples / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
+    def steady_wait_s(self) -> float:
+        """The consumer's waits for batches, without each epoch's first (start-up) and
+        the call that ended it (teardown)."""
+        return max(0.0, self.stages["consumer_wait"].seconds - self.startup_s - self.ending_s)
+
+    @property
     def wait_fraction(self) -> float:
-        """Share of the consumer's time spent waiting on the loader (start-up excluded)."""
-        wait = self.stages["consumer_wait"].seconds - self.startup_s
+        """Share of the consumer's time spent waiting on the loader (start-up and the
+        epoch's end excluded)."""
+        wait = self.steady_wait_s
         total = wait + self.step_s
-        return max(0.0, wait) / total if total > 0 else 0.0
+        return wait / total if total > 0 else 0.0
 
     def line(self) -> str:
         """One log line: throughput and the hint."""
