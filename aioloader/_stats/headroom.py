@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Generic, TypeVar
 
-from .._coerce import as_int
+from .._coerce import as_int, is_iterable
 from .book import StatsBook
 from .headroom_report import HeadroomClock, HeadroomReport
 
@@ -81,7 +81,7 @@ class Headroom(Generic[T]):
 
     def __init__(self, loader: Any, *, replay_batches: int = 8,
                  replay_steps: int | None = None, max_batches: int | None = None) -> None:
-        if not (hasattr(type(loader), "__iter__") or hasattr(type(loader), "__aiter__")):
+        if not (is_iterable(loader) or hasattr(type(loader), "__aiter__")):
             raise TypeError(f"Headroom(loader=) takes a DataLoader, or any iterable or async "
                             f"iterable of batches, but got {type(loader).__name__} "
                             f"loader={loader!r}, which cannot be iterated")
