@@ -262,11 +262,12 @@ def test_loader_stats_consult_the_latest_headroom(use_async: bool) -> None:
             return i
 
     loader = DataLoader(Slowish(), batch_size=2)
-    # Loading costs ~1 ms a batch, in the consumer's thread (num_workers=0): 2.5 % of a step.
-    _run(Headroom(loader, replay_batches=2), use_async, step_s=0.04)
+    # Loading costs ~1 ms a batch, in the consumer's thread (num_workers=0): 1 % of a step
+    # (under a heavy load a 0.5 ms sleep takes several: still far below 10 %).
+    _run(Headroom(loader, replay_batches=2), use_async, step_s=0.1)
     _run(Headroom(loader, replay_batches=1, replay_steps=1, max_batches=2), use_async)
     assert "use num_workers > 0" in loader.stats().hint  # the latest run: loading costs
-    _run(Headroom(loader, replay_batches=2), use_async, step_s=0.04)
+    _run(Headroom(loader, replay_batches=2), use_async, step_s=0.1)
     list(loader)  # a plain epoch, no training step: it waits on loading
     assert loader.stats().hint.startswith("the training step is the bottleneck: headroom")
     loader.timeout = 5.0

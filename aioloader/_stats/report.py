@@ -348,7 +348,7 @@ def _busy_workers_hint(s: LoaderStats, wait: float, idle_frac: float, is_async: 
     together = wanted * len(workers)
     if runq >= RUNQ_BUSY and wanted >= CPU_IDLE:
         fix = (f"make {fn} cheaper" if wanted >= CPU_BOUND else
-               f"free CPUs for them (other processes hold the cores) or make {fn} cheaper")
+               f"free CPUs for them (other work holds the cores) or make {fn} cheaper")
         return (f"{head}; workers at {_pct(cpu)} CPU and waiting {_pct(runq)} of the "
                 f"time for a core: the machine's CPUs are all busy, more workers will "
                 f"not help: {fix}")
