@@ -28,6 +28,8 @@ from ._errors import (
 )
 from ._fetch.records import SampleFailure
 from ._fetch.report import FailureReport, SkippedSamplesWarning, TooManyFailuresError
+from ._stats.headroom import Headroom
+from ._stats.headroom_report import HeadroomReport
 from ._stats.report import LoaderStats, RankStats, StageStats, WorkerStats
 from ._worker_info import WorkerInfo, get_worker_info
 from .collate import default_collate, default_convert
@@ -64,6 +66,8 @@ __all__ = [
     "DistributedSampler",
     "EpochSupersededError",
     "FailureReport",
+    "Headroom",
+    "HeadroomReport",
     "IterableDataset",
     "IteratorClosedError",
     "LoaderClosedError",
@@ -136,7 +140,7 @@ def _show_as_ours(obj: _typing.Any) -> None:
 
 def _fix_module_names() -> None:
     """Show public objects as ``aioloader.X`` in reprs, tracebacks and docs."""
-    for name in ("EpochSupersededError", "FailureReport",
+    for name in ("EpochSupersededError", "FailureReport", "Headroom", "HeadroomReport",
                  "IteratorClosedError", "LoaderClosedError", "LoaderError", "LoaderStats",
                  "LoaderTimeoutError", "PrefetchFactorError", "RankStats", "SampleFailure",
                  "SkippedSamplesWarning", "StageStats", "TooManyFailuresError",

@@ -149,6 +149,8 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         super().__setattr__(name, value)  # torch's: refuses batch_size, sampler, ... once set up
         if config is not None:
             object.__setattr__(self, "_config", config)
+        if (config is not None or name == "_config") and "_stats_book" in self.__dict__:
+            self._stats_book.headroom = None  # a headroom measured under other arguments
 
     # -- torch-compatible attributes ------------------------------------------------------
 
@@ -347,8 +349,8 @@ class DataLoaderCore(_tud.DataLoader[T_co]):
         stages = stats.stages
         summary = EpochSummary(
             workers=tune.workers, batches=stats.batches,
-            seconds=stats.wall_s - stats.startup_s,
-            wait_s=max(stages["consumer_wait"].seconds - stats.startup_s, 0.0),
+            seconds=stats.wall_s - stats.startup_s - stats.ending_s,
+            wait_s=stats.steady_wait_s,
             step_s=stats.step_s,
             work_s=stages["fetch"].seconds + stages["collate"].seconds)
         tune.switch_inline(summary)

@@ -552,7 +552,7 @@ def _busy_workers(cpu: float | None, runq: float | None, is_async: bool = False)
     workers = [WorkerStats(w, 5, 4.0, 0.1, 0.1, cpu_s=cpu and cpu * 4,
                            cpu_fraction=cpu, runq_fraction=runq) for w in range(2)]
     stats = LoaderStats(1, 10, 40, 10.0, 1.0, 0.0, stages, workers)
-    return bottleneck_hint(stats, is_async)
+    return bottleneck_hint(stats, is_async, cpus=8)  # spare CPUs (issue 39: else "fill")
 
 
 def test_hint_reads_workers_cpu() -> None:

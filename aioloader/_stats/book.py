@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 
 from . import hist as _hist
+from .headroom_report import HeadroomClock
 from .recorder import COLLATE, DEVICE, FETCH, SAMPLING, STAGES, WAIT, Recorder, StatsHook
 from .report import LoaderStats, StageStats, WorkerStats, bottleneck_hint
 from .trace import Trace
@@ -38,6 +39,7 @@ class _Totals:
         self.step_ns = 0
         self.wall_ns = 0
         self.startup_ns = 0
+        self.end_ns = 0
         self.occ = [0, 0, 0, 0]
         self.workers: list[list[int]] = []
         self.hist = _hist.new_set(len(STAGES))
@@ -85,6 +87,7 @@ class _Totals:
                 self.step_ns += left - wait
         self.wall_ns += wall
         self.startup_ns += max(r.first_wait_ns, 0)
+        self.end_ns += r.end_wait_ns
         _add(self.occ, r.occ)
         while len(self.workers) < len(r.workers):
             self.workers.append([0, 0, 0, 0])
@@ -129,6 +132,9 @@ class StatsBook:
         self.hooks: list[StatsHook] = []
         # Worker (pid, tid) by worker id as last seen, for the trace's rows.
         self.worker_ids: list[tuple[int | None, int | None]] = []
+        # The latest headroom run through this loader (aioloader.Headroom), which the hint
+        # consults; forgotten when the loader's arguments change.
+        self.headroom: HeadroomClock | None = None
 
     #: Trace spans kept per batch asked for: a batch has up to 8 (step, wait, sampling,
     #: dispatch, fetch, collate, transport, pin or device).
@@ -210,8 +216,11 @@ class StatsBook:
                 runq_fraction=(runq / window  # type: ignore[operator]
                                if runq is not None and window else None)))
         stats = LoaderStats(t.epochs, t.batches, t.samples, t.wall_ns / 1e9, t.step_ns / 1e9,
-                            t.startup_ns / 1e9, stages, workers, trace=self._trace())
-        return LoaderStats(**{**stats.__dict__, "hint": bottleneck_hint(stats, self.is_async)})
+                            t.startup_ns / 1e9, stages, workers, trace=self._trace(),
+                            ending_s=t.end_ns / 1e9)
+        headroom = self.headroom.report() if self.headroom is not None else None
+        hint = bottleneck_hint(stats, self.is_async, headroom)
+        return LoaderStats(**{**stats.__dict__, "hint": hint})
 
 
 def _ms(ns: float | None) -> float | None:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 __all__ = ["AVAILABLE", "ProcSample", "WorkerProcs", "WorkerUsage", "run_delay", "sample",
-           "worker_ids"]
+           "usable_cpus", "worker_ids"]
 
 #: Whether this system has a readable ``/proc`` (Linux); elsewhere every value is ``None``.
 AVAILABLE = os.path.exists("/proc/self/stat")
@@ -35,6 +35,15 @@ try:
     _PAGE = os.sysconf("SC_PAGE_SIZE")
 except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
     _TICK_S, _PAGE = 0.01, 4096
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (a container's or ``taskset``'s
+    limit), else the machine's count; at least 1."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class ProcSample(NamedTuple):

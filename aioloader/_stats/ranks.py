@@ -32,7 +32,7 @@ def summary(stats: LoaderStats, rank: int) -> RankStats:
                 for name, s in st.items() if name != "consumer_wait"}
     top = max(per_lane, key=lambda n: per_lane[n]) if any(per_lane.values()) else ""
     return RankStats(rank, stats.batches, stats.wall_s,
-                     max(0.0, st["consumer_wait"].seconds - stats.startup_s),
+                     stats.steady_wait_s,
                      stats.wait_fraction, st["consumer_wait"].p99_ms, top, stats.hint)
 
 

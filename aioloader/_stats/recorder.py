@@ -99,7 +99,8 @@ class Recorder:
 
     # Each attribute is described where __init__ sets it.
     __slots__ = (
-        "batches", "book", "count", "countdown", "first_done_ns", "first_wait_ns",
+        "batches", "book", "count", "countdown", "end_wait_ns", "first_done_ns",
+        "first_wait_ns",
         "hist", "hmax", "hooks", "last_ns", "log_every_ns", "next_log_ns", "ns", "occ",
         "period", "procs", "reading_ns", "sampled", "samples", "start_ns", "step_from",
         "step_ns", "time_every", "timing", "trace", "untimed", "watch", "workers",
@@ -132,6 +133,7 @@ class Recorder:
         self.step_ns = 0
         self.first_wait_ns = -1  # the first batch's wait (worker start-up), -1: none yet
         self.first_done_ns = 0  # when the first batch was delivered (0: not yet)
+        self.end_wait_ns = 0  # the waits of calls that raised: the epoch's end (teardown)
         self.reading_ns = 0  # when the main process started reading worker replies
         self.start_ns = 0
         self.last_ns = 0  # when the consumer's latest timed call returned (the wall's end)
@@ -218,6 +220,7 @@ class Recorder:
             self.start_ns = t0
         if not delivered:  # its wait counts in the time, not as a batch's
             self.ns[WAIT] += t1 - t0
+            self.end_wait_ns += t1 - t0
             self.step_from = 0
             return
         self.step_from = t1

@@ -10,7 +10,10 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .proc import usable_cpus
+
 if TYPE_CHECKING:
+    from .headroom_report import HeadroomReport
     from .trace import Trace
 
 __all__ = ["LoaderStats", "RankStats", "StageStats", "WorkerStats", "bottleneck_hint"]
@@ -134,6 +137,9 @@ class LoaderStats:
         step_s: the consumer's time between batches (its training step).
         startup_s: the wait for each epoch's first batch (worker start-up, priming),
             summed; left out of the hint's ratios.
+        ending_s: the waits of the calls that ended each epoch (``StopIteration`` or an
+            error: the epoch's teardown, its workers stopping), summed; left out of the
+            hint's ratios too.
         stages: :class:`StageStats` by name, in pipeline order.
         workers: :class:`WorkerStats` per worker (empty with ``num_workers=0``).
         hint: one line naming the bottleneck (with ``stats(all_ranks=True)``: the rank
@@ -163,6 +169,7 @@ class LoaderStats:
     slow_rank: int | None = None
     slow_stage: str | None = None
     trace: Trace | None = field(default=None, repr=False, compare=False)
+    ending_s: float = 0.0
 
     def export_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         """Write the kept spans as a Chrome trace-event JSON file (the format of
@@ -188,11 +195,18 @@ class LoaderStats:
         return self.samples / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
+    def steady_wait_s(self) -> float:
+        """The consumer's waits for batches, without each epoch's first (start-up) and
+        the call that ended it (teardown)."""
+        return max(0.0, self.stages["consumer_wait"].seconds - self.startup_s - self.ending_s)
+
+    @property
     def wait_fraction(self) -> float:
-        """Share of the consumer's time spent waiting on the loader (start-up excluded)."""
-        wait = self.stages["consumer_wait"].seconds - self.startup_s
+        """Share of the consumer's time spent waiting on the loader (start-up and the
+        epoch's end excluded)."""
+        wait = self.steady_wait_s
         total = wait + self.step_s
-        return max(0.0, wait) / total if total > 0 else 0.0
+        return wait / total if total > 0 else 0.0
 
     def line(self) -> str:
         """One log line: throughput and the hint."""
@@ -256,6 +270,9 @@ def _pct(x: float) -> str:
 #: them CPU-bound, and below which it calls them waiting on I/O; the run-queue share
 #: above which it says the machine's cores are all busy (docs/stats.md, "The hint").
 CPU_BOUND, CPU_IDLE, RUNQ_BUSY = 0.8, 0.5, 0.25
+#: A headroom measurement (aioloader.Headroom) whose loading share is below this says the
+#: training step is the bottleneck, whatever the waits of an epoch say.
+HEADROOM_LOW = 0.10
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -264,39 +281,34 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(known) / len(known) if known else None
 
 
-def bottleneck_hint(s: LoaderStats, is_async: bool) -> str:
-    """One line naming the bottleneck (see docs/stats.md for the rules)."""
+def bottleneck_hint(s: LoaderStats, is_async: bool, headroom: HeadroomReport | None = None,
+                    cpus: int | None = None) -> str:
+    """One line naming the bottleneck (see docs/stats.md for the rules).
+
+    Args:
+        s: the statistics it reads.
+        is_async: the dataset is async (its fix is ``fetch_concurrency``).
+        headroom: the latest headroom measured through the loader, if any: when it says
+            loading costs little, no loading change is recommended.
+        cpus: the CPUs the workers share (``None``: this process's usable CPUs).
+    """
     if s.batches < 2:
         return "not enough batches yet to tell"
+    if headroom is not None and headroom.loading_share < HEADROOM_LOW:
+        return (f"the training step is the bottleneck: headroom measured loading at "
+                f"{_pct(headroom.loading_share)} of the step time "
+                f"({headroom.loader_steps_per_s:.1f} steps/s with this loader, "
+                f"{headroom.free_steps_per_s:.1f} with free loading)")
     wait = s.wait_fraction
-    st = s.stages
     if s.workers:
         busy = sum(w.fetch_s + w.collate_s for w in s.workers)
         idle = sum(w.idle_s for w in s.workers)
         idle_frac = idle / (idle + busy) if idle + busy > 0 else 0.0
         if wait >= 0.5:
             if idle_frac < 0.5:
-                in_collate = st["collate"].seconds > st["fetch"].seconds
-                what = "collate_fn" if in_collate else "reading samples"
-                cpu = _mean([w.cpu_fraction for w in s.workers])
-                runq = _mean([w.runq_fraction for w in s.workers]) or 0.0
-                fn = "collate_fn" if in_collate else "__getitem__"
-                head = (f"consumer waited {_pct(wait)} of the time on workers (busy "
-                        f"{_pct(1 - idle_frac)}, mostly {what})")
-                if cpu is not None and cpu + runq >= CPU_BOUND and runq >= RUNQ_BUSY:
-                    return (f"{head}; workers at {_pct(cpu)} CPU and waiting {_pct(runq)} "
-                            f"of the time for a core: the machine's CPUs are all busy, more "
-                            f"workers will not help: make {fn} cheaper")
-                if cpu is not None and cpu >= CPU_BOUND:
-                    return (f"{head}; workers at {_pct(cpu)} CPU: raise num_workers or make "
-                            f"{fn} cheaper")
-                if cpu is not None and cpu + runq < CPU_IDLE:
-                    threads = any(w.tid is not None for w in s.workers)
-                    fix = ("raise fetch_concurrency" if is_async
-                           else "raise fetch_threads (or num_workers)")
-                    return (f"{head} but workers at {_pct(cpu)} CPU: workers idle waiting on "
-                            f"I/O{' or the GIL' if threads else ''}: {fix}")
-                return f"{head}: raise num_workers"
+                return _busy_workers_hint(s, wait, idle_frac, is_async,
+                                          usable_cpus() if cpus is None else cpus)
+            st = s.stages
             main = max(("transport", "pin", "device"), key=lambda n: st[n].seconds)
             return (f"consumer waited {_pct(wait)} of the time while workers were idle "
                     f"{_pct(idle_frac)}: the main process is the bottleneck (most in "
@@ -316,3 +328,41 @@ def bottleneck_hint(s: LoaderStats, is_async: bool) -> str:
     if wait < 0.2:
         return f"loading took {_pct(wait)} of the time: the training step is the bottleneck"
     return f"balanced: loading took {_pct(wait)} of the consumer's time"
+
+
+def _busy_workers_hint(s: LoaderStats, wait: float, idle_frac: float, is_async: bool,
+                       cpus: int) -> str:
+    """The hint when the consumer waits on busy workers: what they are busy with."""
+    in_collate = s.stages["collate"].seconds > s.stages["fetch"].seconds
+    what = "collate_fn" if in_collate else "reading samples"
+    fn = "collate_fn" if in_collate else "__getitem__"
+    head = (f"consumer waited {_pct(wait)} of the time on workers (busy "
+            f"{_pct(1 - idle_frac)}, mostly {what})")
+    workers = s.workers
+    cpu = _mean([w.cpu_fraction for w in workers])
+    if cpu is None:  # no /proc
+        return f"{head}: raise num_workers"
+    runq = _mean([w.runq_fraction for w in workers]) or 0.0
+    wanted = cpu + runq  # on a core, or runnable and waiting for one
+    threads = any(w.tid is not None for w in workers)
+    together = wanted * len(workers)
+    if runq >= RUNQ_BUSY and wanted >= CPU_IDLE:
+        fix = (f"make {fn} cheaper" if wanted >= CPU_BOUND else
+               f"free CPUs for them (other work holds the cores) or make {fn} cheaper")
+        return (f"{head}; workers at {_pct(cpu)} CPU and waiting {_pct(runq)} of the "
+                f"time for a core: the machine's CPUs are all busy, more workers will "
+                f"not help: {fix}")
+    if wanted >= CPU_BOUND:
+        if len(workers) >= cpus:
+            return (f"{head}; workers at {_pct(cpu)} CPU: {len(workers)} workers already "
+                    f"fill the {cpus} CPUs, more workers will not help: make {fn} cheaper")
+        return f"{head}; workers at {_pct(cpu)} CPU: raise num_workers or make {fn} cheaper"
+    if threads and len(workers) > 1 and CPU_BOUND <= together < 2 - CPU_BOUND:
+        return (f"{head}; thread workers at {_pct(together)} of one core together: Python "
+                f"code holding the GIL gets no more, more thread workers will not help: use "
+                f"worker_method=\"multiprocessing\" or make {fn} cheaper")
+    if wanted < CPU_IDLE:
+        fix = "raise fetch_concurrency" if is_async else "raise fetch_threads (or num_workers)"
+        return (f"{head} but workers at {_pct(cpu)} CPU: workers idle waiting on "
+                f"I/O{' or the GIL' if threads else ''}: {fix}")
+    return f"{head}: raise num_workers"

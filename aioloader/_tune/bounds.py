@@ -10,6 +10,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from .._stats.proc import usable_cpus
+
 __all__ = ["MEMORY_ENV", "Limits", "System", "limits", "memory_budget", "read_system"]
 
 #: Overrides the memory budget: bytes, or a number with K/M/G (``AIOLOADER_AUTOTUNE_MEMORY=4G``).
@@ -75,10 +77,6 @@ def memory_budget(environ: dict[str, str] | None = None, meminfo: str | None = N
 def read_system() -> System:
     """CPUs usable by this process, the memory budget, the open-file limits."""
     try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    try:
         import resource
 
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -89,7 +87,7 @@ def read_system() -> System:
         open_now = len(os.listdir("/proc/self/fd"))
     except OSError:
         open_now = 0
-    return System(cpus=max(cpus, 1), memory_budget=memory_budget(), open_files=open_files,
+    return System(cpus=usable_cpus(), memory_budget=memory_budget(), open_files=open_files,
                   open_now=open_now)
 
 
