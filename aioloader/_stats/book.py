@@ -21,6 +21,7 @@ from collections.abc import Callable
 from . import hist as _hist
 from .recorder import COLLATE, DEVICE, FETCH, SAMPLING, STAGES, WAIT, Recorder, StatsHook
 from .report import LoaderStats, StageStats, WorkerStats, bottleneck_hint
+from .timeline import TimelineData
 from .trace import Trace
 
 __all__ = ["StatsBook"]
@@ -168,12 +169,12 @@ class StatsBook:
         totals = self.done.copy() if cumulative else _Totals()
         if self.current is not None:
             totals.fold(self.current)
-        return self._build(totals)
+        return self._build(totals, self.current)
 
     def snapshot_of(self, rec: Recorder) -> LoaderStats:
         totals = _Totals()
         totals.fold(rec)
-        return self._build(totals)
+        return self._build(totals, rec)
 
     def _trace(self) -> Trace | None:
         if self.trace is None:
@@ -183,7 +184,7 @@ class StatsBook:
             self.worker_ids = list(rec.procs.ids)
         return Trace(tuple(self.trace), os.getpid(), tuple(self.worker_ids))
 
-    def _build(self, t: _Totals) -> LoaderStats:
+    def _build(self, t: _Totals, rec: Recorder | None) -> LoaderStats:
         occ_n = t.occ[0]
 
         def occ(i: int) -> float | None:
@@ -210,8 +211,20 @@ class StatsBook:
                 runq_fraction=(runq / window  # type: ignore[operator]
                                if runq is not None and window else None)))
         stats = LoaderStats(t.epochs, t.batches, t.samples, t.wall_ns / 1e9, t.step_ns / 1e9,
-                            t.startup_ns / 1e9, stages, workers, trace=self._trace())
+                            t.startup_ns / 1e9, stages, workers, trace=self._trace(),
+                            timeline=_timeline(rec))
         return LoaderStats(**{**stats.__dict__, "hint": bottleneck_hint(stats, self.is_async)})
+
+
+def _timeline(rec: Recorder | None) -> TimelineData | None:
+    """The epoch's timeline up to its latest batch (``None`` before its first)."""
+    timeline = rec.timeline if rec is not None else None
+    if timeline is None or rec is None:
+        return None
+    # Its end: the counters at the latest timed batch (a sampled epoch's untimed ones since
+    # would crowd into that last interval: it is left to the next snapshot).
+    now = rec.point(rec.last_ns) if rec.time_every == 1 else None
+    return timeline.data(now, len(rec.workers))
 
 
 def _ms(ns: float | None) -> float | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .timeline import TimelineData
     from .trace import Trace
 
 __all__ = ["LoaderStats", "RankStats", "StageStats", "WorkerStats", "bottleneck_hint"]
@@ -147,6 +148,8 @@ class LoaderStats:
         autotune: the autotuner's decisions so far, oldest first (empty without an
             ``"auto"`` argument): each has ``batch``, ``knob``, ``old``, ``new`` and
             ``reason`` (:class:`aioloader._tune.controller.Decision`; docs/autotune.md).
+        timeline: the latest epoch's counters over time, bounded (``None`` before its
+            first batch); drawn by :meth:`plot`.
     """
 
     epochs: int
@@ -163,6 +166,22 @@ class LoaderStats:
     slow_rank: int | None = None
     slow_stage: str | None = None
     trace: Trace | None = field(default=None, repr=False, compare=False)
+    timeline: TimelineData | None = field(default=None, repr=False, compare=False)
+
+    def plot(self, path: str | os.PathLike[str]) -> None:
+        """Draw these statistics into ``path``: a PNG (``.png``), or a self-contained HTML
+        page (``.html``: the picture inline and the table as text). Panels: throughput,
+        the consumer's wait, the queues and the workers' CPU over the latest epoch, each
+        stage's busy share and each worker's CPU; the hint is the title (docs/stats.md,
+        "Picture"). Headless: matplotlib's ``Figure`` and Agg, never ``pyplot``.
+
+        Raises:
+            ImportError: matplotlib is missing (``pip install aioloader[plot]``).
+            ValueError: ``path`` ends in neither ``.png`` nor ``.html``.
+        """
+        from .plot import write_plot
+
+        write_plot(self, path)
 
     def export_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         """Write the kept spans as a Chrome trace-event JSON file (the format of
