@@ -141,7 +141,9 @@ class TimelineData:
             asks = b.asks - a.asks
             s.in_flight.append((b.in_flight - a.in_flight) / asks if asks else None)
             s.ready.append((b.ready - a.ready) / asks if asks else None)
-            s.busy_share.append((b.busy_ns - a.busy_ns) / 1e9 / dt / self.workers
+            # A reply's busy time counts when it arrives (it may have begun in an earlier
+            # interval): capped at every worker busy all the time.
+            s.busy_share.append(min(1.0, (b.busy_ns - a.busy_ns) / 1e9 / dt / self.workers)
                                 if self.workers else None)
         read = [p for p in cpu_points if p.cpu_s >= 0]
         for a, b in pairwise(read):
