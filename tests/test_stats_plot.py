@@ -196,3 +196,38 @@ def test_an_empty_loader_still_draws(tmp_path: Path) -> None:
     loader = DataLoader(Sleepy(8, 0.0), batch_size=4)
     loader.stats().plot(tmp_path / "empty.png")
     assert (tmp_path / "empty.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_saved_statistics_round_trip_through_json() -> None:
+    """to_json()/from_json(): every field comes back (the trace left out, the autotuner's
+    decisions as text), the timeline included; anything else is a ValueError."""
+    loader = DataLoader(Sleepy(64), batch_size=4, num_workers=2, prefetch_factor="auto")
+    _run(loader)
+    stats = loader.stats()
+    assert stats.workers
+    back = type(stats).from_json(stats.to_json())
+    assert back == stats and back.timeline == stats.timeline and back.trace is None
+    assert str(back) == str(stats)
+    for bad in ("[]", "{}", '{"aioloader_stats": 2}', "not json",
+                '{"aioloader_stats": 1, "timeline": null}'):
+        with pytest.raises(ValueError, match=r"^LoaderStats\.from_json\(\): not statistics"):
+            type(stats).from_json(bad)
+
+
+@keeps_fonts
+def test_the_command_line_draws_a_saved_file(tmp_path: Path) -> None:
+    """python -m aioloader.plot stats.json out.png draws what plot() would; a bad file is
+    a usage error (exit status 2) that says why."""
+    pytest.importorskip("matplotlib")
+    from aioloader.plot import main
+
+    loader = DataLoader(Sleepy(32), batch_size=4)
+    _run(loader)
+    saved = tmp_path / "stats.json"
+    saved.write_text(loader.stats().to_json(), encoding="utf-8")
+    assert main([str(saved), str(tmp_path / "out.png")]) == 0
+    assert (tmp_path / "out.png").read_bytes().startswith(PNG_MAGIC)
+    (tmp_path / "bad.json").write_text("{}", encoding="utf-8")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "bad.json"), str(tmp_path / "bad.png")])
+    assert exit_.value.code == 2

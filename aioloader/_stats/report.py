@@ -6,12 +6,14 @@ Built by :class:`aioloader._stats.book.StatsBook` from the counters of
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from .timeline import Point, TimelineData
+
 if TYPE_CHECKING:
-    from .timeline import TimelineData
     from .trace import Trace
 
 __all__ = ["LoaderStats", "RankStats", "StageStats", "WorkerStats", "bottleneck_hint"]
@@ -197,6 +199,49 @@ class LoaderStats:
                                "last_n_batches) before iterating, then stats()."
                                "export_chrome_trace(path)")
         self.trace.write(path)
+
+    #: The key and version :meth:`to_json` writes and :meth:`from_json` checks.
+    JSON_FORMAT = ("aioloader_stats", 1)
+
+    def to_json(self) -> str:
+        """These statistics as JSON, for :meth:`from_json` and ``python -m aioloader.plot
+        stats.json stats.png``: every field but ``trace``, the autotuner's decisions as
+        their text."""
+        out: dict[str, Any] = {self.JSON_FORMAT[0]: self.JSON_FORMAT[1]}
+        for f in fields(self):
+            if f.name not in ("trace", "timeline", "stages"):
+                out[f.name] = getattr(self, f.name)
+        out["stages"] = [asdict(st) for st in self.stages.values()]
+        out["workers"] = [asdict(w) for w in self.workers]
+        out["ranks"] = [asdict(r) for r in self.ranks]
+        out["autotune"] = [str(d) for d in self.autotune]
+        tl = self.timeline
+        out["timeline"] = (None if tl is None else
+                           {"workers": tl.workers, "points": [list(p) for p in tl.points]})
+        return json.dumps(out)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> LoaderStats:
+        """Statistics saved by :meth:`to_json` (``trace`` is ``None``; ``autotune`` holds
+        the decisions' text).
+
+        Raises:
+            ValueError: ``text`` is not what :meth:`to_json` writes.
+        """
+        try:
+            d = json.loads(text)
+            if not isinstance(d, dict) or d.pop(cls.JSON_FORMAT[0], None) != cls.JSON_FORMAT[1]:
+                raise ValueError("no format key")
+            tl = d.pop("timeline")
+            return cls(**{
+                **d, "stages": {st["name"]: StageStats(**st) for st in d["stages"]},
+                "workers": [WorkerStats(**w) for w in d["workers"]],
+                "ranks": [RankStats(**r) for r in d["ranks"]],
+                "timeline": None if tl is None else TimelineData(
+                    tuple(Point(*p) for p in tl["points"]), tl["workers"])})
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"LoaderStats.from_json(): not statistics that "
+                             f"LoaderStats.to_json() wrote ({exc})") from exc
 
     @property
     def batches_per_s(self) -> float:
