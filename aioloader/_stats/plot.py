@@ -99,11 +99,14 @@ def render_png(stats: Any, dpi: int = 90) -> bytes:
     return out.getvalue()
 
 
-def _title(ax: Any, title: str) -> None:
+def _title(ax: Any, title: str, y_ticks: bool = True) -> None:
     """A panel's title at a fixed height (matplotlib otherwise measures every tick label
-    to place it) and few ticks: the text is most of the render time."""
+    to place it) and few ticks (``y_ticks``: on a numeric y axis): text and ticks are
+    most of the render time."""
     ax.set_title(title, fontsize=10, y=1.0, pad=4)
     ax.locator_params(axis="x", nbins=6)
+    if y_ticks:
+        ax.locator_params(axis="y", nbins=4)
     ax.tick_params(labelsize=8)
 
 
@@ -216,7 +219,7 @@ def _stage_shares(ax: Any, stats: Any) -> None:
         ax.text(v, y, f" {v:.0f}%", va="center", fontsize=8)
     ax.set_xlabel("% of the wall time (async fetches overlap: may pass 100%)")
     ax.set_xlim(0, max(105.0, 1.15 * max(shares)))
-    _title(ax, title)
+    _title(ax, title, y_ticks=False)  # one per stage
 
 
 def _worker_bars(ax: Any, stats: Any) -> None:
