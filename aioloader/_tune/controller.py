@@ -40,9 +40,6 @@ class Knob:
     #: Throughput grows in proportion to the value (a move up may leap, see the module
     #: docstring); cleared when a leap brought nothing.
     scales: bool = False
-    #: A kept trim's value: a move up goes no further this epoch (the value trimmed from
-    #: was more than the consumer takes; without it the knob would climb back).
-    ceiling: int | None = None
 
     def up(self, wait_share: float = 0.0) -> int:
         """The value a move up gives (bounded by ``high``); a scaling knob leaps by as
@@ -56,8 +53,7 @@ class Knob:
                 while factor < wanted and factor < MAX_LEAP:
                     factor *= 2
             new = self.value * factor
-        high = self.high if self.ceiling is None else min(self.high, self.ceiling)
-        return max(self.low, min(new, high))
+        return max(self.low, min(new, self.high))
 
 
 @dataclass(frozen=True)
@@ -119,9 +115,6 @@ class TuneSettings:
     #: Windows a failed move waits before it is tried again (doubled per failure).
     cooldown: int = 4
     max_cooldown: int = 64
-    #: Batches ready per ask from which ``fetch_concurrency`` is trimmed (halved): more
-    #: reads in flight than the consumer takes only cost the event loop's CPU.
-    trim_ready: float = 2.0
 
 
 @dataclass
@@ -130,11 +123,6 @@ class _Trial:
     old: int
     new: int
     before: float  # throughput before the move
-
-    @property
-    def down(self) -> bool:
-        """A trim: kept unless it costs throughput (:meth:`Tuner._judge`)."""
-        return self.new < self.old
 
 
 @dataclass
@@ -166,9 +154,6 @@ class Tuner:
             return None
         if self.trial is not None:
             return self._judge(batch, m)
-        trim = self._trim(batch, m)
-        if trim is not None:
-            return trim
         share = m.wait_share
         s = self.settings
         was = self.consumer_bound
@@ -192,22 +177,6 @@ class Tuner:
             why = self._why(name, m)
             return self._record(Decision(batch, name, old, new, why))
         return None
-
-    def _trim(self, batch: int, m: Measurement) -> Decision | None:
-        """Halve ``fetch_concurrency`` when whole batches wait ready at each ask: the reads
-        in flight outrun the consumer, and past what it takes they only load the event
-        loop (whose CPU then delays the consumer's own calls). On trial like any move."""
-        knob = self.knobs.get(CONCURRENCY)
-        key = f"{CONCURRENCY} down"
-        if (knob is None or m.ready is None or m.ready < self.settings.trim_ready
-                or knob.value // 2 < max(knob.low, 1)
-                or self.cooling.get(key, 0) >= self.windows):
-            return None
-        old, knob.value = knob.value, knob.value // 2
-        self.trial = _Trial(CONCURRENCY, old, knob.value, m.throughput)
-        return self._record(Decision(batch, CONCURRENCY, old, knob.value, (
-            f"trimming: {m.ready:.1f} batches ready per ask at {m.throughput:.1f} "
-            f"batches/s: more reads in flight than the consumer takes")))
 
     def _order(self, m: Measurement) -> list[str]:
         """Which knobs to try, best bet first; a knob that just paid off goes first."""
@@ -238,8 +207,6 @@ class Tuner:
         self.trial = None
         knob = self.knobs[trial.knob]
         now, before = m.throughput, trial.before
-        if trial.down:
-            return self._judge_trim(batch, m, trial, knob)
         if now >= before * (1 + self.settings.margin):
             self.last_kept = trial.knob
             self.failures.pop(trial.knob, None)
@@ -272,28 +239,6 @@ class Tuner:
         return self._record(Decision(
             batch, trial.knob, trial.new, trial.old,
             f"undone: {before:.1f} -> {now:.1f} batches/s, not up by "
-            f"{s.margin:.0%}"))
-
-    def _judge_trim(self, batch: int, m: Measurement, trial: _Trial,
-                    knob: Knob) -> Decision | None:
-        """A trim is kept unless throughput fell by the margin (it saves the loop's CPU at
-        the same rate); then it may go on while batches still wait ready. Undone, trims
-        cool down as failed moves do."""
-        now, before, s = m.throughput, trial.before, self.settings
-        key = f"{CONCURRENCY} down"
-        if now >= before * (1 - s.margin):
-            self.failures.pop(key, None)
-            knob.ceiling = trial.new
-            kept = self._record(Decision(batch, trial.knob, trial.new, trial.new,
-                                         f"kept: {before:.1f} -> {now:.1f} batches/s"))
-            return self._trim(batch, m) or kept
-        fails = self.failures.get(key, 0) + 1
-        self.failures[key] = fails
-        self.cooling[key] = self.windows + min(s.cooldown << (fails - 1), s.max_cooldown)
-        knob.value = trial.old
-        return self._record(Decision(
-            batch, trial.knob, trial.new, trial.old,
-            f"undone: {before:.1f} -> {now:.1f} batches/s, down by more than "
             f"{s.margin:.0%}"))
 
     def _record(self, d: Decision) -> Decision:
