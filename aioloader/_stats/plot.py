@@ -167,7 +167,7 @@ def _queues(ax: Any, s: Series | None) -> None:
     ax.set_ylim(bottom=0)
     ax.set_ylabel("batches")
     ax.set_xlabel("seconds")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="best", framealpha=0.7)
     _title(ax, title)
 
 
@@ -189,7 +189,7 @@ def _workers_over_time(ax: Any, s: Series | None, workers: int) -> None:
     ax.set_ylim(bottom=0)
     ax.set_ylabel("% of each worker's time")
     ax.set_xlabel("seconds")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="best", framealpha=0.7)
     _title(ax, title)
 
 
