@@ -10,14 +10,20 @@ A read sleeps by default (waiting on I/O: the hint reads the workers' low CPU
 and says to raise ``fetch_threads``); with ``--busy`` it spins on the CPU
 instead (the hint says the workers are at 100% CPU: raise ``num_workers``).
 
+With ``--plot stats.png`` (or ``stats.html``) each epoch is also drawn
+(``loader.stats().plot``; needs matplotlib: ``pip install aioloader[plot]``): the
+fast step's picture at that path, the slow step's beside it (``stats-slow.png``).
+
     python examples/stats_report.py [--n 256] [--batch-size 8] [--workers 2]
                                     [--sample-ms 2] [--step-ms 60] [--busy]
+                                    [--plot stats.png]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 
 import torch
@@ -65,15 +71,22 @@ def main() -> None:
     p.add_argument("--sample-ms", type=float, default=2.0)
     p.add_argument("--step-ms", type=float, default=60.0)
     p.add_argument("--busy", action="store_true", help="reads spin on the CPU, not sleep")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="also draw each epoch: a .png or .html file (needs matplotlib)")
     args = p.parse_args()
     ds = SlowReads(args.n, args.sample_ms / 1e3, args.busy)
-    for title, step_ms in (("fast training step (0 ms)", 0.0),
-                           (f"slow training step ({args.step_ms:g} ms)", args.step_ms)):
+    stem, suffix = os.path.splitext(args.plot or "")
+    for title, step_ms, path in (
+            ("fast training step (0 ms)", 0.0, args.plot),
+            (f"slow training step ({args.step_ms:g} ms)", args.step_ms, f"{stem}-slow{suffix}")):
         loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
         seen = asyncio.run(train(loader, step_ms / 1e3))
         stats = loader.stats()
         print(f"== {title}: {seen} samples")
         print(stats)
+        if args.plot:
+            stats.plot(path)
+            print(f"drawn: {path}")
         print()
 
 

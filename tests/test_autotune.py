@@ -152,17 +152,23 @@ def test_a_kept_leap_climbs_by_the_wait_left() -> None:
 
 
 def test_a_leap_that_brings_nothing_is_undone_and_the_knob_only_doubles() -> None:
-    """Regression test for issue 21: a leap with no gain is undone as any move is; that
-    knob does not leap again (it does not scale as Little's law said), it doubles."""
+    """Regression test for issues 21 and 39: a leap with no gain is undone as any move
+    is; that knob does not leap again (it does not scale as Little's law said), it
+    doubles, from the next window on (a failed leap is no reason to wait: a doubling may
+    pay where 8x passed the loop's CPU limit). A failed doubling then cools down."""
     t = Tuner({CONCURRENCY: Knob(CONCURRENCY, 64, 1, 512, "double", scales=True)},
               TuneSettings(cooldown=1))
     assert t.observe(0, m(100, wait=0.95, busy=0.1)).new == 512  # type: ignore[union-attr]
     undo = t.observe(1, m(101, wait=0.95, busy=0.1))
     assert undo is not None and (undo.old, undo.new) == (512, 64) and "undone" in undo.reason
     assert not t.knobs[CONCURRENCY].scales
-    assert t.observe(2, m(100, wait=0.95, busy=0.1)) is None  # cooling down
-    retry = t.observe(3, m(100, wait=0.95, busy=0.1))
+    retry = t.observe(2, m(100, wait=0.95, busy=0.1))
     assert retry is not None and (retry.old, retry.new) == (64, 128)
+    undo = t.observe(3, m(100, wait=0.95, busy=0.1))
+    assert undo is not None and (undo.old, undo.new) == (128, 64)
+    assert t.observe(4, m(100, wait=0.95, busy=0.1)) is None  # cooling down
+    again = t.observe(5, m(100, wait=0.95, busy=0.1))
+    assert again is not None and (again.old, again.new) == (64, 128)
 
 
 class WindowOnly:
@@ -211,11 +217,18 @@ def test_the_first_window_before_in_flight_fetches_is_short() -> None:
     now = deliver(tuner, 1, 6.0, now)
     assert [(d.old, d.new) for d in state.decisions] == [(64, 512)]
     assert state.concurrency == 512 and tuner.dispatch.windows == [9]  # type: ignore[attr-defined]
+    # Regression test for issue 39: the reads in flight refill at the new value first: a
+    # short window (8 batches, 50 ms) that is not judged.
+    now = deliver(tuner, 9, 6.0, now)
+    assert len(state.decisions) == 1 and not tuner.refilling
     now = deliver(tuner, 9, 6.0, now)  # the trial's window: 8 batches, 50 ms: not enough
     assert len(state.decisions) == 1
-    deliver(tuner, 40, 6.0, now)  # 0.25 s at the same rate: undone, and no leap from now on
+    now = deliver(tuner, 40, 6.0, now)  # 0.25 s at the same rate: undone, no leap from now on
     assert [(d.old, d.new) for d in state.decisions] == [(64, 512), (512, 64)]
     assert state.concurrency_scales is False
+    deliver(tuner, 9, 6.0, now)  # back at 64, refilled: the next window doubles
+    deliver(tuner, 43, 6.0, now + 9 * 6 * 10**6)
+    assert [(d.old, d.new) for d in state.decisions][-1] == (64, 128)
     later = epoch_tuner(state)
     assert later.tuner is not None and not later.tuner.knobs[CONCURRENCY].scales
     assert not later._opening()

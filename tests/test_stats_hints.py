@@ -238,7 +238,7 @@ def _stats(cpu: float, runq: float, workers: int, thread: bool = False) -> Loade
     (0.95, 0.05, 2, False, 2, "2 workers already fill the 2 CPUs, more workers will not "
                               "help: make __getitem__ cheaper"),
     # two thread workers sharing the GIL: one core's worth together
-    (0.48, 0.02, 2, True, 8, "thread workers at 100% of one core together"),
+    (0.48, 0.02, 2, True, 8, "thread workers at 96% of one core together"),
     # waiting on I/O
     (0.05, 0.0, 2, False, 8, "waiting on I/O: raise fetch_threads (or num_workers)"),
     (0.05, 0.0, 2, True, 8, "waiting on I/O or the GIL: raise fetch_threads"),

@@ -108,6 +108,9 @@ class EpochTuner:
         self.busy = False  # a knob move is under way (a worker starting or draining)
         self.owed_draws = 0  # batches the window grew by, not drawn yet
         self.settling = False  # the window after a worker joined is not judged
+        # Nor the short one after a fetch_concurrency move: the batches it delivers were
+        # mostly fetched at the old value (the reads in flight refill at the new one).
+        self.refilling = False
         if rec is not None:  # an epoch may start with more workers than the loader did
             grow_recorder(rec, dispatch.num_workers)
         knobs: dict[str, Knob] = {}
@@ -182,9 +185,10 @@ class EpochTuner:
         if (self.batches >= WINDOW_BATCHES and not self.busy
                 and (took >= WINDOW_S * 1e9
                      or (took >= FAST_WINDOW_S * 1e9
-                         and (self.batches >= FAST_WINDOW_BATCHES or self._opening())))):
-            if self.settling:  # a worker was just added: its warm-up is not judged
-                self.settling = False
+                         and (self.batches >= FAST_WINDOW_BATCHES or self.refilling
+                              or self._opening())))):
+            if self.settling or self.refilling:  # a warm-up after a move: not judged
+                self.settling = self.refilling = False
                 self._restart()
                 return
             procs = self._workers_now()  # read once: both the bounds and the CPU use it
@@ -284,6 +288,7 @@ class EpochTuner:
             self._resize(self._window_for(d.new, self._taking()))
         elif d.knob == CONCURRENCY:
             state.concurrency = d.new
+            self.refilling = True
             if self.fetcher is not None:
                 self.fetcher.set_concurrency(d.new)
             depth = math.ceil(d.new / self.batch_size) + 1

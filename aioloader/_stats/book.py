@@ -22,6 +22,7 @@ from . import hist as _hist
 from .headroom_report import HeadroomClock
 from .recorder import COLLATE, DEVICE, FETCH, SAMPLING, STAGES, WAIT, Recorder, StatsHook
 from .report import LoaderStats, StageStats, WorkerStats, bottleneck_hint
+from .timeline import TimelineData
 from .trace import Trace
 
 __all__ = ["StatsBook"]
@@ -174,12 +175,12 @@ class StatsBook:
         totals = self.done.copy() if cumulative else _Totals()
         if self.current is not None:
             totals.fold(self.current)
-        return self._build(totals)
+        return self._build(totals, self.current)
 
     def snapshot_of(self, rec: Recorder) -> LoaderStats:
         totals = _Totals()
         totals.fold(rec)
-        return self._build(totals)
+        return self._build(totals, rec)
 
     def _trace(self) -> Trace | None:
         if self.trace is None:
@@ -189,7 +190,7 @@ class StatsBook:
             self.worker_ids = list(rec.procs.ids)
         return Trace(tuple(self.trace), os.getpid(), tuple(self.worker_ids))
 
-    def _build(self, t: _Totals) -> LoaderStats:
+    def _build(self, t: _Totals, rec: Recorder | None) -> LoaderStats:
         occ_n = t.occ[0]
 
         def occ(i: int) -> float | None:
@@ -217,10 +218,21 @@ class StatsBook:
                                if runq is not None and window else None)))
         stats = LoaderStats(t.epochs, t.batches, t.samples, t.wall_ns / 1e9, t.step_ns / 1e9,
                             t.startup_ns / 1e9, stages, workers, trace=self._trace(),
-                            ending_s=t.end_ns / 1e9)
+                            ending_s=t.end_ns / 1e9, timeline=_timeline(rec))
         headroom = self.headroom.report() if self.headroom is not None else None
         hint = bottleneck_hint(stats, self.is_async, headroom)
         return LoaderStats(**{**stats.__dict__, "hint": hint})
+
+
+def _timeline(rec: Recorder | None) -> TimelineData | None:
+    """The epoch's timeline up to its latest batch (``None`` before its first)."""
+    timeline = rec.timeline if rec is not None else None
+    if timeline is None or rec is None:
+        return None
+    # Its end: the counters at the latest timed batch (a sampled epoch's untimed ones since
+    # would crowd into that last interval: it is left to the next snapshot).
+    now = rec.point(rec.last_ns) if rec.time_every == 1 else None
+    return timeline.data(now, len(rec.workers))
 
 
 def _ms(ns: float | None) -> float | None:

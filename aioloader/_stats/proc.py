@@ -218,6 +218,20 @@ class WorkerProcs:
                                    self.pss.get(w)))
         return out
 
+    def cpu_s(self) -> float | None:
+        """The CPU seconds the workers used so far, all together (one ``/proc`` read each;
+        ``None`` before :meth:`begin`, once ended, or where one is unknown): the
+        timeline's CPU (:mod:`aioloader._stats.timeline`)."""
+        if self.final is not None or not self.ids:
+            return None
+        total = 0.0
+        for pid, tid in self.ids:
+            cpu = sample(pid, tid, pss=False).cpu_s
+            if cpu is None:
+                return None
+            total += cpu
+        return total
+
     def end(self) -> None:
         """The epoch ends (before its workers stop): keep the last reading (CPU and RSS
         read now, the PSS of the latest :meth:`read`)."""

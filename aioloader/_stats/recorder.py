@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from . import hist as _hist
 from .proc import WorkerProcs
+from .timeline import Point, Timeline
 
 __all__ = ["LANE_CONSUMER", "LANE_LOADER", "STAGES", "STEP", "Recorder", "Snapshots",
            "StatsHook", "WorkerClock"]
@@ -103,7 +104,8 @@ class Recorder:
         "first_wait_ns",
         "hist", "hmax", "hooks", "last_ns", "log_every_ns", "next_log_ns", "ns", "occ",
         "period", "procs", "reading_ns", "sampled", "samples", "start_ns", "step_from",
-        "step_ns", "time_every", "timing", "trace", "untimed", "watch", "workers",
+        "step_ns", "time_every", "timeline", "timing", "tl_next", "trace", "untimed", "watch",
+        "workers",
     )
 
     #: With sampling on, time one batch in this many (the others are only counted, and
@@ -153,6 +155,10 @@ class Recorder:
         self.sampled = False
         self.countdown = self.period = self.time_every = 1
         self.timing = True  # the batch being made is timed (what due() said last)
+        # The epoch's timeline (plot()): counter snapshots, one when a delivered batch
+        # reaches tl_next (aioloader._stats.timeline); made at the first delivery.
+        self.timeline: Timeline | None = None
+        self.tl_next = 0
 
     # -- the one observation, and the policy of which batches are timed ----------------
 
@@ -210,6 +216,7 @@ class Recorder:
         self.last_ns = t1
         if not t0:
             self.step_from = 0
+            self._snap(t1)  # the epoch's end (or an error): the timeline's last point
             return
         if self.step_from:
             self.step_ns += t0 - self.step_from
@@ -222,6 +229,7 @@ class Recorder:
             self.ns[WAIT] += t1 - t0
             self.end_wait_ns += t1 - t0
             self.step_from = 0
+            self._snap(t1)
             return
         self.step_from = t1
         first = self.first_wait_ns < 0
@@ -231,8 +239,27 @@ class Recorder:
             if self.procs is not None:
                 self.procs.begin()
         self.observe(WAIT, t0, t1, seq=self.count[WAIT] + self.untimed, spread=not first)
+        if t1 >= self.tl_next:
+            self._snap(t1)
         if self.watch:
             self._tick(t1)
+
+    def point(self, t: int, cpu: bool = False) -> Point:
+        """The counters now, stamped ``t``; ``cpu``: the workers' CPU read too."""
+        cpu_s = self.procs.cpu_s() if cpu and self.procs is not None else None
+        occ = self.occ
+        return Point(t, self.count[WAIT] + self.untimed, self.count[WAIT], self.ns[WAIT],
+                     self.samples, occ[0], occ[1], occ[2],
+                     sum(w[1] + w[2] for w in self.workers),
+                     -1.0 if cpu_s is None else cpu_s)
+
+    def _snap(self, t: int) -> None:
+        """A delivered batch at ``t`` reached the timeline's next boundary: a snapshot."""
+        timeline = self.timeline
+        if timeline is None:  # the epoch's first ask is the origin, all counters 0
+            self.timeline = timeline = Timeline(Point(self.start_ns or t, 0, 0, 0, 0, 0, 0, 0,
+                                                      0, -1.0))
+        self.tl_next = timeline.add(self.point(t, timeline.cpu_due(t)))
 
     def _tick(self, t: int) -> None:
         """A batch was delivered at ``t`` with periodic logging or stats hooks on."""

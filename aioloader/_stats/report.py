@@ -6,11 +6,13 @@ Built by :class:`aioloader._stats.book.StatsBook` from the counters of
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from .proc import usable_cpus
+from .timeline import Point, TimelineData
 
 if TYPE_CHECKING:
     from .headroom_report import HeadroomReport
@@ -153,6 +155,8 @@ class LoaderStats:
         autotune: the autotuner's decisions so far, oldest first (empty without an
             ``"auto"`` argument): each has ``batch``, ``knob``, ``old``, ``new`` and
             ``reason`` (:class:`aioloader._tune.controller.Decision`; docs/autotune.md).
+        timeline: the latest epoch's counters over time, bounded (``None`` before its
+            first batch); drawn by :meth:`plot`.
     """
 
     epochs: int
@@ -170,6 +174,22 @@ class LoaderStats:
     slow_stage: str | None = None
     trace: Trace | None = field(default=None, repr=False, compare=False)
     ending_s: float = 0.0
+    timeline: TimelineData | None = field(default=None, repr=False, compare=False)
+
+    def plot(self, path: str | os.PathLike[str]) -> None:
+        """Draw these statistics into ``path``: a PNG (``.png``), or a self-contained HTML
+        page (``.html``: the picture inline and the table as text). Panels: throughput,
+        the consumer's wait, the queues and the workers' CPU over the latest epoch, each
+        stage's busy share and each worker's CPU; the hint is the title (docs/stats.md,
+        "Picture"). Headless: matplotlib's ``Figure`` and Agg, never ``pyplot``.
+
+        Raises:
+            ImportError: matplotlib is missing (``pip install aioloader[plot]``).
+            ValueError: ``path`` ends in neither ``.png`` nor ``.html``.
+        """
+        from .plot import write_plot
+
+        write_plot(self, path)
 
     def export_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         """Write the kept spans as a Chrome trace-event JSON file (the format of
@@ -185,6 +205,49 @@ class LoaderStats:
                                "last_n_batches) before iterating, then stats()."
                                "export_chrome_trace(path)")
         self.trace.write(path)
+
+    #: The key and version :meth:`to_json` writes and :meth:`from_json` checks.
+    JSON_FORMAT = ("aioloader_stats", 1)
+
+    def to_json(self) -> str:
+        """These statistics as JSON, for :meth:`from_json` and ``python -m aioloader.plot
+        stats.json stats.png``: every field but ``trace``, the autotuner's decisions as
+        their text."""
+        out: dict[str, Any] = {self.JSON_FORMAT[0]: self.JSON_FORMAT[1]}
+        for f in fields(self):
+            if f.name not in ("trace", "timeline", "stages"):
+                out[f.name] = getattr(self, f.name)
+        out["stages"] = [asdict(st) for st in self.stages.values()]
+        out["workers"] = [asdict(w) for w in self.workers]
+        out["ranks"] = [asdict(r) for r in self.ranks]
+        out["autotune"] = [str(d) for d in self.autotune]
+        tl = self.timeline
+        out["timeline"] = (None if tl is None else
+                           {"workers": tl.workers, "points": [list(p) for p in tl.points]})
+        return json.dumps(out)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> LoaderStats:
+        """Statistics saved by :meth:`to_json` (``trace`` is ``None``; ``autotune`` holds
+        the decisions' text).
+
+        Raises:
+            ValueError: ``text`` is not what :meth:`to_json` writes.
+        """
+        try:
+            d = json.loads(text)
+            if not isinstance(d, dict) or d.pop(cls.JSON_FORMAT[0], None) != cls.JSON_FORMAT[1]:
+                raise ValueError("no format key")
+            tl = d.pop("timeline")
+            return cls(**{
+                **d, "stages": {st["name"]: StageStats(**st) for st in d["stages"]},
+                "workers": [WorkerStats(**w) for w in d["workers"]],
+                "ranks": [RankStats(**r) for r in d["ranks"]],
+                "timeline": None if tl is None else TimelineData(
+                    tuple(Point(*p) for p in tl["points"]), tl["workers"])})
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"LoaderStats.from_json(): not statistics that "
+                             f"LoaderStats.to_json() wrote ({exc})") from exc
 
     @property
     def batches_per_s(self) -> float:
@@ -345,7 +408,9 @@ def _busy_workers_hint(s: LoaderStats, wait: float, idle_frac: float, is_async: 
     runq = _mean([w.runq_fraction for w in workers]) or 0.0
     wanted = cpu + runq  # on a core, or runnable and waiting for one
     threads = any(w.tid is not None for w in workers)
-    together = wanted * len(workers)
+    # Thread workers' CPU together, without their run queue: a thread handed the GIL while
+    # another still holds the core waits runnable, which is the GIL's cost, not the CPUs'.
+    together = cpu * len(workers)
     if runq >= RUNQ_BUSY and wanted >= CPU_IDLE:
         fix = (f"make {fn} cheaper" if wanted >= CPU_BOUND else
                f"free CPUs for them (other work holds the cores) or make {fn} cheaper")

@@ -221,16 +221,20 @@ class Tuner:
             old, knob.value = knob.value, new
             return self._record(Decision(batch, trial.knob, old, new,
                                          f"climbing: {self._why(trial.knob, m)}"))
-        # Brought nothing: undo, and wait longer each time before trying again.
-        fails = self.failures.get(trial.knob, 0) + 1
-        self.failures[trial.knob] = fails
+        # Brought nothing: undo, and wait longer each time before trying again; but a
+        # failed leap only says the knob does not scale that far: it doubles from the old
+        # value at the next window (a leap's 8x may pass where the loop's CPU is the limit,
+        # and its trial window was the only one at the new value).
         s = self.settings
-        self.cooling[trial.knob] = self.windows + min(s.cooldown << (fails - 1),
-                                                      s.max_cooldown)
-        if self.last_kept == trial.knob:
-            self.last_kept = None
         if trial.new > 2 * trial.old:  # a leap: this knob does not scale as hoped
             knob.scales = False
+        else:
+            fails = self.failures.get(trial.knob, 0) + 1
+            self.failures[trial.knob] = fails
+            self.cooling[trial.knob] = self.windows + min(s.cooldown << (fails - 1),
+                                                          s.max_cooldown)
+        if self.last_kept == trial.knob:
+            self.last_kept = None
         knob.value = trial.old
         return self._record(Decision(
             batch, trial.knob, trial.new, trial.old,
