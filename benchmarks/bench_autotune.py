@@ -16,6 +16,9 @@ them; between-epoch moves count). Workloads:
 
 Prints one table per workload: samples/s of the default, the best fixed
 configuration, auto, and the ratios auto/best and auto/default, then auto's decisions.
+With ``--repeats N`` every configuration (auto included) runs once per round, in N
+rounds, and each one's median is shown: a drift of the machine's load touches them
+alike (the best of many noisy single figures would read high).
 
 Usage (from the repository root)::
 
@@ -109,23 +112,23 @@ def label(cfg: dict[str, Any]) -> str:
     return " ".join(f"{SHORT[k]}={v}" for k, v in cfg.items())
 
 
-def measure(make: Callable[[], Any], batches: int, step: float, cfg: dict[str, Any],
-            batch_size: int, repeats: int) -> tuple[float, Any]:
-    rates, stats = [], None
-    for _ in range(repeats):
-        rate, stats = run(make(), batches, step, batch_size=batch_size, **cfg)
-        rates.append(rate)
-    return statistics.median(rates), stats
-
-
 def bench(workload: str, make: Callable[[], Any], batches: int, repeats: int,
           quick: bool, step: float = 0.0) -> str:
     bs = BATCH[workload]
-    results: dict[str, float] = {}
     configs = [{"num_workers": 0}] if workload == "consumer" else sweep(workload, quick)
-    for cfg in configs:
-        results[label(cfg)], _ = measure(make, batches, step, cfg, bs, repeats)
-    auto, stats = measure(make, batches, step, auto_config(workload), bs, repeats)
+    configs.append(auto_config(workload))
+    # Rounds, each running every configuration once in the same order: a drift of the
+    # machine's load over the run touches every configuration alike (medians per config).
+    rates: dict[str, list[float]] = {label(cfg): [] for cfg in configs}
+    stats = None
+    for _ in range(repeats):
+        for cfg in configs:
+            rate, got = run(make(), batches, step, batch_size=bs, **cfg)
+            rates[label(cfg)].append(rate)
+            if cfg is configs[-1]:
+                stats = got
+    results = {name: statistics.median(r) for name, r in rates.items()}
+    auto = results.pop(label(configs[-1]))
     default_label = "w=0 c=64" if workload == "async" else "w=0"
     default = results[default_label]
     best_name = max(results, key=lambda k: results[k])
