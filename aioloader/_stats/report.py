@@ -430,4 +430,4 @@ def _busy_workers_hint(s: LoaderStats, wait: float, idle_frac: float, is_async: 
         fix = "raise fetch_concurrency" if is_async else "raise fetch_threads (or num_workers)"
         return (f"{head} but workers at {_pct(cpu)} CPU: workers idle waiting on "
                 f"I/O{' or the GIL' if threads else ''}: {fix}")
-    return f"{head}: raise num_workers"
+    return f"{head}; workers at {_pct(cpu)} CPU (the cores have room): raise num_workers"
