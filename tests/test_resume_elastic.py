@@ -53,7 +53,7 @@ def _epoch(loader: DataLoader[Any], use_async: bool) -> list[Any]:
     return [b.tolist() for b in loader]
 
 
-_SLOW = pytest.mark.slow  # run by the README's command; CI's other Pythons skip these
+_SLOW = pytest.mark.slow  # run by CI's slow stage (main Python; README: "-m slow")
 
 
 @pytest.mark.parametrize(("before", "after", "use_async"),
