@@ -24,21 +24,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch
-import torch.utils.data as tud
 
+from _peers_workloads import Tiny
 from aioloader import DataLoader
-
-
-class Tiny(tud.Dataset):
-    def __init__(self, n: int) -> None:
-        self.data = [torch.randn(8) for _ in range(n)]
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return self.data[i], i
 
 
 def main() -> None:

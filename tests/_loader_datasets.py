@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import signal
@@ -73,6 +74,34 @@ class Slow(aioloader.Dataset[int]):
     def __getitem__(self, i: int) -> int:
         time.sleep(self.delay)
         return i
+
+
+class Sleep(aioloader.Dataset[torch.Tensor]):
+    """Each sample waits ``cost`` seconds on "I/O" (a sleep: no CPU)."""
+
+    def __init__(self, n: int, cost: float) -> None:
+        self.n, self.cost = n, cost
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.cost)
+        return torch.tensor([i])
+
+
+class ASleep:
+    """An async dataset whose samples each wait ``cost`` seconds (awaited)."""
+
+    def __init__(self, n: int, cost: float) -> None:
+        self.n, self.cost = n, cost
+
+    def __len__(self) -> int:
+        return self.n
+
+    async def __getitem__(self, i: int) -> torch.Tensor:
+        await asyncio.sleep(self.cost)
+        return torch.tensor([i])
 
 
 class HangsAt(aioloader.Dataset[int]):

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from _loader_datasets import ASleep, Sleep
 
 from aioloader import DataLoader, Dataset, LoaderStats, StageStats, WorkerStats
 from aioloader._stats import proc
@@ -46,34 +47,6 @@ class Spin(Dataset[torch.Tensor]):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         _spin(self.cost)
-        return torch.tensor([i])
-
-
-class Sleep(Dataset[torch.Tensor]):
-    """Each sample waits ``cost`` seconds on "I/O" (a sleep: no CPU)."""
-
-    def __init__(self, n: int, cost: float) -> None:
-        self.n, self.cost = n, cost
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        time.sleep(self.cost)
-        return torch.tensor([i])
-
-
-class ASleep:
-    """An async dataset whose samples each wait ``cost`` seconds (awaited)."""
-
-    def __init__(self, n: int, cost: float) -> None:
-        self.n, self.cost = n, cost
-
-    def __len__(self) -> int:
-        return self.n
-
-    async def __getitem__(self, i: int) -> torch.Tensor:
-        await asyncio.sleep(self.cost)
         return torch.tensor([i])
 
 

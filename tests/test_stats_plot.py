@@ -7,14 +7,13 @@ import asyncio
 import html
 import importlib.util
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from _loader_datasets import ASleep, Sleep
 
-from aioloader import DataLoader, Dataset
+from aioloader import DataLoader
 from aioloader._stats.timeline import Point, Timeline, TimelineData
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -25,34 +24,6 @@ _MPL = importlib.util.find_spec("matplotlib")
 keeps_fonts = pytest.mark.keeps_fds(
     _MPL.submodule_search_locations[0] if _MPL and _MPL.submodule_search_locations
     else "/nonexistent")
-
-
-class Sleepy(Dataset[torch.Tensor]):
-    """Each sample sleeps ``cost`` seconds (loading that waits, as I/O does)."""
-
-    def __init__(self, n: int, cost: float = 0.0005) -> None:
-        self.n, self.cost = n, cost
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        time.sleep(self.cost)
-        return torch.tensor([i])
-
-
-class ASleepy:
-    """The async kind: each sample awaits ``cost`` seconds."""
-
-    def __init__(self, n: int, cost: float = 0.0005) -> None:
-        self.n, self.cost = n, cost
-
-    def __len__(self) -> int:
-        return self.n
-
-    async def __getitem__(self, i: int) -> torch.Tensor:
-        await asyncio.sleep(self.cost)
-        return torch.tensor([i])
 
 
 def _run(loader: DataLoader[Any], use_async: bool = False) -> int:
@@ -126,7 +97,7 @@ def test_the_timeline_counts_every_batch(num_workers: int, use_async: bool,
                                          async_ds: bool) -> None:
     """Its last point has every delivered batch and sample, whatever the epoch's kind
     (a sampled in-process epoch included); epochs with a window see their queues."""
-    ds: Any = ASleepy(160) if async_ds else Sleepy(160)
+    ds: Any = ASleep(160, 0.0005) if async_ds else Sleep(160, 0.0005)
     loader = DataLoader(ds, batch_size=4, num_workers=num_workers)
     assert loader.stats().timeline is None  # before the first epoch
     assert _run(loader, use_async) == 40
@@ -141,14 +112,14 @@ def test_the_timeline_counts_every_batch(num_workers: int, use_async: bool,
 
 def test_no_timeline_with_stats_off() -> None:
     """collect_stats=False keeps nothing."""
-    loader = DataLoader(Sleepy(16, 0.0), batch_size=4, collect_stats=False)
+    loader = DataLoader(Sleep(16, 0.0), batch_size=4, collect_stats=False)
     assert _run(loader) == 4
     assert loader.stats().timeline is None
 
 
 def test_bad_suffix_is_refused_before_anything_is_drawn(tmp_path: Path) -> None:
     """The suffix says what to write: anything but .png/.html is a ValueError naming it."""
-    loader = DataLoader(Sleepy(8, 0.0), batch_size=4)
+    loader = DataLoader(Sleep(8, 0.0), batch_size=4)
     _run(loader)
     with pytest.raises(ValueError, match=r"plot\(path=.*x\.jpg.*'\.png'.*'\.html'"):
         loader.stats().plot(tmp_path / "x.jpg")
@@ -160,7 +131,7 @@ def test_missing_matplotlib_names_the_extra(tmp_path: Path,
     """Without matplotlib: an ImportError that says which extra to install."""
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, name, None)
-    loader = DataLoader(Sleepy(8, 0.0), batch_size=4)
+    loader = DataLoader(Sleep(8, 0.0), batch_size=4)
     _run(loader)
     with pytest.raises(ImportError, match=r"pip install aioloader\[plot\]"):
         loader.stats().plot(tmp_path / "x.png")
@@ -173,7 +144,7 @@ def test_png_and_html_are_written_headless(tmp_path: Path, num_workers: int) -> 
     pyplot is never imported (the user's backend and figures are left alone)."""
     pytest.importorskip("matplotlib")
     had_pyplot = "matplotlib.pyplot" in sys.modules
-    loader = DataLoader(Sleepy(64), batch_size=4, num_workers=num_workers)
+    loader = DataLoader(Sleep(64, 0.0005), batch_size=4, num_workers=num_workers)
     _run(loader)
     stats = loader.stats()
     png = tmp_path / "stats.png"
@@ -193,7 +164,7 @@ def test_png_and_html_are_written_headless(tmp_path: Path, num_workers: int) -> 
 def test_an_empty_loader_still_draws(tmp_path: Path) -> None:
     """Before any batch every panel says why it is empty; the file is still written."""
     pytest.importorskip("matplotlib")
-    loader = DataLoader(Sleepy(8, 0.0), batch_size=4)
+    loader = DataLoader(Sleep(8, 0.0), batch_size=4)
     loader.stats().plot(tmp_path / "empty.png")
     assert (tmp_path / "empty.png").read_bytes().startswith(PNG_MAGIC)
 
@@ -201,7 +172,7 @@ def test_an_empty_loader_still_draws(tmp_path: Path) -> None:
 def test_saved_statistics_round_trip_through_json() -> None:
     """to_json()/from_json(): every field comes back (the trace left out, the autotuner's
     decisions as text), the timeline included; anything else is a ValueError."""
-    loader = DataLoader(Sleepy(64), batch_size=4, num_workers=2, prefetch_factor="auto")
+    loader = DataLoader(Sleep(64, 0.0005), batch_size=4, num_workers=2, prefetch_factor="auto")
     _run(loader)
     stats = loader.stats()
     assert stats.workers
@@ -221,7 +192,7 @@ def test_the_command_line_draws_a_saved_file(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from aioloader.plot import main
 
-    loader = DataLoader(Sleepy(32), batch_size=4)
+    loader = DataLoader(Sleep(32, 0.0005), batch_size=4)
     _run(loader)
     saved = tmp_path / "stats.json"
     saved.write_text(loader.stats().to_json(), encoding="utf-8")
