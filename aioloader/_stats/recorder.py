@@ -101,11 +101,10 @@ class Recorder:
     # Each attribute is described where __init__ sets it.
     __slots__ = (
         "batches", "book", "count", "countdown", "end_wait_ns", "first_done_ns",
-        "first_wait_ns",
-        "hist", "hmax", "hooks", "last_ns", "log_every_ns", "next_log_ns", "ns", "occ",
-        "period", "procs", "reading_ns", "sampled", "samples", "start_ns", "step_from",
-        "step_ns", "time_every", "timeline", "timing", "tl_next", "trace", "untimed", "watch",
-        "workers",
+        "first_wait_ns", "hist", "hmax", "hooks", "last_ns", "log_every_ns", "next_log_ns",
+        "ns", "occ", "period", "procs", "reading_ns", "sampled", "samples", "start_ns",
+        "step_from", "step_ns", "time_every", "timeline", "timing", "tl_next", "trace",
+        "untimed", "watch", "workers",
     )
 
     #: With sampling on, time one batch in this many (the others are only counted, and
