@@ -171,6 +171,67 @@ def test_a_leap_that_brings_nothing_is_undone_and_the_knob_only_doubles() -> Non
     assert again is not None and (again.old, again.new) == (64, 128)
 
 
+def busy_loop(throughput: float, wait: float = 0.01, loop_cpu: float = 0.95) -> Measurement:
+    """A window in which the event loop's thread used ``loop_cpu`` of a CPU."""
+    return Measurement(batches=int(throughput), seconds=1.0, wait_seconds=wait,
+                       loop_cpu=loop_cpu)
+
+
+def test_a_busy_event_loop_tries_fewer_reads_in_flight() -> None:
+    """Regression test for issue 39: where the event loop's thread is the limit (its CPU
+    share at least ``loop_busy``), fetch_concurrency is halved on trial, even though the
+    consumer hardly waits (with ``for``, the consumer's thread waits for the GIL the
+    busy loop holds: its wait reads short). A gain keeps the move and the next busy
+    window halves again; a halving that brings nothing is undone and cools down."""
+    t = Tuner({CONCURRENCY: Knob(CONCURRENCY, 512, 1, 512, "double")},
+              TuneSettings(cooldown=2))
+    down = t.observe(0, busy_loop(300))
+    assert down is not None and (down.knob, down.old, down.new) == (CONCURRENCY, 512, 256)
+    assert "event loop" in down.reason and "95%" in down.reason
+    kept = t.observe(1, busy_loop(430))  # kept, and nothing else moves at once
+    assert kept is not None and (kept.old, kept.new) == (256, 256) and "kept" in kept.reason
+    again = t.observe(2, busy_loop(430))
+    assert again is not None and (again.old, again.new) == (256, 128)
+    undo = t.observe(3, busy_loop(350))
+    assert undo is not None and (undo.old, undo.new) == (128, 256) and "undone" in undo.reason
+    # Cooling down: the consumer-bound rule holds (no move), then fewer is tried again.
+    assert [t.observe(4 + i, busy_loop(430)) for i in range(2)][-1] is None
+    retry = t.observe(6, busy_loop(430))
+    assert retry is not None and (retry.old, retry.new) == (256, 128)
+
+
+@pytest.mark.parametrize("loop_cpu", [None, 0.5, 0.84])
+def test_a_loop_with_cpu_to_spare_is_not_given_fewer_reads(loop_cpu: float | None) -> None:
+    """Regression test for issue 39: below ``loop_busy`` (or unread) the loop's CPU is
+    not the limit: a waiting consumer gets more reads in flight, as before."""
+    t = concurrency()
+    d = t.observe(0, busy_loop(100, wait=0.5, loop_cpu=loop_cpu))  # type: ignore[arg-type]
+    assert d is not None and (d.old, d.new) == (64, 128)
+    floor = Tuner({CONCURRENCY: Knob(CONCURRENCY, 1, 1, 512, "double")})
+    held = floor.observe(0, busy_loop(100))  # never below the knob's bound
+    assert held is not None and held.knob == "all" and "consumer-bound" in held.reason
+    others = tuner(**{WORKERS: (2, 1, 4)})
+    held = others.observe(0, busy_loop(100))  # only fetch_concurrency goes down
+    assert held is not None and held.knob == "all"
+
+
+def test_the_epoch_measures_its_event_loop_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression test for issue 39: each window reads the CPU time of the thread that
+    delivers the batches (the event loop's) and the controller halves the reads in
+    flight when that thread was busy for most of the window."""
+    cpu = [0.0]
+    monkeypatch.setattr(autotune.EpochTuner, "thread_cpu", staticmethod(lambda: cpu[0]))
+    state = TuneState(frozenset({"fetch_concurrency"}), 0, None, 512)
+    state.concurrency_scales = False
+    tuner = epoch_tuner(state)
+    now = deliver(tuner, 1, 1.0, 10**9)
+    tuner._restart()  # the window begins in this thread, as the loop's windows do
+    cpu[0] = 0.24  # the next window (32 batches, 0.256 s): the loop's thread busy 94% of it
+    deliver(tuner, 40, 8.0, now)
+    assert [(d.old, d.new) for d in state.decisions] == [(512, 256)]
+    assert "94%" in state.decisions[0].reason and state.concurrency == 256
+
+
 class WindowOnly:
     """A dispatcher stand-in for EpochTuner: no workers, a window that resizes."""
 

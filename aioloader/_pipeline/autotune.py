@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,6 +87,10 @@ def batch_nbytes(batch: Any, depth: int = 0) -> tuple[int, int]:
 class EpochTuner:
     """Measurement windows and knob moves for one epoch (see the module docstring)."""
 
+    #: The calling thread's CPU seconds: read at each window's ends, in the event loop's
+    #: thread (where batches are delivered) for the loop's CPU share.
+    thread_cpu: Callable[[], float] = staticmethod(time.thread_time)
+
     def __init__(self, state: TuneState, system: System, *, dispatch: Dispatcher,
                  lease: _PoolLease | None, batch_size: int, index_sampler: Any,
                  bound_window: Callable[[int, Any, int], int], iterable: bool,
@@ -142,6 +147,7 @@ class EpochTuner:
         self.wait_ns = 0
         self.rec0 = self._rec_totals() if self.rec is not None else None
         self.cpu0 = self._cpu(self._workers_now())
+        self.loop0 = (threading.get_ident(), self.thread_cpu())
 
     def _workers_now(self) -> tuple[float, int, int] | None:
         """The workers' CPU seconds so far, their largest RSS and how many they are (one
@@ -217,8 +223,11 @@ class EpochTuner:
         c1 = self._cpu(procs)
         if c1 is not None and self.cpu0 is not None and c1[1] == self.cpu0[1] and seconds:
             cpu = (c1[0] - self.cpu0[0]) / seconds / c1[1]
+        thread, loop0 = self.loop0  # a window begun in another thread says nothing
+        loop = ((self.thread_cpu() - loop0) / seconds
+                if thread == threading.get_ident() and seconds else None)
         return Measurement(self.batches, seconds, self.wait_ns / 1e9, worker_busy=busy,
-                           worker_cpu=cpu, ready=ready)
+                           worker_cpu=cpu, ready=ready, loop_cpu=loop)
 
     def epoch_measurement(self, now: int) -> Measurement | None:
         """The whole epoch so far, for the between-epoch decisions."""

@@ -6,9 +6,10 @@
 (:mod:`aioloader._pipeline.epoch`). It has no clock, no threads and no I/O: numbers in,
 a :class:`Decision` (or ``None``) out, so it is tested with synthetic inputs.
 
-The rules, in the order they are applied (a move on trial judged first, a
-consumer-bound loop left alone, then one knob up, ``fetch_concurrency`` possibly by a
-leap): docs/autotune.md, "The controller"; their thresholds are :class:`TuneSettings`.
+The rules, in the order they are applied (a move on trial judged first, fewer reads in
+flight where the event loop's thread is the limit, a consumer-bound loop left alone,
+then one knob up, ``fetch_concurrency`` possibly by a leap): docs/autotune.md, "The
+controller"; their thresholds are :class:`TuneSettings`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ CONCURRENCY = "fetch_concurrency"
 
 #: The most one move may multiply a scaling knob by (a :attr:`Knob.scales` knob).
 MAX_LEAP = 8
+#: The cool-down key of ``fetch_concurrency``'s moves down (see :meth:`Tuner._fewer`).
+_FEWER = CONCURRENCY + " down"
 
 
 @dataclass
@@ -63,7 +66,8 @@ class Measurement:
     ``worker_busy``: the share of the workers' time spent fetching and collating
     (``None``: unknown, e.g. stats off); ``worker_cpu``: their CPU time over wall time,
     per worker on average (``None``: not read); ``ready``: batches already waiting,
-    on average, when the consumer asked (``None``: unknown).
+    on average, when the consumer asked (``None``: unknown); ``loop_cpu``: the CPU time
+    of the event loop's thread over wall time (``None``: not read).
     """
 
     batches: int
@@ -72,6 +76,7 @@ class Measurement:
     worker_busy: float | None = None
     worker_cpu: float | None = None
     ready: float | None = None
+    loop_cpu: float | None = None
 
     @property
     def throughput(self) -> float:
@@ -112,6 +117,9 @@ class TuneSettings:
     data_bound: float = 0.10
     #: Workers busier than this are CPU-bound (a worker more may help).
     busy: float = 0.7
+    #: An event loop's thread using this share of a CPU is the limit of the reads in
+    #: flight on it: fewer of them are tried (each costs the loop's CPU).
+    loop_busy: float = 0.85
     #: Windows a failed move waits before it is tried again (doubled per failure).
     cooldown: int = 4
     max_cooldown: int = 64
@@ -161,6 +169,9 @@ class Tuner:
             self.consumer_bound = share <= s.data_bound
         else:
             self.consumer_bound = share < s.consumer_bound
+        fewer = self._fewer(batch, m)
+        if fewer is not None:
+            return fewer
         if self.consumer_bound:
             if not was:
                 return self._record(Decision(
@@ -177,6 +188,22 @@ class Tuner:
             why = self._why(name, m)
             return self._record(Decision(batch, name, old, new, why))
         return None
+
+    def _fewer(self, batch: int, m: Measurement) -> Decision | None:
+        """Halve ``fetch_concurrency`` on trial where the event loop's thread is busy:
+        its CPU, not the reads' latency, bounds the batches then, and each read in
+        flight costs it (a consumer in another thread also waits for the GIL it holds,
+        so its wait reads short and the loop looks consumer-bound)."""
+        knob = self.knobs.get(CONCURRENCY)
+        if (knob is None or m.loop_cpu is None or m.loop_cpu < self.settings.loop_busy
+                or knob.value <= knob.low or self.cooling.get(_FEWER, 0) >= self.windows):
+            return None
+        new = max(knob.low, knob.value // 2)
+        self.trial = _Trial(CONCURRENCY, knob.value, new, m.throughput)
+        old, knob.value = knob.value, new
+        return self._record(Decision(batch, CONCURRENCY, old, new, (
+            f"trying fewer: the event loop's thread used {m.loop_cpu:.0%} of a CPU at "
+            f"{m.throughput:.1f} batches/s")))
 
     def _order(self, m: Measurement) -> list[str]:
         """Which knobs to try, best bet first; a knob that just paid off goes first."""
@@ -207,7 +234,12 @@ class Tuner:
         self.trial = None
         knob = self.knobs[trial.knob]
         now, before = m.throughput, trial.before
+        fewer = trial.new < trial.old
         if now >= before * (1 + self.settings.margin):
+            if fewer:  # the next window tries fewer again if the loop is still busy
+                self.failures.pop(_FEWER, None)
+                return self._record(Decision(batch, trial.knob, trial.new, trial.new,
+                                             f"kept: {before:.1f} -> {now:.1f} batches/s"))
             self.last_kept = trial.knob
             self.failures.pop(trial.knob, None)
             kept = self._record(Decision(
@@ -229,11 +261,11 @@ class Tuner:
         if trial.new > 2 * trial.old:  # a leap: this knob does not scale as hoped
             knob.scales = False
         else:
-            fails = self.failures.get(trial.knob, 0) + 1
-            self.failures[trial.knob] = fails
-            self.cooling[trial.knob] = self.windows + min(s.cooldown << (fails - 1),
-                                                          s.max_cooldown)
-        if self.last_kept == trial.knob:
+            key = _FEWER if fewer else trial.knob
+            fails = self.failures.get(key, 0) + 1
+            self.failures[key] = fails
+            self.cooling[key] = self.windows + min(s.cooldown << (fails - 1), s.max_cooldown)
+        if self.last_kept == trial.knob and not fewer:
             self.last_kept = None
         knob.value = trial.old
         return self._record(Decision(
