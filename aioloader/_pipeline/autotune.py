@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +55,14 @@ WINDOW_BATCHES = 8
 FAST_WINDOW_BATCHES = 32
 FAST_WINDOW_S = 0.05
 
+def thread_busy() -> float:
+    """Seconds the calling thread has run on a CPU plus those it was runnable, waiting for
+    one (``/proc``'s schedstat, where the kernel keeps it): on a machine with fewer free
+    cores than runnable threads, a thread that is the limit runs only part of the time."""
+    waited = _proc.run_delay(os.getpid(), threading.get_native_id())
+    return time.thread_time() + (waited or 0.0)
+
+
 def proc_workers(pids: Sequence[int]) -> tuple[float, int] | None:
     """The user + system CPU seconds ``pids`` used so far and the largest resident set
     (bytes) among them, from one ``/proc`` read per pid (``None`` if one is unknown)."""
@@ -87,9 +96,9 @@ def batch_nbytes(batch: Any, depth: int = 0) -> tuple[int, int]:
 class EpochTuner:
     """Measurement windows and knob moves for one epoch (see the module docstring)."""
 
-    #: The calling thread's CPU seconds: read at each window's ends, in the event loop's
-    #: thread (where batches are delivered) for the loop's CPU share.
-    thread_cpu: Callable[[], float] = staticmethod(time.thread_time)
+    #: The calling thread's busy seconds so far, read at each window's ends in the event
+    #: loop's thread (where batches are delivered): :func:`thread_busy`.
+    thread_busy: Callable[[], float] = staticmethod(thread_busy)
 
     def __init__(self, state: TuneState, system: System, *, dispatch: Dispatcher,
                  lease: _PoolLease | None, batch_size: int, index_sampler: Any,
@@ -112,7 +121,10 @@ class EpochTuner:
         self.tg: anyio.abc.TaskGroup | None = None  # the background task group
         self.busy = False  # a knob move is under way (a worker starting or draining)
         self.owed_draws = 0  # batches the window grew by, not drawn yet
-        self.settling = False  # the window after a worker joined is not judged
+        # The window after a worker joined is not judged; nor a later epoch's first one:
+        # its knobs were moved before, and it starts by filling the pipeline (its
+        # batches would make any move judged against it look good).
+        self.settling = bool(state.decisions)
         # Nor the short one after a fetch_concurrency move: the batches it delivers were
         # mostly fetched at the old value (the reads in flight refill at the new one).
         self.refilling = False
@@ -147,7 +159,7 @@ class EpochTuner:
         self.wait_ns = 0
         self.rec0 = self._rec_totals() if self.rec is not None else None
         self.cpu0 = self._cpu(self._workers_now())
-        self.loop0 = (threading.get_ident(), self.thread_cpu())
+        self.loop0 = (threading.get_ident(), self.thread_busy())
 
     def _workers_now(self) -> tuple[float, int, int] | None:
         """The workers' CPU seconds so far, their largest RSS and how many they are (one
@@ -224,10 +236,10 @@ class EpochTuner:
         if c1 is not None and self.cpu0 is not None and c1[1] == self.cpu0[1] and seconds:
             cpu = (c1[0] - self.cpu0[0]) / seconds / c1[1]
         thread, loop0 = self.loop0  # a window begun in another thread says nothing
-        loop = ((self.thread_cpu() - loop0) / seconds
+        loop = ((self.thread_busy() - loop0) / seconds
                 if thread == threading.get_ident() and seconds else None)
         return Measurement(self.batches, seconds, self.wait_ns / 1e9, worker_busy=busy,
-                           worker_cpu=cpu, ready=ready, loop_cpu=loop)
+                           worker_cpu=cpu, ready=ready, loop_busy=loop)
 
     def epoch_measurement(self, now: int) -> Measurement | None:
         """The whole epoch so far, for the between-epoch decisions."""

@@ -66,8 +66,8 @@ class Measurement:
     ``worker_busy``: the share of the workers' time spent fetching and collating
     (``None``: unknown, e.g. stats off); ``worker_cpu``: their CPU time over wall time,
     per worker on average (``None``: not read); ``ready``: batches already waiting,
-    on average, when the consumer asked (``None``: unknown); ``loop_cpu``: the CPU time
-    of the event loop's thread over wall time (``None``: not read).
+    on average, when the consumer asked (``None``: unknown); ``loop_busy``: the time the
+    event loop's thread ran or waited for a CPU, over wall time (``None``: not read).
     """
 
     batches: int
@@ -76,7 +76,7 @@ class Measurement:
     worker_busy: float | None = None
     worker_cpu: float | None = None
     ready: float | None = None
-    loop_cpu: float | None = None
+    loop_busy: float | None = None
 
     @property
     def throughput(self) -> float:
@@ -117,9 +117,9 @@ class TuneSettings:
     data_bound: float = 0.10
     #: Workers busier than this are CPU-bound (a worker more may help).
     busy: float = 0.7
-    #: An event loop's thread using this share of a CPU is the limit of the reads in
-    #: flight on it: fewer of them are tried (each costs the loop's CPU).
-    loop_busy: float = 0.85
+    #: An event loop's thread busy (on a CPU or waiting for one) this share of the time is
+    #: the limit of the reads in flight on it: fewer are tried (each costs it CPU).
+    busy_loop: float = 0.85
     #: Windows a failed move waits before it is tried again (doubled per failure).
     cooldown: int = 4
     max_cooldown: int = 64
@@ -195,15 +195,15 @@ class Tuner:
         flight costs it (a consumer in another thread also waits for the GIL it holds,
         so its wait reads short and the loop looks consumer-bound)."""
         knob = self.knobs.get(CONCURRENCY)
-        if (knob is None or m.loop_cpu is None or m.loop_cpu < self.settings.loop_busy
+        if (knob is None or m.loop_busy is None or m.loop_busy < self.settings.busy_loop
                 or knob.value <= knob.low or self.cooling.get(_FEWER, 0) >= self.windows):
             return None
         new = max(knob.low, knob.value // 2)
         self.trial = _Trial(CONCURRENCY, knob.value, new, m.throughput)
         old, knob.value = knob.value, new
         return self._record(Decision(batch, CONCURRENCY, old, new, (
-            f"trying fewer: the event loop's thread used {m.loop_cpu:.0%} of a CPU at "
-            f"{m.throughput:.1f} batches/s")))
+            f"trying fewer: the event loop's thread was busy {m.loop_busy:.0%} of the "
+            f"time at {m.throughput:.1f} batches/s")))
 
     def _order(self, m: Measurement) -> list[str]:
         """Which knobs to try, best bet first; a knob that just paid off goes first."""
