@@ -9,6 +9,7 @@ rates themselves are measured by benchmarks/bench_headroom.py, not asserted here
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import wait_until
 
 from aioloader import DataLoader, Headroom, HeadroomReport, LoaderStats, StageStats
 from aioloader._stats.headroom_report import HeadroomClock
@@ -134,6 +136,40 @@ def test_a_break_in_the_replay_reports_the_steps_that_ended(use_async: bool) -> 
     got = _run(probe, use_async, stop_after=4 + 3)  # 4 from the loader, 3 replayed
     assert len(got) == 7
     assert probe.report().replay_steps == 2  # the third replayed step never ended
+
+
+class _FailsAt:
+    """``ds[at]`` raises: the loader's phase ends with the dataset's error."""
+
+    def __init__(self, n: int, at: int) -> None:
+        self.n, self.at = n, at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.at:
+            raise KeyError(f"sample {i} is missing")
+        return i
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["for", "async_for"])
+@pytest.mark.parametrize(("num_workers", "method"), WORKERS, ids=IDS)
+def test_a_dataset_error_ends_the_run_and_closes_the_epoch(use_async: bool,
+                                                           num_workers: int,
+                                                           method: str) -> None:
+    """The dataset's error reaches the caller; the loader's epoch is closed then, not when
+    the loader's iterator is collected: the error's traceback (kept here) holds that
+    iterator's frames, and its worker processes are gone all the same. The run is over."""
+    loader = DataLoader(_FailsAt(20, at=9), batch_size=2, num_workers=num_workers,
+                        worker_method=method)
+    probe = Headroom(loader, replay_batches=2)
+    with pytest.raises(KeyError, match="sample 9 is missing") as caught:
+        _run(probe, use_async)
+    assert caught.tb is not None
+    assert wait_until(lambda: not multiprocessing.active_children())
+    with pytest.raises(RuntimeError, match="no headroom measured yet"):
+        probe.report()
 
 
 def test_close_and_context_managers_end_the_run() -> None:

@@ -233,9 +233,12 @@ class AsyncHeadroomIter(_Run[T], AsyncIterator[T]):
                 return self._take(await self._it.__anext__())
             except StopAsyncIteration:
                 pass
-            except BaseException:
+            except Exception:
+                await self.aclose()  # the loader's epoch closes now, as with ``for``
+                raise
+            except BaseException:  # cancelled: no await here; it closes when collected
                 self._end()
-                self._it = None  # the loader's iterator closes itself when collected
+                self._it = None
                 raise
         if not self._clock.replaying:  # the epoch ended, or max_batches were taken
             await self._close_loader()
