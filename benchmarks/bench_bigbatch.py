@@ -6,10 +6,12 @@ their own): GB/s delivered from the first batch on, the ratio to torch, and the 
 to two one-core references measured in this process: stacking 64 samples into a fresh
 batch (``torch.stack``: ``empty`` + copy, the page faults included) and into a warm,
 reused buffer. Then the peak memory against torch's, sampled every 20 ms in separate
-runs (sampling slows mmaps): the sum of PSS of the parent and its workers, and the
-memory held (what PSS shows outside shared memory, plus every shared-memory file the
-processes hold or map, each counted once: PSS does not see a batch whose worker
-unmapped it and that the parent has not read yet, as torch's in-flight batches are).
+runs (sampling slows mmaps), as many as for the throughput (torch's float32 peak alone
+read 235-324 MB over 14 runs: one run's ratio is mostly noise): the sum of PSS of the
+parent and its workers, and the memory held (what PSS shows outside shared memory,
+plus every shared-memory file the processes hold or map, each counted once: PSS does
+not see a batch whose worker unmapped it and that the parent has not read yet, as
+torch's in-flight batches are).
 
 Each case runs in a fresh interpreter, several times, interleaved; medians are printed.
 
@@ -126,7 +128,7 @@ def main() -> None:
         for _ in range(reps):
             for lib in libs:
                 runs[lib].append(spawn_case(lib, dtype, n, "nomem", touch))
-        for _ in range(max(1, reps // 2)):
+        for _ in range(reps):
             for lib in libs:
                 mems[lib].append(spawn_case(lib, dtype, n // 2, "mem", touch))
         gbps = {lib: statistics.median(r["gbps"] for r in runs[lib]) for lib in libs}
