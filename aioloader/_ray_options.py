@@ -88,19 +88,16 @@ def check_ray_options(ray_options: Mapping[str, Any] | None) -> tuple[str | None
     ``resources``, ``runtime_env``, ``scheduling_strategy``, ...), and Ray validates them
     here, at construction.
 
+    ``ray_options`` is a mapping (its row in :mod:`aioloader._arguments` checks it first).
+
     Raises:
-        TypeError: ``ray_options`` is not a mapping, or a loader key has the wrong type.
+        TypeError: a loader key has the wrong type.
         ValueError: a reserved or unknown option, or a placement timeout that is not a
             positive number of seconds.
         ModuleNotFoundError: Ray is not installed.
     """
     ray = import_ray()
-    if ray_options is None:
-        ray_options = {}
-    if not isinstance(ray_options, Mapping):
-        raise TypeError(f"ray_options should be a dict of Ray actor options, but got "
-                        f"{type(ray_options).__name__} {ray_options!r}")
-    options = dict(ray_options)
+    options = dict(ray_options or {})
     address = options.pop("address", None)
     if address is not None and not isinstance(address, str):
         raise TypeError(f"ray_options['address'] should be a str such as 'auto' or "

@@ -57,8 +57,7 @@ from ._collate.fns import (
     collate_str_fn,
     collate_tensor_fn,
 )
-from ._collate.rebuild import _rebuild_mapping as _rebuild_mapping
-from ._collate.rebuild import _rebuild_sequence as _rebuild_sequence
+from ._collate.rebuild import rebuild
 
 __all__ = [
     "collate",
@@ -124,13 +123,13 @@ def default_convert(data: Any) -> Any:
             return data
         return torch.as_tensor(data)
     if isinstance(data, collections.abc.Mapping):
-        return _rebuild_mapping(data, {key: default_convert(data[key]) for key in data})
+        return rebuild(data, {key: default_convert(data[key]) for key in data})
     if isinstance(data, tuple):
         if hasattr(data, "_fields"):  # namedtuple
             return data_type(*(default_convert(item) for item in data))
         return [default_convert(item) for item in data]
     if isinstance(data, collections.abc.Sequence) and not isinstance(data, (str, bytes)):
-        return _rebuild_sequence(data, [default_convert(item) for item in data])
+        return rebuild(data, [default_convert(item) for item in data])
     return data
 
 

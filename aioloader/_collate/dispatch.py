@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .rebuild import _rebuild_mapping, _rebuild_sequence
+from .rebuild import rebuild
 
 __all__ = [
     "CollateFn",
@@ -152,7 +152,7 @@ def collate(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None)
             key: collate([sample[key] for sample in batch], collate_fn_map=collate_fn_map)
             for key in elem
         }
-        return _rebuild_mapping(elem, values)
+        return rebuild(elem, values)
 
     if isinstance(elem, tuple) and hasattr(elem, "_fields"):  # a namedtuple
         return elem_type(
@@ -189,4 +189,4 @@ def _collate_sequence(batch: Sequence[Any], elem: Any, collate_fn_map: CollateFn
                          else fn(samples, collate_fn_map=collate_fn_map))
     if isinstance(elem, tuple):
         return items  # tuples become lists, as in torch
-    return _rebuild_sequence(elem, items)
+    return rebuild(elem, items)

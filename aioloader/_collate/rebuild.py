@@ -12,36 +12,23 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
-def _rebuild_mapping(template: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
-    """Return a mapping of ``template``'s type holding ``values``, as torch builds it.
+def rebuild(template: Mapping[Any, Any] | Sequence[Any], values: Any) -> Any:
+    """Return a container of ``template``'s type holding ``values`` (a ``dict`` for a
+    mapping, a ``list`` for a sequence), as torch builds it.
 
-    A mutable mapping is shallow-copied and updated (its type may carry extra
-    state, e.g. ``defaultdict``); an immutable one is rebuilt with
-    ``type(template)(values)``. When neither works (``TypeError``), a plain
-    :class:`dict` is returned.
+    A mutable mapping or sequence is shallow-copied and updated, item by item for a
+    sequence (its type may carry extra state, e.g. ``defaultdict``); an immutable one is
+    rebuilt with ``type(template)(values)``. When neither works (``TypeError``, e.g.
+    ``range``), ``values`` itself (the plain ``dict`` or ``list``) is returned.
     """
-    if type(template) is dict:
+    if type(template) is dict or type(template) is list:
         return values
     try:
+        clone: Any
         if isinstance(template, collections.abc.MutableMapping):
             clone = copy.copy(template)
             clone.update(values)
             return clone
-        return type(template)(values)  # type: ignore[call-arg]
-    except TypeError:
-        return values
-
-
-def _rebuild_sequence(template: Sequence[Any], values: list[Any]) -> Any:
-    """Return a sequence of ``template``'s type holding ``values``, as torch builds it.
-
-    A mutable sequence is shallow-copied and filled item by item; an immutable
-    one is rebuilt with ``type(template)(values)``. When neither works
-    (``TypeError``, e.g. ``range``), a plain :class:`list` is returned.
-    """
-    if type(template) is list:
-        return values
-    try:
         if isinstance(template, collections.abc.MutableSequence):
             clone = copy.copy(template)
             for i, value in enumerate(values):
@@ -50,4 +37,3 @@ def _rebuild_sequence(template: Sequence[Any], values: list[Any]) -> Any:
         return type(template)(values)  # type: ignore[call-arg]
     except TypeError:
         return values
-

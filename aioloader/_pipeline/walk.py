@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .._collate.rebuild import _rebuild_mapping, _rebuild_sequence
+from .._collate.rebuild import rebuild
 
 __all__ = ["Kinds", "Walker", "tensors_inside", "walk"]
 
@@ -160,13 +160,13 @@ def walk(data: Any, w: Walker) -> Any:
         values = {key: walk(value, w) for key, value in data.items()}
         if all(values[key] is value for key, value in data.items()):
             return data
-        return _rebuild_mapping(data, values)
+        return rebuild(data, values)
     if kind in (_TUPLE, _NAMEDTUPLE, _SEQUENCE):
         items = [walk(item, w) for item in data]
         if all(new is old for new, old in zip(items, data, strict=False)):
             return data
         if kind == _SEQUENCE:
-            return _rebuild_sequence(data, items)
+            return rebuild(data, items)
         return type(data)(*items) if kind == _NAMEDTUPLE else type(data)(items)
     if kind == _DATACLASS:
         return _walk_dataclass(data, w)

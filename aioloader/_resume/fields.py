@@ -95,14 +95,16 @@ def _int(lo: int = 0, hi: int | None = None) -> Check:
     return check
 
 
-def _bool(value: Any, path: str) -> None:
-    if not isinstance(value, bool):
-        raise _type_error(path, "a bool", value)
+def _instance(kind: type, what: str) -> Check:
+    """An instance of ``kind`` (``what``: its words in the message)."""
+    def check(value: Any, path: str) -> None:
+        if not isinstance(value, kind):
+            raise _type_error(path, what, value)
+    return check
 
 
-def _str(value: Any, path: str) -> None:
-    if not isinstance(value, str):
-        raise _type_error(path, "a str", value)
+_bool, _str = _instance(bool, "a bool"), _instance(str, "a str")
+_dict, _list = _instance(dict, "a dict"), _instance(list, "a list")
 
 
 def _choice(*choices: str) -> Check:
@@ -118,11 +120,6 @@ def _optional(inner: Check) -> Check:
         if value is not None:
             inner(value, path)
     return check
-
-
-def _dict(value: Any, path: str) -> None:
-    if not isinstance(value, dict):
-        raise _type_error(path, "a dict", value)
 
 
 def _record(fields: dict[str, Check], strict: bool = True) -> Check:
@@ -145,8 +142,7 @@ def _record(fields: dict[str, Check], strict: bool = True) -> Check:
 
 def _list_of(item: Check) -> Check:
     def check(value: Any, path: str) -> None:
-        if not isinstance(value, list):
-            raise _type_error(path, "a list", value)
+        _list(value, path)
         for i, x in enumerate(value):
             item(x, f"{path}[{i}]")
     return check

@@ -285,11 +285,9 @@ class LoaderStats:
         rows = [f"{'stage':<14}{'count':>8}{'total s':>10}{'mean ms':>10}{'items/s':>11}"
                 f"{'queue':>7}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'max ms':>9}"]
         for s in self.stages.values():
-            occ = f"{s.occupancy:7.1f}" if s.occupancy is not None else f"{'-':>7}"
-            pct = "".join(f"{v:9.3f}" if v is not None else f"{'-':>9}"
-                          for v in (s.p50_ms, s.p95_ms, s.p99_ms, s.max_ms))
+            pct = "".join(_opt(v, 9, ".3f") for v in (s.p50_ms, s.p95_ms, s.p99_ms, s.max_ms))
             rows.append(f"{s.name:<14}{s.count:>8}{s.seconds:>10.3f}{s.mean_ms:>10.3f}"
-                        f"{s.per_s:>11.1f}{occ}{pct}")
+                        f"{s.per_s:>11.1f}{_opt(s.occupancy, 7, '.1f')}{pct}")
         rows.append(f"{'step':<14}{'':>8}{self.step_s:>10.3f}")
         lines = [head, *rows]
         if self.workers:
