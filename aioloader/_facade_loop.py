@@ -22,7 +22,14 @@ from typing import Any, NoReturn
 
 from anyio.from_thread import BlockingPortal
 
-from ._park import ParkableThread, ParkGroup, forking_here, join_ending_threads, track_ending
+from ._park import (
+    ParkableThread,
+    ParkGroup,
+    forking_here,
+    is_current_thread,
+    join_ending_threads,
+    track_ending,
+)
 from ._pipeline.epoch import _PipelineCore
 from ._pipeline.epoch_lifecycle import PipelineState, superseded_error
 from ._threads import close_at_exit
@@ -394,7 +401,7 @@ class _FacadeLoop(ParkableThread):
 
     def runs_here(self) -> bool:
         """True on the loop's thread."""
-        return self._thread is threading.current_thread()
+        return is_current_thread(self._thread)
 
     def join(self, timeout: float | None = None) -> None:
         """Wait until the loop has ended (not just parked)."""

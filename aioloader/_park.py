@@ -40,8 +40,8 @@ from contextlib import contextmanager
 from typing import Protocol
 
 __all__ = ["HAND_OVER_S", "PARK_WAIT_S", "ParkGroup", "Parkable", "ParkableThread",
-           "fd_section", "forking_here", "join_all", "join_ending_threads", "let_others_run",
-           "track_ending"]
+           "fd_section", "forking_here", "is_current_thread", "join_all", "join_ending_threads",
+           "let_others_run", "track_ending"]
 
 _LG = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class ParkableThread:
         """
         with self._lock:
             thread = self._thread
-            if thread is threading.current_thread():
+            if is_current_thread(thread):
                 return
             self._parked = True
             if thread is None:
@@ -325,7 +325,19 @@ def _runs_here(thread: Joinable) -> bool:
     runs_here = getattr(thread, "runs_here", None)
     if runs_here is not None:
         return bool(runs_here())
-    return thread is threading.current_thread()
+    return is_current_thread(thread)
+
+
+def is_current_thread(thread: Joinable | None) -> bool:
+    """True when ``thread`` (a :class:`threading.Thread`, or ``None``) is the calling
+    thread. Compared by identifier, not with ``threading.current_thread()``: called
+    from a thread that ``threading`` did not start (a finalizer run by the garbage
+    collector in a launcher thread, see :mod:`aioloader._threads`), that call would
+    register a dummy thread object, which Python 3.10-3.11 keep, alive in
+    ``threading.enumerate()``, after the thread has ended. (A thread that has ended is
+    never the caller, whichever thread now has its identifier.)"""
+    return (thread is not None and getattr(thread, "ident", None) == threading.get_ident()
+            and thread.is_alive())
 
 
 def join_all(threads: Sequence[Joinable], limit: float) -> None:

@@ -267,8 +267,11 @@ class _Snapshot:
         self.kept_fds = kept_fds  # fd targets (prefixes) that may outlive the test
 
     def leaks(self, allowed_threads: Callable[[threading.Thread], bool]) -> dict[str, Any]:
+        # A dummy (a thread `threading` did not start, seen through current_thread()) cannot
+        # be joined, and Python 3.10-3.11 keep it "alive" after its thread has ended.
         threads = [t for t in threading.enumerate()
-                   if t not in self.threads and t.is_alive() and not allowed_threads(t)]
+                   if t not in self.threads and t.is_alive() and not allowed_threads(t)
+                   and not isinstance(t, threading._DummyThread)]
         fds = {fd: target for fd, target in new_fds(self.fds, fd_table(), _session_fds()).items()
                if not target.startswith(self.kept_fds)}
         shm = shm_entries() - self.shm

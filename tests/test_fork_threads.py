@@ -55,8 +55,10 @@ class _ForkSpy:
             return
         self.forks += 1
         me = threading.current_thread()
+        # Not a dummy (a thread `threading` did not start, seen through current_thread()):
+        # Python 3.10-3.11 keep it in enumerate(), "alive", after its thread has ended.
         extra = [t.name for t in threading.enumerate()
-                 if t is not me and t.is_alive()
+                 if t is not me and t.is_alive() and not isinstance(t, threading._DummyThread)
                  and (t.ident not in self.before or t.name.startswith("aioloader-"))]
         if extra:
             self.seen.append(extra)

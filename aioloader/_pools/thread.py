@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 
 from .._errors import WorkerDiedError
-from .._park import join_all
+from .._park import is_current_thread, join_all
 from .._threads import run_in_own_thread
 from .._worker.config import WorkerConfig
 from .._worker.segments import POOL_LIMIT, WorkerSegments
@@ -189,8 +189,8 @@ class ThreadWorkerPool(PoolBase[_Worker], exit_grace=0.1):
             wake = w.channel.wake
             if wake is not None:
                 wake()
-        current = threading.current_thread()  # closed from its own worker thread (a finalizer)
-        threads = [t for t in self.processes if t is not current]
+        # Not the calling thread: closed from its own worker thread (a finalizer).
+        threads = [t for t in self.processes if not is_current_thread(t)]
         yield from climb(threads, [(None, grace)], threading.Thread.is_alive)
         busy = [t.name for t in threads if t.is_alive()]
         if busy:
