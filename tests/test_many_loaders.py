@@ -66,8 +66,18 @@ def test_twenty_loaders_in_one_loop(how: tuple[str, str | None]) -> None:
     assert asyncio.run(main()) == [list(range(16 + k)) for k in range(20)]
 
 
-@pytest.mark.parametrize("how", METHODS, ids=IDS)
-@pytest.mark.parametrize("interface", ["for", "async for"])
+#: (interface, how) for test_four_threads_each_with_its_own_loader. ``for`` under spawn is
+#: ``slow``: four more zygotes importing torch, for the pairing of the sync facade with
+#: spawn that test_a_persistent_loader_changes_event_loop_backend[spawn] covers, and
+#: concurrent spawn pools that ``async for`` under spawn (and, slow too, twenty loaders)
+#: cover.
+FOUR_THREADS = [pytest.param(interface, how, id=f"{interface}-{name}",
+                             marks=[pytest.mark.slow] if (interface, name) == ("for", "spawn")
+                             else [])
+                for interface in ("for", "async for") for how, name in zip(METHODS, IDS)]
+
+
+@pytest.mark.parametrize(("interface", "how"), FOUR_THREADS)
 def test_four_threads_each_with_its_own_loader(how: tuple[str, str | None],
                                                interface: str) -> None:
     """Four Python threads, each running its own loader for several epochs (fresh workers
