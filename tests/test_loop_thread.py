@@ -69,7 +69,7 @@ class _LoopThreadSpy:
         self.phase = ""
         self.seen: list[str] = []
         #: Mappings of a worker's reply segments while its batch is decoded (kept apart,
-        #: see test_no_reply_mapping_on_the_loop_thread).
+        #: see _assert_no_reply_mapping).
         self.reply_maps: list[str] = []
 
     def record(self, what: str, depth: int = 2) -> None:
@@ -310,31 +310,24 @@ def _assert_quiet_loop() -> None:
     assert not seen, "slow calls on the event loop's thread:\n  " + "\n  ".join(seen)
 
 
+def _assert_no_reply_mapping() -> None:
+    """A worker's reply segments are mapped off the loop's thread (issue 32)."""
+    assert not SPY.reply_maps, "reply segments mapped on the event loop's thread:\n  " + (
+        "\n  ".join(SPY.reply_maps))
+
+
 @pytest.mark.filterwarnings(PIN_WARNING)
 @pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_nothing_slow_on_the_loop_thread(mode: str, loop: str) -> None:
     """Every phase of a loader's life, built inside a coroutine: the loop's thread makes no
-    import, fork, spawn, mapping, sleep or join (regression test for issue 32)."""
+    import, fork, spawn, mapping, sleep or join (regression test for issue 32), nor maps
+    a worker's reply segments (the modes whose batches come from worker processes)."""
     dataset, kwargs = MODES[mode]()
     counts = _run(loop, _phases, dataset, kwargs)
     assert counts == [10]  # the scenario ran: one whole epoch of 40 samples
     _assert_quiet_loop()
-
-
-#: The modes whose batches come from worker processes (their replies are mapped).
-PROCESS_MODES = ["async-workers", "fork", "fork-persistent", "forkserver", "pin-device",
-                 "spawn"]
-
-
-@pytest.mark.filterwarnings(PIN_WARNING)
-@pytest.mark.parametrize("mode", PROCESS_MODES)
-def test_no_reply_mapping_on_the_loop_thread(mode: str) -> None:
-    """A worker's reply segments are mapped off the loop's thread (issue 32)."""
-    dataset, kwargs = MODES[mode]()
-    assert _run("asyncio", _phases, dataset, kwargs) == [10]
-    assert not SPY.reply_maps, "reply segments mapped on the event loop's thread:\n  " + (
-        "\n  ".join(SPY.reply_maps))
+    _assert_no_reply_mapping()
 
 
 @pytest.mark.filterwarnings("ignore:.*respawned 1 dead worker:aioloader.SkippedSamplesWarning")

@@ -66,14 +66,24 @@ def test_twenty_loaders_in_one_loop(how: tuple[str, str | None]) -> None:
     assert asyncio.run(main()) == [list(range(16 + k)) for k in range(20)]
 
 
-@pytest.mark.parametrize("how", METHODS, ids=IDS)
-@pytest.mark.parametrize("interface", ["for", "async for"])
+#: (interface, how) for test_four_threads_each_with_its_own_loader. ``for`` under spawn is
+#: ``slow``: four more zygotes importing torch, for the pairing of the sync facade with
+#: spawn that test_a_persistent_loader_changes_event_loop_backend[spawn] covers, and
+#: concurrent spawn pools that ``async for`` under spawn (and, slow too, twenty loaders)
+#: cover.
+FOUR_THREADS = [pytest.param(interface, how, id=f"{interface}-{name}",
+                             marks=[pytest.mark.slow] if (interface, name) == ("for", "spawn")
+                             else [])
+                for interface in ("for", "async for") for how, name in zip(METHODS, IDS)]
+
+
+@pytest.mark.parametrize(("interface", "how"), FOUR_THREADS)
 def test_four_threads_each_with_its_own_loader(how: tuple[str, str | None],
                                                interface: str) -> None:
-    """Four Python threads, each running its own loader for many epochs (fresh workers each
-    epoch with fork and threads; persistent ones with spawn and forkserver, whose every
+    """Four Python threads, each running its own loader for several epochs (fresh workers
+    each epoch with fork and threads; persistent ones with spawn and forkserver, whose every
     start is a new interpreter): every epoch of every loader is whole and in order."""
-    epochs = 30 if how[1] in ("fork", None) else 10
+    epochs = 10
     persistent = how[1] in ("spawn", "forkserver")
     results: dict[int, list[list[int]]] = {}
     errors: list[BaseException] = []
@@ -183,7 +193,9 @@ def test_user_forks_while_loading(method: str) -> None:
     """A thread of the user's forks again and again (each child leaves at once) while a
     loader starts its workers and serves an epoch: the user's forks wait out the loader's
     descriptor windows (never cut into one), the epoch is whole and in order, and every
-    child is reaped by the user."""
+    child is reaped by the user. Three loaders one after the other with fork; one with
+    spawn and forkserver (each of their pools starts a new interpreter, importing torch,
+    while the user forks)."""
     stop = threading.Event()
     forked: list[int] = []
 
@@ -197,7 +209,7 @@ def test_user_forks_while_loading(method: str) -> None:
     thread = threading.Thread(target=forker, name="test-user-forks")
     thread.start()
     try:
-        for _ in range(3):
+        for _ in range(3 if method == "fork" else 1):
             loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, num_workers=2,
                                 multiprocessing_context=method, timeout=120)
             assert _values(list(loader)) == list(range(40))

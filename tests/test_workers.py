@@ -50,15 +50,21 @@ def flat(batches: list[Any]) -> list[Any]:
     return out
 
 
-def both(make: Any, seed: int = 0, **kw: Any) -> tuple[list[Any], list[Any]]:
-    """Run torch's and our loader from the same global seed; also compare RNG state after."""
+def both(make: Any, seed: int = 0, torch_context: str | None = None,
+         **kw: Any) -> tuple[list[Any], list[Any]]:
+    """Run torch's and our loader from the same global seed; also compare RNG state after.
+
+    ``torch_context``: torch's loader's start method where ours is another (torch's batches
+    and seeds do not depend on it; its spawned workers would each import torch anew)."""
     def fresh() -> dict[str, Any]:  # a generator is consumed: give each loader its own copy
         if kw.get("generator") is None:
             return kw
         return {**kw, "generator": torch.Generator().manual_seed(kw["generator"].initial_seed())}
 
     torch.manual_seed(seed)
-    theirs = flat(list(tud.DataLoader(make(), **fresh())))
+    torch_kw = fresh() if torch_context is None else {
+        **fresh(), "multiprocessing_context": torch_context}
+    theirs = flat(list(tud.DataLoader(make(), **torch_kw)))
     rng_theirs = torch.get_rng_state()
     torch.manual_seed(seed)
     ours = flat(list(DataLoader(make(), **fresh())))
@@ -82,9 +88,10 @@ def test_map_style_with_random_augmentations_equals_torch(kw: dict[str, Any]) ->
 
 @pytest.mark.parametrize("ctx", ["spawn", "forkserver"])
 def test_start_methods_give_torch_batches(ctx: str) -> None:
-    """spawn and forkserver workers (module-level dataset) give torch's batches."""
+    """spawn and forkserver workers (module-level dataset) give torch's batches (torch's
+    forked workers give the same as its spawned ones)."""
     ours, theirs = both(Augmented, batch_size=6, shuffle=True, num_workers=2,
-                        multiprocessing_context=ctx)
+                        multiprocessing_context=ctx, torch_context="fork")
     assert ours == theirs
 
 
@@ -517,8 +524,8 @@ def test_worker_seeding_keeps_torch_seed_and_traceback(ctx: str) -> None:
     loader = DataLoader(SeedingSeen(_queued_cuda_seeding()), batch_size=None, num_workers=2,
                         multiprocessing_context=ctx, generator=torch.Generator().manual_seed(7))
     got = list(loader)
-    torch_seeds = [s for s, _, _ in tud.DataLoader(
-        SeedingSeen(), batch_size=None, num_workers=2, multiprocessing_context=ctx,
+    torch_seeds = [s for s, _, _ in tud.DataLoader(  # torch's seeds: whatever the start method
+        SeedingSeen(), batch_size=None, num_workers=2, multiprocessing_context="fork",
         generator=torch.Generator().manual_seed(7))]
     assert [s for s, _, _ in got] == torch_seeds
     assert all(real for _, real, _ in got)
