@@ -326,16 +326,19 @@ def test_ray_shutdown_while_replacements_wait_keeps_ray_down(nodes: Nodes) -> No
     consumer.start()
     replaced = False
     try:
-        # Both actors die and their replacements wait for a node. Ray notices the lost node
-        # by its health checks, later on a loaded machine: a generous bound, and a replacement
-        # made before Ray noticed may have been placed on the dying node and replaced again
-        # (-r2). Ray is shut down whatever happened: the consumer never outlives the test.
+        # The actor that owes the consumer's next batch dies and its replacement waits for a
+        # node. (The other one is replaced only once the loader calls it again: with its
+        # batches delivered and the consumer waiting in order for the first actor's, it may
+        # not be called before the shutdown.) Ray notices the lost node by its health
+        # checks, later on a loaded machine: a generous bound, and a replacement made before
+        # Ray noticed may have been placed on the dying node and replaced again (-r2). Ray
+        # is shut down whatever happened: the consumer never outlives the test.
         replaced = wait_until(
-            lambda: all(re.search(r"-r[0-9]+$", n) for n in _actor_names(it)), 240)
+            lambda: any(re.search(r"-r[0-9]+$", n) for n in _actor_names(it)), 240)
     finally:
         ray.shutdown()
         consumer.join(60)
-    assert replaced, f"the lost node's actors were not replaced within 240 s: {_actor_names(it)}"
+    assert replaced, f"no lost actor was replaced within 240 s: {_actor_names(it)}"
     assert not consumer.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], WorkerDiedError), errors
     assert "ray.shutdown()" in str(errors[0])
