@@ -34,26 +34,16 @@ import asyncio
 import os
 import platform
 import statistics
+import sys
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 import torch
+from _peers_workloads import SleepySync
 
 import aioloader
-
-
-class Sleepy(aioloader.Dataset[torch.Tensor]):
-    """Each sample waits ``cost`` seconds (I/O: leaves the CPU to the step)."""
-
-    def __init__(self, n: int, cost: float) -> None:
-        self.n, self.cost = n, cost
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        time.sleep(self.cost)
-        return torch.full((4,), float(i))
 
 
 def spin_step(seconds: float) -> Any:
@@ -129,7 +119,7 @@ def main() -> None:
                     alones, reports, ratios = [], [], []
                     for _ in range(args.repeats):
                         loader = aioloader.DataLoader(
-                            Sleepy(4 * (n + 1), per_sample), batch_size=4,
+                            SleepySync(4 * (n + 1), per_sample), batch_size=4,
                             num_workers=workers, worker_method=method)
                         before = alone_rate(step, n)
                         reports.append(run(loader, step, use_async, n))
