@@ -121,8 +121,8 @@ class EpochTuner:
         self.tg: anyio.abc.TaskGroup | None = None  # the background task group
         self.busy = False  # a knob move is under way (a worker starting or draining)
         self.owed_draws = 0  # batches the window grew by, not drawn yet
-        # The window after a worker joined is not judged; nor a later epoch's first one:
-        # its knobs were moved before, and it starts by filling the pipeline (its
+        # The window after a worker joined is not judged; nor an epoch's first one once
+        # earlier epochs decided anything: it starts by filling the pipeline (its
         # batches would make any move judged against it look good).
         self.settling = bool(state.decisions)
         # Nor the short one after a fetch_concurrency move: the batches it delivers were

@@ -183,11 +183,16 @@ class Tuner:
             new = knob.up(share)
             if new == knob.value or self.cooling.get(name, 0) >= self.windows:
                 continue
-            self.trial = _Trial(name, knob.value, new, m.throughput)
-            old, knob.value = knob.value, new
-            why = self._why(name, m)
-            return self._record(Decision(batch, name, old, new, why))
+            return self._try(batch, name, new, m.throughput, self._why(name, m))
         return None
+
+    def _try(self, batch: int, name: str, new: int, before: float, why: str) -> Decision:
+        """Move knob ``name`` to ``new`` on trial (``before``: the throughput it must
+        beat); the decision, recorded."""
+        knob = self.knobs[name]
+        self.trial = _Trial(name, knob.value, new, before)
+        old, knob.value = knob.value, new
+        return self._record(Decision(batch, name, old, new, why))
 
     def _fewer(self, batch: int, m: Measurement) -> Decision | None:
         """Halve ``fetch_concurrency`` on trial where the event loop's thread is busy:
@@ -198,12 +203,9 @@ class Tuner:
         if (knob is None or m.loop_busy is None or m.loop_busy < self.settings.busy_loop
                 or knob.value <= knob.low or self.cooling.get(_FEWER, 0) >= self.windows):
             return None
-        new = max(knob.low, knob.value // 2)
-        self.trial = _Trial(CONCURRENCY, knob.value, new, m.throughput)
-        old, knob.value = knob.value, new
-        return self._record(Decision(batch, CONCURRENCY, old, new, (
-            f"trying fewer: the event loop's thread was busy {m.loop_busy:.0%} of the "
-            f"time at {m.throughput:.1f} batches/s")))
+        return self._try(batch, CONCURRENCY, max(knob.low, knob.value // 2), m.throughput,
+                         f"trying fewer: the event loop's thread was busy "
+                         f"{m.loop_busy:.0%} of the time at {m.throughput:.1f} batches/s")
 
     def _order(self, m: Measurement) -> list[str]:
         """Which knobs to try, best bet first; a knob that just paid off goes first."""
@@ -236,23 +238,19 @@ class Tuner:
         now, before = m.throughput, trial.before
         fewer = trial.new < trial.old
         if now >= before * (1 + self.settings.margin):
-            if fewer:  # the next window tries fewer again if the loop is still busy
-                self.failures.pop(_FEWER, None)
-                return self._record(Decision(batch, trial.knob, trial.new, trial.new,
-                                             f"kept: {before:.1f} -> {now:.1f} batches/s"))
-            self.last_kept = trial.knob
-            self.failures.pop(trial.knob, None)
+            self.failures.pop(_FEWER if fewer else trial.knob, None)
             kept = self._record(Decision(
                 batch, trial.knob, trial.new, trial.new,
                 f"kept: {before:.1f} -> {now:.1f} batches/s"))
+            if fewer:  # the next window tries fewer again if the loop is still busy
+                return kept
+            self.last_kept = trial.knob
             new = knob.up(m.wait_share)
             if new == knob.value or m.wait_share < self.settings.data_bound:
                 return kept  # at its bound, or the consumer hardly waits any more
             # Climb at once: this window measured the kept value, the next one judges more.
-            self.trial = _Trial(trial.knob, knob.value, new, now)
-            old, knob.value = knob.value, new
-            return self._record(Decision(batch, trial.knob, old, new,
-                                         f"climbing: {self._why(trial.knob, m)}"))
+            return self._try(batch, trial.knob, new, now,
+                             f"climbing: {self._why(trial.knob, m)}")
         # Brought nothing: undo, and wait longer each time before trying again; but a
         # failed leap only says the knob does not scale that far: it doubles from the old
         # value at the next window (a leap's 8x may pass where the loop's CPU is the limit,
