@@ -48,6 +48,8 @@ class _Totals:
         # Per worker: [cpu_s or None, window_s, rss, pss, pid, tid, runq_s or None]
         # (the latest memory figures).
         self.usage: list[list[object]] = []
+        # With thread workers: this process's [cpu_s, window_s] (WorkerProcs.process).
+        self.process_cpu: list[float] | None = None
 
     def copy(self) -> _Totals:
         t = _Totals()
@@ -95,6 +97,10 @@ class _Totals:
         for acc, counters in zip(self.workers, r.workers, strict=False):  # more: above
             _add(acc, counters)
         usage = r.procs.read(pss) if r.procs is not None else []
+        process = r.procs.process if r.procs is not None else None
+        if process is not None:
+            self.process_cpu = [a + b for a, b in zip(self.process_cpu or [0.0, 0.0], process,
+                                                      strict=True)]
         while len(self.usage) < len(usage):
             self.usage.append([None, 0.0, None, None, None, None, None])
         for w, u in enumerate(usage):
@@ -218,7 +224,10 @@ class StatsBook:
                                if runq is not None and window else None)))
         stats = LoaderStats(t.epochs, t.batches, t.samples, t.wall_ns / 1e9, t.step_ns / 1e9,
                             t.startup_ns / 1e9, stages, workers, trace=self._trace(),
-                            ending_s=t.end_ns / 1e9, timeline=_timeline(rec))
+                            ending_s=t.end_ns / 1e9, timeline=_timeline(rec),
+                            process_cpu_fraction=(t.process_cpu[0] / t.process_cpu[1]
+                                                  if t.process_cpu and t.process_cpu[1]
+                                                  else None))
         headroom = self.headroom.report() if self.headroom is not None else None
         hint = bottleneck_hint(stats, self.is_async, headroom)
         return LoaderStats(**{**stats.__dict__, "hint": hint})

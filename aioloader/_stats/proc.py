@@ -161,7 +161,9 @@ class WorkerProcs:
     torch's libraries), and :meth:`begin` and :meth:`end` run on the consumer's path,
     at the first batch and at the epoch's end. :meth:`end` keeps the latest PSS read.
     It is read again at most every :attr:`PSS_EVERY_S` (a stats hook called at every
-    batch would otherwise walk the mappings at every batch).
+    batch would otherwise walk the mappings at every batch). With thread workers it also
+    reads this whole process's CPU (:attr:`process`): every Python thread of the process
+    takes turns on one GIL, the consumer's and the event loop's included.
     """
 
     PSS_EVERY_S = 1.0
@@ -175,6 +177,10 @@ class WorkerProcs:
         self.final: list[WorkerUsage] | None = None
         self.pss: dict[int, int | None] = {}  # worker index -> the latest PSS read
         self.pss_at = -math.inf  # time.monotonic() of that read
+        # With thread workers: this process's CPU (all its threads: the GIL's holders) at
+        # begin(), and over the window at the latest read() as (cpu_s, window_s).
+        self.base_process: float | None = None
+        self.process: tuple[float, float] | None = None
 
     def begin(self) -> None:
         """The epoch's first batch was delivered: the window starts."""
@@ -189,6 +195,8 @@ class WorkerProcs:
         # while it faults in a batch's pages), and this runs on the consumer's path.
         self.base = [sample(pid, tid, pss=False).cpu_s for pid, tid in ids]
         self.base_runq = [run_delay(pid, tid) for pid, tid in ids]
+        if any(tid is not None for _, tid in ids):
+            self.base_process = sample(os.getpid(), pss=False).cpu_s
         self.ids = ids  # last: read() (any thread) sees the bases once it sees the ids
 
     def read(self, pss: bool = True) -> list[WorkerUsage]:
@@ -216,6 +224,10 @@ class WorkerProcs:
                 self.pss[w] = now.pss_bytes
             out.append(WorkerUsage(pid, tid, cpu, runq, window, now.rss_bytes,
                                    self.pss.get(w)))
+        if self.base_process is not None:
+            total = sample(os.getpid(), pss=False).cpu_s
+            if total is not None:
+                self.process = (max(0.0, total - self.base_process), window)
         return out
 
     def cpu_s(self) -> float | None:

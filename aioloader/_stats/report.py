@@ -157,6 +157,10 @@ class LoaderStats:
             ``reason`` (:class:`aioloader._tune.controller.Decision`; docs/autotune.md).
         timeline: the latest epoch's counters over time, bounded (``None`` before its
             first batch); drawn by :meth:`plot`.
+        process_cpu_fraction: with thread workers, this process's CPU (all its threads:
+            the workers, the consumer, the event loop) over the workers' window, as
+            ``cpu_fraction`` reads a worker's; ``None`` otherwise or where unknown. Python
+            code holding the GIL keeps it at about 1.0 at most.
     """
 
     epochs: int
@@ -175,6 +179,7 @@ class LoaderStats:
     trace: Trace | None = field(default=None, repr=False, compare=False)
     ending_s: float = 0.0
     timeline: TimelineData | None = field(default=None, repr=False, compare=False)
+    process_cpu_fraction: float | None = None
 
     def plot(self, path: str | os.PathLike[str]) -> None:
         """Draw these statistics into ``path``: a PNG (``.png``), or a self-contained HTML
@@ -408,7 +413,15 @@ def _busy_workers_hint(s: LoaderStats, wait: float, idle_frac: float, is_async: 
     threads = any(w.tid is not None for w in workers)
     # Thread workers' CPU together, without their run queue: a thread handed the GIL while
     # another still holds the core waits runnable, which is the GIL's cost, not the CPUs'.
+    # The process's CPU where read: the consumer's thread and the event loop's take the GIL
+    # too (two spinning workers read 39% each while the loop took the rest).
     together = cpu * len(workers)
+    gil_from = CPU_BOUND
+    if threads and s.process_cpu_fraction is not None:
+        # Read from the process: busy thread workers with the process at CPU_IDLE or more
+        # of one core (but not beyond what one GIL allows) are held by the GIL and its
+        # hand-offs; below, the I/O row; well above, work that releases the GIL.
+        together, gil_from = max(together, s.process_cpu_fraction), CPU_IDLE
     if runq >= RUNQ_BUSY and wanted >= CPU_IDLE:
         fix = (f"make {fn} cheaper" if wanted >= CPU_BOUND else
                f"free CPUs for them (other work holds the cores) or make {fn} cheaper")
@@ -420,8 +433,9 @@ def _busy_workers_hint(s: LoaderStats, wait: float, idle_frac: float, is_async: 
             return (f"{head}; workers at {_pct(cpu)} CPU: {len(workers)} workers already "
                     f"fill the {cpus} CPUs, more workers will not help: make {fn} cheaper")
         return f"{head}; workers at {_pct(cpu)} CPU: raise num_workers or make {fn} cheaper"
-    if threads and len(workers) > 1 and CPU_BOUND <= together < 2 - CPU_BOUND:
-        return (f"{head}; thread workers at {_pct(together)} of one core together: Python "
+    if threads and len(workers) > 1 and gil_from <= together < 2 - CPU_BOUND:
+        who = "the process's threads" if s.process_cpu_fraction is not None else "thread workers"
+        return (f"{head}; {who} at {_pct(together)} of one core together: Python "
                 f"code holding the GIL gets no more, more thread workers will not help: use "
                 f"worker_method=\"multiprocessing\" or make {fn} cheaper")
     if wanted < CPU_IDLE:
