@@ -200,6 +200,41 @@ def test_a_busy_event_loop_tries_fewer_reads_in_flight() -> None:
     assert retry is not None and (retry.old, retry.new) == (256, 128)
 
 
+@pytest.mark.parametrize(("loop_busy", "new"), [(0.1, 512), (0.25, 256), (0.3, 256),
+                                                (0.4, 128), (0.7, 128)])
+def test_a_leap_goes_no_further_than_the_loop_has_room(loop_busy: float, new: int) -> None:
+    """Regression test for issue 39: the event loop's work grows with the reads it
+    completes, so a leap stops near 1 / loop_busy times the reads in flight (to the
+    nearest power of two, at least one doubling): from 64 with the loop 22-30% busy,
+    256, not the 512 that ending the consumer's 96% wait asks for (512 then had to be
+    halved back, a window at each value)."""
+    d = concurrency().observe(8, busy_loop(100, wait=0.96, loop_busy=loop_busy))
+    assert d is not None and (d.old, d.new) == (64, new)
+
+
+def test_a_full_loop_stops_the_climb_and_a_kept_move_up_is_not_halved_at_once() -> None:
+    """Regression test for issue 39: a kept move up whose window left the loop's thread
+    busy (>= busy_loop) does not climb (each read more costs the thread that is the
+    limit), and fewer reads are not tried for a cool-down's windows (more just paid);
+    then the busy-loop rule applies again."""
+    t = Tuner({CONCURRENCY: Knob(CONCURRENCY, 64, 1, 512, "double", scales=True)},
+              TuneSettings(cooldown=2))
+    assert t.observe(0, busy_loop(100, wait=0.9, loop_busy=0.25)).new == 256  # type: ignore[union-attr]
+    kept = t.observe(1, busy_loop(300, wait=0.3, loop_busy=0.95))
+    assert kept is not None and (kept.old, kept.new) == (256, 256) and "kept" in kept.reason
+    # The consumer still waits 30%, but the loop is full: no move up, no halving yet.
+    assert [t.observe(2 + i, busy_loop(300, wait=0.3)) for i in range(2)] == [None, None]
+    down = t.observe(4, busy_loop(300, wait=0.3))
+    assert down is not None and (down.old, down.new) == (256, 128)
+    # A kept move with the loop below busy_loop still climbs by the wait left.
+    free = concurrency()
+    assert free.observe(0, busy_loop(100, wait=0.9, loop_busy=0.1)).new == 512  # type: ignore[union-attr]
+    climb = Tuner({CONCURRENCY: Knob(CONCURRENCY, 64, 1, 1024, "double", scales=True)})
+    assert climb.observe(0, busy_loop(100, wait=0.9, loop_busy=0.25)).new == 256  # type: ignore[union-attr]
+    up = climb.observe(1, busy_loop(300, wait=0.4, loop_busy=0.6))
+    assert up is not None and (up.old, up.new) == (256, 512) and "climbing" in up.reason
+
+
 @pytest.mark.parametrize("loop_busy", [None, 0.5, 0.84])
 def test_a_loop_with_cpu_to_spare_is_not_given_fewer_reads(loop_busy: float | None) -> None:
     """Regression test for issue 39: below ``busy_loop`` (or unread) the loop's thread is
@@ -234,6 +269,27 @@ def test_the_epoch_measures_its_event_loop_thread(monkeypatch: pytest.MonkeyPatc
     before = autotune.thread_busy()
     while autotune.thread_busy() - before < 0.01:  # spins: CPU (or waiting for a CPU)
         pass
+
+
+def test_the_loop_is_read_in_the_thread_that_delivers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression test for issue 39: a facade builds the epoch in the consumer's thread
+    and delivers batches in its loop's: the first window reads the delivering thread
+    from its first batch on (it read nothing before, and the first leap went to 8x)."""
+    import threading
+
+    busy = {threading.get_ident(): 0.0}
+    monkeypatch.setattr(autotune.EpochTuner, "thread_busy",
+                        staticmethod(lambda: busy.get(threading.get_ident(), 0.0)))
+    state = TuneState(frozenset({"fetch_concurrency"}), 0, None, 64)
+    built: list[autotune.EpochTuner] = []
+    other = threading.Thread(target=lambda: built.append(epoch_tuner(state)))
+    other.start()
+    other.join()
+    tuner = built[0]
+    now = deliver(tuner, 1, 6.0, 10**9)
+    busy[threading.get_ident()] = 0.015  # the next 8 batches (48 ms): busy about 30%
+    deliver(tuner, 8, 6.0, now)
+    assert [(d.old, d.new) for d in state.decisions] == [(64, 256)]
 
 
 class WindowOnly:
@@ -297,6 +353,8 @@ def test_the_first_window_before_in_flight_fetches_is_short() -> None:
     later = epoch_tuner(state)
     assert later.tuner is not None and not later.tuner.knobs[CONCURRENCY].scales
     assert not later._opening()
+    state.concurrency_scales = True  # a later epoch starts at the tuned value: no short
+    assert not epoch_tuner(state)._opening()  # window to judge its refill by
     workers = TuneState(frozenset({"prefetch_factor"}), 0, 2, 64)
     assert not epoch_tuner(workers)._opening()  # no knob that scales: usual windows
 

@@ -197,6 +197,10 @@ class EpochTuner:
             return
         if not self.t0:  # the window starts when the consumer first asks in it
             self.t0 = t_ask
+            if self.loop0[0] != threading.get_ident():
+                # Begun in another thread (the epoch is built in the consumer's, a facade's
+                # batches are delivered in its loop's): the loop's reading starts here.
+                self.loop0 = (threading.get_ident(), self.thread_busy())
         self.batches += 1
         self.wait_ns += t_done - t_ask
         took = t_done - self.t0
@@ -217,9 +221,11 @@ class EpochTuner:
         """The epoch's first window, before a knob whose throughput scales with it
         (``fetch_concurrency``): it may end after :data:`WINDOW_BATCHES` batches, since
         fetches waiting on I/O deliver at a steady in-flight / latency from the first
-        batch, and each batch at the starting value is a slow one."""
+        batch, and each batch at the starting value is a slow one. Not once anything was
+        decided: a later epoch starts at the tuned value, and a short window after its
+        pipeline refilled would judge the refill."""
         tuner = self.tuner
-        return (tuner is not None and not tuner.windows
+        return (tuner is not None and not tuner.windows and not self.state.decisions
                 and any(k.scales for k in tuner.knobs.values()))
 
     def _measure(self, now: int, procs: tuple[float, int, int] | None) -> Measurement:

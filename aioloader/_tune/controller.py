@@ -14,6 +14,7 @@ controller"; their thresholds are :class:`TuneSettings`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 __all__ = ["Decision", "Knob", "Measurement", "TuneSettings", "Tuner"]
@@ -44,9 +45,12 @@ class Knob:
     #: docstring); cleared when a leap brought nothing.
     scales: bool = False
 
-    def up(self, wait_share: float = 0.0) -> int:
+    def up(self, wait_share: float = 0.0, loop_busy: float | None = None) -> int:
         """The value a move up gives (bounded by ``high``); a scaling knob leaps by as
-        many doublings as would end a consumer's wait of ``wait_share`` of the time."""
+        many doublings as would end a consumer's wait of ``wait_share`` of the time, and
+        no further than the event loop's thread has room for (busy ``loop_busy`` of the
+        time, its work grows with the reads it completes: ``1 / loop_busy`` times as
+        many at most)."""
         if self.growth != "double":
             new = self.value + self.step
         else:
@@ -55,6 +59,10 @@ class Knob:
                 wanted = 1 / max(1.0 - wait_share, 1 / MAX_LEAP)
                 while factor < wanted and factor < MAX_LEAP:
                     factor *= 2
+                # The loop's room, to the nearest power of two (a little past it keeps
+                # the loop full; the power below would leave up to half of it idle).
+                while loop_busy and factor > 2 and factor * loop_busy > math.sqrt(2):
+                    factor //= 2
             new = self.value * factor
         return max(self.low, min(new, self.high))
 
@@ -179,8 +187,10 @@ class Tuner:
                     f"time (< {s.consumer_bound:.0%}); no knob is moved"))
             return None
         for name in self._order(m):
+            if name == CONCURRENCY and self._loop_full(m):
+                continue  # each read in flight costs the loop's thread, which is full
             knob = self.knobs[name]
-            new = knob.up(share)
+            new = knob.up(share, m.loop_busy if name == CONCURRENCY else None)
             if new == knob.value or self.cooling.get(name, 0) >= self.windows:
                 continue
             return self._try(batch, name, new, m.throughput, self._why(name, m))
@@ -200,12 +210,16 @@ class Tuner:
         flight costs it (a consumer in another thread also waits for the GIL it holds,
         so its wait reads short and the loop looks consumer-bound)."""
         knob = self.knobs.get(CONCURRENCY)
-        if (knob is None or m.loop_busy is None or m.loop_busy < self.settings.busy_loop
-                or knob.value <= knob.low or self.cooling.get(_FEWER, 0) >= self.windows):
+        if (knob is None or not self._loop_full(m) or knob.value <= knob.low
+                or self.cooling.get(_FEWER, 0) >= self.windows):
             return None
         return self._try(batch, CONCURRENCY, max(knob.low, knob.value // 2), m.throughput,
                          f"trying fewer: the event loop's thread was busy "
                          f"{m.loop_busy:.0%} of the time at {m.throughput:.1f} batches/s")
+
+    def _loop_full(self, m: Measurement) -> bool:
+        """The event loop's thread was busy the rule's share of the window (rule 2)."""
+        return m.loop_busy is not None and m.loop_busy >= self.settings.busy_loop
 
     def _order(self, m: Measurement) -> list[str]:
         """Which knobs to try, best bet first; a knob that just paid off goes first."""
@@ -245,7 +259,12 @@ class Tuner:
             if fewer:  # the next window tries fewer again if the loop is still busy
                 return kept
             self.last_kept = trial.knob
-            new = knob.up(m.wait_share)
+            if trial.knob == CONCURRENCY:
+                # More reads just paid: fewer are not tried for a cool-down's windows.
+                self.cooling[_FEWER] = self.windows + self.settings.cooldown
+                if self._loop_full(m):
+                    return kept  # more would cost the loop's thread what it has not got
+            new = knob.up(m.wait_share, m.loop_busy if trial.knob == CONCURRENCY else None)
             if new == knob.value or m.wait_share < self.settings.data_bound:
                 return kept  # at its bound, or the consumer hardly waits any more
             # Climb at once: this window measured the kept value, the next one judges more.
