@@ -55,6 +55,7 @@ WINDOW_BATCHES = 8
 FAST_WINDOW_BATCHES = 32
 FAST_WINDOW_S = 0.05
 
+
 def thread_busy() -> float:
     """Seconds the calling thread has run on a CPU plus those it was runnable, waiting for
     one (``/proc``'s schedstat, where the kernel keeps it): on a machine with fewer free

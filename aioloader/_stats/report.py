@@ -413,14 +413,12 @@ def _busy_workers_hint(s: LoaderStats, wait: float, idle_frac: float, is_async: 
     threads = any(w.tid is not None for w in workers)
     # Thread workers' CPU together, without their run queue: a thread handed the GIL while
     # another still holds the core waits runnable, which is the GIL's cost, not the CPUs'.
-    # The process's CPU where read: the consumer's thread and the event loop's take the GIL
-    # too (two spinning workers read 39% each while the loop took the rest).
-    together = cpu * len(workers)
-    gil_from = CPU_BOUND
+    # Where read, the process's CPU instead: the consumer's thread and the event loop's take
+    # the GIL too (two spinning workers read 39% each while the loop took the rest); busy
+    # threads with the process at CPU_IDLE or more of one core (not beyond what one GIL
+    # allows) are held by the GIL and its hand-offs; well above, work releases the GIL.
+    together, gil_from = cpu * len(workers), CPU_BOUND
     if threads and s.process_cpu_fraction is not None:
-        # Read from the process: busy thread workers with the process at CPU_IDLE or more
-        # of one core (but not beyond what one GIL allows) are held by the GIL and its
-        # hand-offs; below, the I/O row; well above, work that releases the GIL.
         together, gil_from = max(together, s.process_cpu_fraction), CPU_IDLE
     if runq >= RUNQ_BUSY and wanted >= CPU_IDLE:
         fix = (f"make {fn} cheaper" if wanted >= CPU_BOUND else

@@ -190,7 +190,7 @@ class Tuner:
             if name == CONCURRENCY and self._loop_full(m):
                 continue  # each read in flight costs the loop's thread, which is full
             knob = self.knobs[name]
-            new = knob.up(share, m.loop_busy if name == CONCURRENCY else None)
+            new = knob.up(share, m.loop_busy)  # only a scaling knob reads it
             if new == knob.value or self.cooling.get(name, 0) >= self.windows:
                 continue
             return self._try(batch, name, new, m.throughput, self._why(name, m))
@@ -264,7 +264,7 @@ class Tuner:
                 self.cooling[_FEWER] = self.windows + self.settings.cooldown
                 if self._loop_full(m):
                     return kept  # more would cost the loop's thread what it has not got
-            new = knob.up(m.wait_share, m.loop_busy if trial.knob == CONCURRENCY else None)
+            new = knob.up(m.wait_share, m.loop_busy)
             if new == knob.value or m.wait_share < self.settings.data_bound:
                 return kept  # at its bound, or the consumer hardly waits any more
             # Climb at once: this window measured the kept value, the next one judges more.
