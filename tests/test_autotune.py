@@ -233,6 +233,13 @@ def test_a_full_loop_stops_the_climb_and_a_kept_move_up_is_not_halved_at_once() 
     assert climb.observe(0, busy_loop(100, wait=0.9, loop_busy=0.25)).new == 256  # type: ignore[union-attr]
     up = climb.observe(1, busy_loop(300, wait=0.4, loop_busy=0.6))
     assert up is not None and (up.old, up.new) == (256, 512) and "climbing" in up.reason
+    # A kept move up never shortens the cool-down that undone halvings earned.
+    earned = Tuner({CONCURRENCY: Knob(CONCURRENCY, 64, 1, 512, "double", scales=True)},
+                   TuneSettings(cooldown=2))
+    earned.cooling["fetch_concurrency down"] = 50
+    assert earned.observe(0, busy_loop(100, wait=0.9, loop_busy=0.25)).new == 256  # type: ignore[union-attr]
+    assert "kept" in earned.observe(1, busy_loop(300, wait=0.3)).reason  # type: ignore[union-attr]
+    assert earned.cooling["fetch_concurrency down"] == 50
 
 
 @pytest.mark.parametrize("loop_busy", [None, 0.5, 0.84])

@@ -260,8 +260,10 @@ class Tuner:
                 return kept
             self.last_kept = trial.knob
             if trial.knob == CONCURRENCY:
-                # More reads just paid: fewer are not tried for a cool-down's windows.
-                self.cooling[_FEWER] = self.windows + self.settings.cooldown
+                # More reads just paid: fewer are not tried for a cool-down's windows (or
+                # the longer one that undone halvings earned).
+                self.cooling[_FEWER] = max(self.cooling.get(_FEWER, 0),
+                                           self.windows + self.settings.cooldown)
                 if self._loop_full(m):
                     return kept  # more would cost the loop's thread what it has not got
             new = knob.up(m.wait_share, m.loop_busy)
